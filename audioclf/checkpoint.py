@@ -1,0 +1,151 @@
+"""Checkpoints: one flat dict, written atomically, kept as last / best / the last K epochs.
+
+A checkpoint holds everything needed to resume bit-exactly (model, optimizer, LR schedule,
+grad scaler, sampler position, every rank's RNG states) and to rebuild the model without the
+original config file (the resolved config travels inside).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("audioclf")
+
+LAST = "last.pt"
+BEST = "best.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit; the message names the file and the fix."""
+
+
+def library_versions() -> dict[str, str]:
+    import torchaudio
+
+    from audioclf import __version__
+
+    return {
+        "audioclf": __version__,
+        "torch": torch.__version__,
+        "torchaudio": torchaudio.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch CPU, CUDA when present)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_atomic(obj: dict, path: str | Path) -> Path:
+    """torch.save to a temporary file in the same folder, fsync, then os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
+    """Read a checkpoint written by audioclf; a clear error when missing, corrupt or foreign."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; check the path or the run name")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # torch raises many types for truncated/corrupt files
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); it may be truncated "
+            "— use another checkpoint of the run (last.pt, best.pt, epoch_*.pt)"
+        ) from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
+        raise CheckpointError(
+            f"{path} is not an audioclf checkpoint (expected a dict with 'model' and 'config'); "
+            "exported models are loaded with torch.jit.load / onnxruntime instead"
+        )
+    return ckpt
+
+
+class CheckpointSaver:
+    """Keeps last.pt, best.pt and the last `keep_last` epoch checkpoints in a run directory."""
+
+    def __init__(self, run_dir: str | Path, *, keep_last: int, higher_is_better: bool = True):
+        self.run_dir = Path(run_dir)
+        self.keep_last = keep_last
+        self.higher_is_better = higher_is_better
+        self.best_metric: float | None = None
+
+    def is_better(self, metric: float | None) -> bool:
+        if metric is None or not np.isfinite(metric):
+            return False
+        if self.best_metric is None:
+            return True
+        return metric > self.best_metric if self.higher_is_better else metric < self.best_metric
+
+    def save_last(self, state: dict) -> Path:
+        return save_atomic(state, self.run_dir / LAST)
+
+    def save_epoch(self, state: dict, epoch: int, metric: float | None) -> list[Path]:
+        """End of an epoch: last.pt, epoch_<N>.pt (pruned to keep_last) and best.pt if improved."""
+        written = [self.save_last(state)]
+        if self.keep_last > 0:
+            epoch_path = self.run_dir / f"epoch_{epoch:04d}.pt"
+            shutil.copyfile(written[0], epoch_path.with_name(epoch_path.name + ".tmp"))
+            os.replace(epoch_path.with_name(epoch_path.name + ".tmp"), epoch_path)
+            written.append(epoch_path)
+            for old in sorted(self.run_dir.glob("epoch_*.pt"))[: -self.keep_last]:
+                old.unlink(missing_ok=True)
+        if self.is_better(metric):
+            self.best_metric = metric
+            best_tmp = self.run_dir / f".{BEST}.tmp"
+            shutil.copyfile(written[0], best_tmp)
+            os.replace(best_tmp, self.run_dir / BEST)
+            written.append(self.run_dir / BEST)
+        return written
+
+
+def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
+    """checkpoint.resume: '' → None, 'auto' → run_dir/last.pt when it exists, else a path."""
+    if not resume:
+        return None
+    if resume == "auto":
+        last = Path(run_dir) / LAST
+        return last if last.is_file() else None
+    path = Path(resume)
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint.resume={resume}: file not found; use 'auto' or an existing .pt path"
+        )
+    return path

@@ -1,0 +1,404 @@
+"""Typed run configuration: YAML file + dotted command-line overrides.
+
+Every section is a dataclass; each field carries a one-line comment. Unknown keys and wrong
+types are rejected with one message naming the key and listing the valid keys of its section.
+
+    cfg = load_config("configs/demo_cnn.yaml", ["train.epochs=3", "sampler.m=4"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says which key and the fix."""
+
+
+@dataclass
+class DataConfig:
+    index: str = "data/demo/index.xlsx"  # index sheet: .xlsx, .csv or .parquet
+    root: str = ""  # folder that relative paths are resolved against; "" = the index's folder
+    sheet: Union[int, str] = 0  # Excel sheet name or position
+    class_column: str = "a_cls"  # column holding the class label
+    item_column: str = "a_item"  # column holding the source/recording inside a class
+    id_column: str = "a_id"  # column holding the unique sample id
+    path_column: str = "path"  # column holding each sample's file path (used when present)
+    path_template: str = ""  # e.g. "features/{a_id}.npy"; used when the path column is absent
+    split_column: str = "split"  # optional column with train/val/test per row
+    check_files: bool = True  # fail early when referenced files do not exist
+    cache: bool = True  # cache the validated index next to it (parsed once, re-read in ms)
+    cache_dir: str = ""  # "" = <index folder>/.audioclf_cache
+    val_ratio: float = 0.2  # share of classes (or items) held out when no split column
+    holdout: Literal["classes", "items"] = "classes"  # open-set (whole classes) or closed-set split
+    seed: int = 0  # seed of the generated split
+    skip_bad_files: bool = False  # skip unreadable files (counted, reported) instead of failing
+    num_workers: int = 2  # DataLoader worker processes per rank
+    pin_memory: bool = True  # pin host memory (only takes effect on CUDA)
+    persistent_workers: bool = True  # keep workers alive between epochs
+    prefetch_factor: int = 2  # batches prefetched per worker
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.val_ratio < 1.0, "data.val_ratio", self.val_ratio, "a number in [0, 1)")
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
+        _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, ">= 1")
+
+
+@dataclass
+class SamplerConfig:
+    batch_size: int = 32  # samples per batch on each rank
+    m: int = 4  # items per class in a batch (one id per item); batch_size / m classes per batch
+    split: Literal["classes", "batches"] = "classes"  # divide classes or batches between ranks
+    small_classes: Literal["replace", "skip"] = "replace"  # classes with < m items: repeat items or drop
+
+    def __post_init__(self) -> None:
+        _check(self.m >= 2, "sampler.m", self.m, ">= 2 (triplet loss needs positives)")
+        _check(
+            self.batch_size % self.m == 0,
+            "sampler.batch_size",
+            self.batch_size,
+            f"a multiple of sampler.m={self.m}",
+        )
+
+
+@dataclass
+class FeaturesConfig:
+    kind: Literal["audio", "npy"] = "audio"  # raw audio files or precomputed log-mel .npy files
+    sample_rate: int = 16000  # audio is resampled to this rate
+    n_fft: int = 512  # FFT size of the log-mel front end
+    win_length: int = 400  # window length in samples
+    hop_length: int = 160  # hop in samples (one feature frame)
+    n_mels: int = 64  # mel bins (= bins of precomputed features)
+    f_min: float = 20.0  # lowest mel frequency in Hz
+    f_max: Union[float, None] = None  # highest mel frequency; None = sample_rate / 2
+    crop_seconds: float = 2.0  # training crop length
+    pad_mode: Literal["repeat", "zeros"] = "repeat"  # how clips shorter than the crop are filled
+    eval_crop: Literal["full", "center"] = "full"  # evaluation: whole clip or a centred crop
+    eval_max_seconds: float = 30.0  # evaluation clips are cut (centred) to at most this length
+    npy_layout: Literal["frames_bins", "bins_frames"] = "frames_bins"  # axis order of .npy files
+    spec_augment: bool = True  # SpecAugment masks in training mode
+    freq_mask: int = 8  # widest frequency mask in bins
+    time_mask: int = 20  # widest time mask in frames
+    num_masks: int = 2  # masks of each kind per example
+
+    def __post_init__(self) -> None:
+        _check(self.sample_rate > 0, "features.sample_rate", self.sample_rate, "> 0")
+        _check(self.crop_seconds > 0, "features.crop_seconds", self.crop_seconds, "> 0")
+        _check(self.hop_length > 0, "features.hop_length", self.hop_length, "> 0")
+        _check(self.n_mels > 0, "features.n_mels", self.n_mels, "> 0")
+
+    @property
+    def crop_samples(self) -> int:
+        return int(round(self.crop_seconds * self.sample_rate))
+
+    @property
+    def crop_frames(self) -> int:
+        return self.crop_samples // self.hop_length + 1
+
+
+@dataclass
+class CNNConfig:
+    width: int = 32  # channels of the first block; doubled every block
+    depth: int = 4  # number of conv blocks (each: 2 conv3x3 + BN + ReLU, then 2x2 pooling)
+    dropout: float = 0.1  # dropout before the embedding layer
+
+
+@dataclass
+class ConformerConfig:
+    d_model: int = 144  # attention width
+    num_heads: int = 4  # attention heads
+    ffn_dim: int = 576  # feed-forward hidden size
+    num_layers: int = 4  # Conformer blocks
+    kernel_size: int = 31  # depthwise convolution kernel
+    dropout: float = 0.1  # dropout inside the blocks
+    pooling: Literal["attentive_stats", "mean"] = "attentive_stats"  # masked pooling over time
+
+    def __post_init__(self) -> None:
+        _check(
+            self.d_model % self.num_heads == 0,
+            "model.conformer.d_model",
+            self.d_model,
+            f"a multiple of model.conformer.num_heads={self.num_heads}",
+        )
+        _check(self.kernel_size % 2 == 1, "model.conformer.kernel_size", self.kernel_size, "odd")
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["cnn", "conformer"] = "cnn"  # embedding network
+    embedding_dim: int = 128  # size of the L2-normalised embedding
+    sync_bn: bool = True  # SyncBatchNorm under multi-GPU DDP (plain BatchNorm on CPU)
+    cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
+    conformer: ConformerConfig = field(default_factory=ConformerConfig)  # settings of conformer
+
+
+@dataclass
+class LossConfig:
+    margin: float = 0.2  # triplet margin (cosine distance)
+    miner: Literal["batch_hard", "semi_hard", "all"] = "semi_hard"  # which triplets are used
+    ce_weight: float = 0.0  # weight of an added cross-entropy head; 0 = no head
+    cross_rank: bool = False  # mine negatives from the global batch gathered from every rank
+
+    def __post_init__(self) -> None:
+        _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")
+        _check(self.ce_weight >= 0, "loss.ce_weight", self.ce_weight, ">= 0")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adam", "sgd", "fused_adam"] = "adamw"  # fused_adam needs NVIDIA apex
+    lr: float = 1e-3  # reference learning rate at ref_world_size ranks
+    ref_world_size: int = 1  # world size that lr was tuned for
+    lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"  # effective lr = lr * scale(world/ref)
+    weight_decay: float = 1e-4  # decoupled (adamw) or L2 (adam, sgd) weight decay
+    momentum: float = 0.9  # sgd momentum
+    warmup_steps: int = 0  # linear warm-up from 0 over this many optimizer steps
+    scheduler: Literal["cosine", "step", "plateau", "none"] = "cosine"  # per-epoch schedule
+    step_size: int = 10  # epochs between decays (scheduler=step)
+    gamma: float = 0.1  # decay factor (step, plateau)
+    plateau_patience: int = 3  # epochs without improvement before decaying (plateau)
+    min_lr: float = 0.0  # floor of cosine and plateau schedules
+    max_grad_norm: float = 0.0  # clip gradients to this norm; 0 = off
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        _check(self.ref_world_size >= 1, "optim.ref_world_size", self.ref_world_size, ">= 1")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+
+
+@dataclass
+class TrainConfig:
+    name: str = "demo"  # run name: outputs go to <runs_dir>/<name>/
+    runs_dir: str = "runs"  # parent folder of run directories
+    epochs: int = 10  # epochs to train
+    limit_batches: int = 0  # stop each epoch after this many batches; 0 = full epoch
+    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast dtype (fp16 uses GradScaler)
+    opt_level: Union[Literal["O0", "O1", "O2", "O3"], None] = None  # apex alias; overrides precision
+    seed: int = 0  # seed for python, numpy, torch and the sampler
+    deterministic: bool = False  # torch deterministic algorithms (slower)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available
+    nonfinite_patience: int = 10  # consecutive non-finite losses before training stops
+    consistency_every_steps: int = 0  # also check ranks' parameters every K steps; 0 = per epoch
+    consistency_action: Literal["error", "warn"] = "error"  # on drifting parameters
+    log_every_steps: int = 50  # progress-bar / TensorBoard step logging interval
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "train.epochs", self.epochs, ">= 1")
+        _check(self.accumulate >= 1, "train.accumulate", self.accumulate, ">= 1")
+        _check(self.limit_batches >= 0, "train.limit_batches", self.limit_batches, ">= 0")
+        _check(bool(self.name.strip()) and "/" not in self.name, "train.name", self.name,
+               "a non-empty name without '/'")
+
+
+@dataclass
+class DistConfig:
+    strategy: Literal["auto", "ddp", "dp", "single"] = "auto"  # auto = ddp when WORLD_SIZE > 1
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto = nccl on CUDA, gloo on CPU
+    timeout_minutes: float = 30.0  # collective timeout; must cover rank-0 evaluation
+    find_unused_parameters: bool = False  # DDP flag for models with conditional branches
+
+
+@dataclass
+class EvalConfig:
+    every: int = 1  # evaluate every N epochs; 0 = never during training
+    distributed: bool = False  # shard embedding extraction across ranks (else rank 0 alone)
+    batch_size: int = 32  # clips per extraction batch
+    metric: Literal["precision_at_1", "map_at_r", "r_precision"] = "map_at_r"  # selects best.pt
+    split: str = "val"  # split evaluated during training
+
+
+@dataclass
+class CheckpointConfig:
+    keep_last: int = 2  # epoch checkpoints kept besides last.pt and best.pt
+    every_steps: int = 0  # also write last.pt every N steps inside an epoch; 0 = off
+    resume: str = ""  # "" = fresh start, "auto" = <run dir>/last.pt if present, or a path
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)  # index sheet and loading
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # m-per-class batches
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)  # audio → log-mel
+    model: ModelConfig = field(default_factory=ModelConfig)  # embedding network
+    loss: LossConfig = field(default_factory=LossConfig)  # triplet loss and mining
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and LR schedule
+    train: TrainConfig = field(default_factory=TrainConfig)  # loop, precision, seeds
+    dist: DistConfig = field(default_factory=DistConfig)  # multi-process settings
+    eval: EvalConfig = field(default_factory=EvalConfig)  # validation during training
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving, resume
+
+
+def _check(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key {key}={value!r} is invalid: expected {expected}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building dataclasses from plain dicts
+
+
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        where = prefix.rstrip(".") or "the top level"
+        raise ConfigError(f"config section {where} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields), key=str)
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]} in section {where}; "
+            f"valid keys: {', '.join(fields)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, prefix + name)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - all fields have defaults
+        raise ConfigError(f"{prefix.rstrip('.')}: {exc}") from None
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value if value is not None else {}, key + ".")
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        expected = " or ".join(_type_name(a) for a in typing.get_args(hint))
+        raise ConfigError(f"config key {key}={value!r} has the wrong type: expected {expected}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(
+                f"config key {key}={value!r} is not a valid choice: use one of "
+                + ", ".join(repr(c) for c in choices)
+            )
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin in (list, tuple):
+        if isinstance(value, (list, tuple)):
+            (item_hint, *_) = typing.get_args(hint) or (Any,)
+            items = [_coerce(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
+            return origin(items)
+    elif hint is Any:
+        return value
+    raise ConfigError(
+        f"config key {key}={value!r} has the wrong type: expected {_type_name(hint)}, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict of a config (what is written to config.yaml and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """Turn ["train.epochs=3", "model.name=cnn"] into a nested dict; values are parsed as YAML."""
+    nested: dict = {}
+    for text in overrides:
+        if "=" not in text:
+            raise ConfigError(
+                f"override {text!r} is not of the form section.key=value (e.g. train.epochs=3)"
+            )
+        dotted, raw = text.split("=", 1)
+        keys = dotted.strip().split(".")
+        if not all(keys):
+            raise ConfigError(f"override {text!r} has an empty key; use section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
+        node = nested
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r} conflicts with another override of {k}")
+        node[keys[-1]] = value
+    return nested
+
+
+def merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or start from defaults), apply dotted overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass --config configs/<name>.yaml")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    data = merge(data, parse_overrides(overrides or []))
+    try:
+        return from_dict(Config, data)
+    except ConfigError as exc:
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(f"{where}{exc}") from None
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config from the dict stored in a checkpoint or config.yaml."""
+    return from_dict(Config, data)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomically)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,90 @@
+"""Run-directory logging: train.log, metrics.csv and TensorBoard events.
+
+Rank 0 logs INFO and up; other ranks log only warnings and errors (tagged with their rank), so
+train.log holds rank 0's story plus every rank's problems.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("audioclf")
+
+METRIC_COLUMNS = [
+    "epoch", "step", "train_loss", "lr", "samples_per_s", "epoch_seconds", "nonfinite_steps",
+    "precision_at_1", "map_at_r", "r_precision",
+]
+
+
+def setup_logging(run_dir: Path | None, rank: int) -> None:
+    """Console + train.log handlers on the 'audioclf' logger (idempotent)."""
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        handler.close()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    fmt = logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(message)s", "%Y-%m-%d %H:%M:%S")
+    level = logging.INFO if rank == 0 else logging.WARNING
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(fmt)
+    console.setLevel(level)
+    log.addHandler(console)
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(run_dir / "train.log", mode="a")
+        file_handler.setFormatter(fmt)
+        file_handler.setLevel(level)
+        log.addHandler(file_handler)
+    logging.captureWarnings(True)
+    warn_logger = logging.getLogger("py.warnings")
+    warn_logger.handlers = [h for h in log.handlers]
+    warn_logger.propagate = False
+
+
+class MetricsWriter:
+    """Rank 0's metrics.csv (one row per epoch) and TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.csv_path = run_dir / "metrics.csv"
+        self.tb = None
+        if not enabled:
+            return
+        if not self.csv_path.exists():
+            with open(self.csv_path, "w", newline="") as fh:
+                csv.writer(fh).writerow(METRIC_COLUMNS)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        except ImportError:  # tensorboard is in requirements.txt, but stay usable without it
+            log.warning("tensorboard is not installed; writing metrics.csv only")
+
+    def scalar(self, name: str, value: float, step: int) -> None:
+        if self.tb is not None:
+            self.tb.add_scalar(name, value, step)
+
+    def epoch_row(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.csv_path, "a", newline="") as fh:
+            csv.writer(fh).writerow([_fmt(row.get(c, "")) for c in METRIC_COLUMNS])
+        for key, value in row.items():
+            if key not in ("epoch", "step") and isinstance(value, (int, float)):
+                self.scalar(f"epoch/{key}", value, row["epoch"])
+        if self.tb is not None:
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# audioclf launcher. Every command sets up (or reuses) the virtual environment .venv first.
+#
+#   ./run.sh demo [--stage N] [--stop-stage N]   generate demo data, train, evaluate, export, embed
+#   ./run.sh test [pytest args...]               run the test suite
+#   ./run.sh [--bg] [--nproc N] CONFIG [key=value ...]   train with torchrun (N processes)
+#   ./run.sh stop NAME                           stop a background run started with --bg
+#   ./run.sh setup                               only create/refresh .venv
+#
+# Demo stages: 1 = generate data, 2 = train (2 processes, gloo on CPU / nccl on GPU),
+# 3 = offline evaluation, 4 = export, 5 = embed new audio against the gallery.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+die() { echo "run.sh: $*" >&2; exit 2; }
+
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+
+setup_venv() {
+    local python="${PYTHON:-python3}"
+    command -v "$python" >/dev/null || die "$python not found; install Python 3.10+ or set PYTHON=/path/to/python"
+    "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+        || die "audioclf needs Python 3.10 or newer ($("$python" --version) found)"
+    if [[ ! -x "$PY" ]]; then
+        echo "run.sh: creating virtual environment .venv"
+        "$python" -m venv "$VENV"
+    fi
+    local stamp="$VENV/.requirements.sha256"
+    local want
+    want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+    if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+        echo "run.sh: installing requirements.txt into .venv (first run takes a few minutes)"
+        "$PY" -m pip install --disable-pip-version-check -q -r requirements.txt
+        echo "$want" > "$stamp"
+    fi
+}
+
+config_name() {
+    # The run name a config + overrides resolve to (train.name), for pid and log files.
+    "$PY" - "$@" <<'PYEOF'
+import sys
+from audioclf.config import load_config
+print(load_config(sys.argv[1], sys.argv[2:]).train.name)
+PYEOF
+}
+
+cmd_demo() {
+    local stage=1 stop_stage=5
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --stage) stage="$2"; shift 2 ;;
+            --stop-stage|--stop_stage) stop_stage="$2"; shift 2 ;;
+            *) die "demo: unknown option $1 (use --stage N, --stop-stage N)" ;;
+        esac
+    done
+    local run_dir="runs/demo_cnn"
+    if [[ $stage -le 1 && $stop_stage -ge 1 ]]; then
+        echo "== stage 1: demo dataset"
+        "$PY" -m audioclf.data.demo --out data/demo
+    fi
+    if [[ $stage -le 2 && $stop_stage -ge 2 ]]; then
+        echo "== stage 2: train (2 processes)"
+        "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
+            -m audioclf.train --config configs/demo_cnn.yaml
+    fi
+    if [[ $stage -le 3 && $stop_stage -ge 3 ]]; then
+        echo "== stage 3: offline evaluation"
+        "$PY" -m audioclf.evaluate --checkpoint "$run_dir/best.pt" --out "$run_dir/eval"
+    fi
+    if [[ $stage -le 4 && $stop_stage -ge 4 ]]; then
+        echo "== stage 4: export"
+        "$PY" -m audioclf.export --checkpoint "$run_dir/best.pt" --format torchscript \
+            --out "$run_dir/export/model.pt"
+    fi
+    if [[ $stage -le 5 && $stop_stage -ge 5 ]]; then
+        echo "== stage 5: embed new audio against the training gallery"
+        "$PY" -m audioclf.embed --model "$run_dir/best.pt" --gallery data/demo/index.xlsx \
+            --top 3 data/demo/wav/class_00/item_0/
+    fi
+}
+
+cmd_train() {
+    local bg=0 nproc=1
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --bg) bg=1; shift ;;
+            --nproc) nproc="$2"; shift 2 ;;
+            -h|--help) usage; exit 0 ;;
+            *) break ;;
+        esac
+    done
+    [[ $# -ge 1 ]] || die "train: missing CONFIG (e.g. ./run.sh --nproc 4 configs/conformer.yaml)"
+    local config="$1"; shift
+    [[ -f "$config" ]] || die "config $config not found"
+    local name
+    name="$(config_name "$config" "$@")"
+    local launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc"
+                  -m audioclf.train --config "$config" "$@")
+    if [[ $bg -eq 0 ]]; then
+        exec "${launch[@]}"
+    fi
+    local run_dir
+    run_dir="$("$PY" - "$config" "$@" <<'PYEOF'
+import sys
+from pathlib import Path
+from audioclf.config import load_config
+cfg = load_config(sys.argv[1], sys.argv[2:])
+print(Path(cfg.train.runs_dir) / cfg.train.name)
+PYEOF
+)"
+    mkdir -p "$run_dir"
+    if [[ -f "$run_dir/pid" ]] && kill -0 "$(cat "$run_dir/pid")" 2>/dev/null; then
+        die "run $name is already running (pid $(cat "$run_dir/pid")); ./run.sh stop $name first"
+    fi
+    # setsid: the job gets its own process group, so `stop` can signal torchrun and its workers.
+    nohup setsid "${launch[@]}" > "$run_dir/nohup.log" 2>&1 < /dev/null &
+    echo $! > "$run_dir/pid"
+    echo "started $name in the background (pid $(cat "$run_dir/pid"))"
+    echo "  follow:  tail -f $run_dir/nohup.log     (rank-0 log: $run_dir/train.log)"
+    echo "  stop:    ./run.sh stop $name            (writes last.pt, then exits)"
+}
+
+cmd_stop() {
+    [[ $# -eq 1 ]] || die "stop: usage ./run.sh stop NAME [runs dir from RUNS_DIR, default runs]"
+    local pidfile="${RUNS_DIR:-runs}/$1/pid"
+    [[ -f "$pidfile" ]] || die "no pid file $pidfile: was $1 started with ./run.sh --bg?"
+    local pid
+    pid="$(cat "$pidfile")"
+    if ! kill -0 "$pid" 2>/dev/null; then
+        rm -f "$pidfile"
+        echo "run $1 is not running"
+        return 0
+    fi
+    # SIGTERM to the whole group: workers finish their step, write last.pt and exit 0.
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+    for _ in $(seq 1 120); do
+        kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; echo "stopped $1"; return 0; }
+        sleep 1
+    done
+    die "run $1 (pid $pid) still running after 120 s; kill -9 -- -$pid to force"
+}
+
+main() {
+    [[ $# -ge 1 ]] || { usage; exit 2; }
+    case "$1" in
+        -h|--help|help) usage ;;
+        setup) setup_venv ;;
+        demo) shift; setup_venv; cmd_demo "$@" ;;
+        test) shift; setup_venv; exec "$PY" -m pytest "$@" ;;
+        stop) shift; cmd_stop "$@" ;;
+        *) setup_venv; cmd_train "$@" ;;
+    esac
+}
+
+main "$@"

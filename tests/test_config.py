@@ -1,0 +1,98 @@
+"""Config: YAML + dotted overrides, and every rejection path."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from audioclf.config import Config, ConfigError, config_from_dict, load_config, save_config, to_dict
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = write(tmp_path, {"train": {"epochs": 5, "name": "x"}, "model": {"name": "conformer"}})
+    cfg = load_config(path, ["train.epochs=3", "sampler.m=8", "sampler.batch_size=64",
+                             "model.conformer.num_layers=2", "features.f_max=7600"])
+    assert cfg.train.epochs == 3 and cfg.train.name == "x"
+    assert cfg.model.name == "conformer" and cfg.model.conformer.num_layers == 2
+    assert (cfg.sampler.m, cfg.sampler.batch_size) == (8, 64)
+    assert cfg.features.f_max == 7600.0 and isinstance(cfg.features.f_max, float)
+
+
+def test_defaults_without_file():
+    cfg = load_config(None, [])
+    assert cfg == Config()
+
+
+def test_int_accepted_for_float_and_null_for_optional():
+    cfg = load_config(None, ["optim.lr=1", "features.f_max=null"])
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.features.f_max is None
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["train.epochz=3"], r"unknown config key train\.epochz.*valid keys: name, runs_dir, epochs"),
+        (["nope.x=1"], r"unknown config key nope.*valid keys: data, sampler"),
+        (["model.conformer.layers=2"], r"unknown config key model\.conformer\.layers.*num_layers"),
+        (["train.epochs=abc"], r"train\.epochs='abc' has the wrong type: expected int, got str"),
+        (["train.epochs=1.5"], r"train\.epochs=1\.5 has the wrong type: expected int"),
+        (["train.deterministic=3"], r"train\.deterministic=3 has the wrong type: expected bool"),
+        (["optim.lr=true"], r"optim\.lr=True has the wrong type: expected float"),
+        (["model.name=rnn"], r"model\.name='rnn' is not a valid choice: use one of 'cnn', 'conformer'"),
+        (["train.opt_level=O4"], r"train\.opt_level='O4' has the wrong type"),
+        (["sampler.m=3"], r"sampler\.batch_size=32 is invalid: expected a multiple of sampler\.m=3"),
+        (["sampler.m=1", "sampler.batch_size=4"], r"sampler\.m=1.*triplet loss needs positives"),
+        (["train.epochs=0"], r"train\.epochs=0 is invalid"),
+        (["data.val_ratio=1.5"], r"data\.val_ratio=1\.5 is invalid"),
+        (["model.conformer.d_model=30"], r"d_model=30.*multiple of model\.conformer\.num_heads"),
+        (["train.epochs"], r"not of the form section\.key=value"),
+        (["train..epochs=1"], r"empty key"),
+        (["model=3"], r"section model must be a mapping"),
+    ],
+)
+def test_rejections(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    path = write(tmp_path, {"optim": {"learning_rate": 0.1}})
+    with pytest.raises(ConfigError, match=r"c\.yaml: unknown config key optim\.learning_rate"):
+        load_config(path)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listy)
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(None, ["model.name=conformer", "train.opt_level=O1"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+    assert config_from_dict(to_dict(cfg)) == cfg
+    assert not list(tmp_path.glob("*.tmp"))
