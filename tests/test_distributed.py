@@ -1,0 +1,123 @@
+"""distributed.py in real 2-process gloo groups: drift detection, no_sync, primary_first."""
+
+import torch
+from torch import nn
+
+from audioclf import distributed
+from tests.distributed_utils import run_in_group
+
+
+def _ddp_mlp(rank, world):
+    torch.manual_seed(0)
+    env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")
+    return distributed.wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), env,
+                            sync_bn=True, find_unused_parameters=False)
+
+
+def _sgd_step(model, forward, rank):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(100 + rank)  # different data on each rank
+    loss = nn.functional.mse_loss(forward(torch.randn(16, 4)), torch.randn(16, 2))
+    loss.backward()
+    opt.step()
+
+
+def _consistency_worker(rank, world):
+    model = _ddp_mlp(rank, world)
+    _sgd_step(model, model, rank)  # through DDP: gradients all-reduced
+    through_ddp = distributed.check_parameter_consistency(model, action="error")
+    _sgd_step(model, distributed.unwrap(model), rank)  # the classic bug: bypasses DDP
+    warned = distributed.check_parameter_consistency(model, action="warn")
+    try:
+        distributed.check_parameter_consistency(model, action="error")
+        raised = None
+    except distributed.ParameterDriftError as exc:
+        raised = str(exc)
+    return through_ddp, warned, raised
+
+
+def test_consistency_check_passes_ddp_and_catches_unwrapped_update(tmp_path):
+    for through_ddp, warned, raised in run_in_group(_consistency_worker, tmp_path):
+        assert through_ddp is None
+        assert "4 of 4 tensors drifted, first '0.weight'" in warned
+        assert raised == warned and "never through model.module" in raised
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x, lengths):
+        return self.fc(x)
+
+
+def _accumulation_worker(rank, world):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from audioclf.config import TrainConfig
+    from audioclf.engine import resolve_precision, train_one_epoch
+
+    out = {}
+    for accumulate in (1, 2, 4):
+        torch.manual_seed(0)
+        env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")
+        model = distributed.wrap(_Net(), env, sync_bn=False, find_unused_parameters=False)
+        calls = []
+
+        def counting_hook(state, bucket, calls=calls):
+            calls.append(1)
+            return allreduce_hook(None, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+        torch.manual_seed(rank)
+        loader = [(torch.randn(8, 4), torch.full((8,), 4), torch.randint(0, 2, (8,)),
+                   torch.arange(8)) for _ in range(4)]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        result = train_one_epoch(
+            model, loader, lambda o, y: (nn.functional.cross_entropy(o, y), {}), opt,
+            resolve_precision(TrainConfig(), torch.device("cpu")), accumulate=accumulate)
+        drift = distributed.check_parameter_consistency(model, action="warn")
+        out[accumulate] = (len(calls), result.steps, drift)
+    return out
+
+
+def test_accumulation_all_reduces_once_per_update(tmp_path):
+    for per_rank in run_in_group(_accumulation_worker, tmp_path):
+        for accumulate, (buckets, steps, drift) in per_rank.items():
+            assert steps == 4 // accumulate
+            assert buckets == steps  # one bucket (tiny model): one all-reduce per update
+            assert drift is None
+
+
+def _collectives_worker(rank, world):
+    order = []
+
+    def build(fail):
+        order.append(rank)
+        if fail:
+            raise ValueError("sheet.xlsx row 7: empty a_cls")
+        return f"built by {rank}"
+
+    ok = distributed.primary_first(build, False)
+    try:
+        distributed.primary_first(build, True)
+        failed = None
+    except Exception as exc:
+        failed = f"{type(exc).__name__}: {exc}"
+    total = distributed.all_reduce_sum([rank + 1.0, 10.0]).tolist()
+    stop = distributed.any_rank(rank == 1)
+    gathered = distributed.gather_objects({"rank": rank})
+    return ok, failed, order, total, stop, gathered
+
+
+def test_primary_first_and_reductions(tmp_path):
+    r0, r1 = run_in_group(_collectives_worker, tmp_path, timeout=60)
+    assert r0[0] == "built by 0" and r1[0] == "built by 1"
+    # rank 0's failure reaches rank 1 at once (no barrier wait), and rank 1 never ran build
+    assert r0[1] == "ValueError: sheet.xlsx row 7: empty a_cls"
+    assert r1[1] == "RuntimeError: rank 0 failed: ValueError: sheet.xlsx row 7: empty a_cls"
+    assert r0[2] == [0, 0] and r1[2] == [1]
+    for _, _, _, total, stop, gathered in (r0, r1):
+        assert total == [3.0, 20.0] and stop is True
+        assert gathered == [{"rank": 0}, {"rank": 1}]
