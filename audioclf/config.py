@@ -402,3 +402,35 @@ def save_config(cfg: Config, path: str | Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference documentation (README's config table is generated from the field comments)
+
+
+def reference_markdown() -> str:
+    """A Markdown table of every config key, its default and its one-line comment."""
+    import inspect
+    import re
+
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def walk(cls: type, prefix: str) -> None:
+        source = inspect.getsource(cls)
+        comments = dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", source, flags=re.M))
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if dataclasses.is_dataclass(default):
+                walk(type(default), f"{prefix}{f.name}.")
+                continue
+            shown = "null" if default is None else repr(default) if isinstance(default, str) else default
+            meaning = comments.get(f.name, "").replace("<", "&lt;").replace("|", "\\|")
+            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {meaning} |")
+
+    for section in dataclasses.fields(Config):
+        walk(section.default_factory, f"{section.name}.")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())
