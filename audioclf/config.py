@@ -432,5 +432,22 @@ def reference_markdown() -> str:
     return "\n".join(rows)
 
 
+README_START = "<!-- CONFIG-REFERENCE:START -->"
+README_END = "<!-- CONFIG-REFERENCE:END -->"
+
+
+def readme_with_reference(text: str) -> str:
+    """README text with the block between the CONFIG-REFERENCE markers regenerated."""
+    head, _, rest = text.partition(README_START)
+    _, _, tail = rest.partition(README_END)
+    return f"{head}{README_START}\n{reference_markdown()}\n{README_END}{tail}"
+
+
 if __name__ == "__main__":
-    print(reference_markdown())
+    import sys
+
+    if sys.argv[1:2] == ["--update-readme"]:
+        readme = Path(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+        readme.write_text(readme_with_reference(readme.read_text()))
+    else:
+        print(reference_markdown())

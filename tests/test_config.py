@@ -96,3 +96,12 @@ def test_round_trip_through_yaml(tmp_path):
     assert again == cfg
     assert config_from_dict(to_dict(cfg)) == cfg
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_readme_config_reference_is_current():
+    from audioclf.config import readme_with_reference
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text()
+    assert text == readme_with_reference(text), (
+        "README.md config reference is stale: run python -m audioclf.config --update-readme")
