@@ -1,0 +1,375 @@
+"""Write an evaluation report: report.json, report.md and PNG plots, all written atomically.
+
+``write_report`` takes the metric dicts from ``audioclf.metrics`` plus the embeddings they were
+computed on, and writes into one directory:
+
+- ``report.json``: scalar metrics, counts and per-class P@1 as plain JSON (NaN -> null);
+- ``report.md``: the same as readable Markdown, per-class table worst first, image links;
+- ``per_class_p1.png``, ``projection.png`` (PCA or t-SNE, coloured by class), and, when their
+  inputs are given, ``det.png`` (DET curve) and ``confusion.png`` (kNN confusion matrix).
+
+Each file goes to a temporary name in the same directory and is ``os.replace``d into place, so
+a crash never leaves a half-written report file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import uuid
+from collections.abc import Callable
+from typing import IO
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on training nodes; must precede pyplot
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from scipy.stats import norm  # noqa: E402
+from sklearn.decomposition import PCA  # noqa: E402
+from sklearn.manifold import TSNE  # noqa: E402
+from sklearn.metrics import confusion_matrix  # noqa: E402
+
+from audioclf.metrics import check_embeddings, retrieval_metrics  # noqa: E402
+
+PROJECTIONS = ("pca", "tsne")
+# Most points drawn in projection.png; t-SNE cost and overplotting both grow with more.
+MAX_PROJECTION_POINTS = 5000
+# Above this many classes, plots drop per-class tick labels and legends (they become unreadable).
+MAX_LABELLED_CLASSES = 30
+_DET_TICKS = (0.001, 0.01, 0.05, 0.2, 0.5, 0.8, 0.95, 0.99)
+
+
+def write_report(
+    out_dir,
+    *,
+    results: dict,
+    embeddings,
+    labels,
+    class_names: list[str],
+    knn_predictions=None,
+    verification: dict | None = None,
+    projection: str = "pca",
+    seed: int = 0,
+    title: str = "audioclf evaluation",
+) -> dict[str, pathlib.Path]:
+    """Write the report files into ``out_dir`` (created if missing).
+
+    results: metric dict(s) merged by the caller; its scalar entries go into the report. If it
+        holds ``"per_sample_correct_at_1"`` (from ``retrieval_metrics(..., return_per_sample=True)``)
+        that is used for per-class P@1; otherwise retrieval_metrics is run on ``embeddings``.
+    embeddings, labels: [N, D] floats and [N] integer class ids indexing ``class_names``.
+    knn_predictions: predicted class id per sample of ``labels`` (e.g. ``knn_accuracy(...)
+        ["predictions"]``); draws confusion.png.
+    verification: the dict from ``verification_metrics``; draws det.png, scalars are reported.
+    projection: "pca" or "tsne" for projection.png, on a seeded subsample of at most
+        MAX_PROJECTION_POINTS points.
+
+    Returns file name -> path for every file written.
+    """
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+    emb, lab = check_embeddings(embeddings, labels)
+    class_names = [str(name) for name in class_names]
+    _check_class_ids(lab, class_names, "labels")
+    if knn_predictions is not None:
+        knn_predictions = np.asarray(knn_predictions, dtype=np.int64)
+        if knn_predictions.shape != lab.shape:
+            raise ValueError(
+                f"knn_predictions has shape {knn_predictions.shape} but labels has shape {lab.shape}; "
+                f"pass one prediction per labelled sample"
+            )
+        _check_class_ids(knn_predictions, class_names, "knn_predictions")
+
+    correct_at_1 = results.get("per_sample_correct_at_1")
+    if correct_at_1 is None:
+        correct_at_1 = retrieval_metrics(emb, lab, return_per_sample=True)["per_sample_correct_at_1"]
+    correct_at_1 = np.asarray(correct_at_1, dtype=bool)
+    if correct_at_1.shape != lab.shape:
+        raise ValueError(
+            f"results['per_sample_correct_at_1'] has shape {correct_at_1.shape} but labels has shape "
+            f"{lab.shape}; it must come from the same embeddings"
+        )
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = _scalars(results)
+    for name, value in _scalars(verification or {}).items():
+        metrics.setdefault(name, value)
+    per_class = _per_class_p1(lab, correct_at_1, class_names)
+    counts = {
+        "n_samples": int(len(lab)),
+        "n_classes": int(len(per_class)),
+        "n_class_names": len(class_names),
+        "n_singleton_classes": sum(row["count"] == 1 for row in per_class),
+        "embedding_dim": int(emb.shape[1]),
+    }
+
+    written: dict[str, pathlib.Path] = {}
+    if verification is not None:
+        written["det.png"] = _plot_det(out_dir / "det.png", verification)
+    written["per_class_p1.png"] = _plot_per_class(out_dir / "per_class_p1.png", per_class, metrics)
+    written["projection.png"] = _plot_projection(
+        out_dir / "projection.png", emb, lab, class_names, projection, seed
+    )
+    if knn_predictions is not None:
+        written["confusion.png"] = _plot_confusion(out_dir / "confusion.png", lab, knn_predictions, class_names)
+
+    markdown = _markdown(title, metrics, counts, per_class, images=list(written))
+    written["report.md"] = _write_atomically(out_dir / "report.md", lambda f: f.write(markdown.encode()))
+    report = {
+        "title": title,
+        "metrics": metrics,
+        "counts": counts,
+        "per_class_p1": per_class,
+        "files": sorted([*written, "report.json"]),
+    }
+    text = json.dumps(_json_ready(report), indent=2, allow_nan=False) + "\n"
+    written["report.json"] = _write_atomically(out_dir / "report.json", lambda f: f.write(text.encode()))
+    return written
+
+
+# --------------------------------------------------------------------------------------------
+# Data preparation
+# --------------------------------------------------------------------------------------------
+
+
+def _check_class_ids(ids: np.ndarray, class_names: list[str], name: str) -> None:
+    if len(ids) and (ids.min() < 0 or ids.max() >= len(class_names)):
+        bad = ids[(ids < 0) | (ids >= len(class_names))]
+        raise ValueError(
+            f"{name} holds class id {int(bad[0])} ({len(bad)} entries out of range) but class_names "
+            f"has {len(class_names)} entries; ids must index class_names"
+        )
+
+
+def _is_scalar(value) -> bool:
+    if isinstance(value, (bool, int, float, np.number, np.bool_)):
+        return True
+    return isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0
+
+
+def _scalars(metric_dict: dict) -> dict:
+    return {str(name): _json_ready(value) for name, value in metric_dict.items() if _is_scalar(value)}
+
+
+def _json_ready(value):
+    """Plain-Python copy of value for json: numpy/torch scalars unwrapped, NaN/inf -> None."""
+    if isinstance(value, dict):
+        return {str(key): _json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(item) for item in value]
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return _json_ready(value.tolist())
+    if isinstance(value, (np.generic,)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _per_class_p1(labels: np.ndarray, correct_at_1: np.ndarray, class_names: list[str]) -> list[dict]:
+    """One row per class present, worst P@1 first; a singleton class has P@1 None (no positive)."""
+    class_ids, class_index, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    hits = np.bincount(class_index, weights=correct_at_1.astype(np.float64), minlength=len(class_ids))
+    rows = [
+        {
+            "class_id": int(class_id),
+            "name": class_names[class_id],
+            "count": int(count),
+            "p_at_1": float(hit / count) if count > 1 else None,
+        }
+        for class_id, count, hit in zip(class_ids, counts, hits, strict=True)
+    ]
+    # Worst first; classes without a P@1 go last, ties by class id for a stable order.
+    return sorted(rows, key=lambda row: (row["p_at_1"] is None, row["p_at_1"] or 0.0, row["class_id"]))
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic file writing
+# --------------------------------------------------------------------------------------------
+
+
+def _write_atomically(path: pathlib.Path, write: Callable[[IO[bytes]], None]) -> pathlib.Path:
+    # A unique name opened with "x" (not mkstemp, whose 0600 mode would make reports private).
+    temp_path = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temp_path, "xb") as handle:
+            write(handle)
+        os.replace(temp_path, path)
+    except BaseException:
+        temp_path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _save_figure(figure, path: pathlib.Path) -> pathlib.Path:
+    try:
+        figure.tight_layout()
+        return _write_atomically(path, lambda handle: figure.savefig(handle, format="png", dpi=120))
+    finally:
+        plt.close(figure)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+
+def _plot_det(path: pathlib.Path, verification: dict) -> pathlib.Path:
+    fpr = np.asarray(verification["fpr"], dtype=np.float64)
+    fnr = np.asarray(verification["fnr"], dtype=np.float64)
+    if fpr.shape != fnr.shape or fpr.ndim != 1:
+        raise ValueError(f"verification fpr {fpr.shape} and fnr {fnr.shape} must be 1-D of one length")
+    low, high = _DET_TICKS[0], _DET_TICKS[-1]
+    # Probit axes: the DET convention, where Gaussian score distributions give straight lines.
+    figure, axes = plt.subplots(figsize=(5.5, 5))
+    axes.plot(norm.ppf(np.clip(fpr, low, high)), norm.ppf(np.clip(fnr, low, high)), lw=1.5)
+    if "eer" in verification:
+        eer = float(np.clip(verification["eer"], low, high))
+        axes.plot(norm.ppf(eer), norm.ppf(eer), "o", label=f"EER {100 * float(verification['eer']):.2f}%")
+        axes.legend(loc="upper right")
+    ticks = norm.ppf(_DET_TICKS)
+    tick_labels = [f"{100 * t:g}" for t in _DET_TICKS]
+    axes.set_xticks(ticks, tick_labels)
+    axes.set_yticks(ticks, tick_labels)
+    axes.set_xlim(ticks[0], ticks[-1])
+    axes.set_ylim(ticks[0], ticks[-1])
+    axes.set_xlabel("false alarm rate (%)")
+    axes.set_ylabel("miss rate (%)")
+    axes.set_title("DET curve")
+    axes.grid(True, alpha=0.3)
+    return _save_figure(figure, path)
+
+
+def _plot_per_class(path: pathlib.Path, per_class: list[dict], metrics: dict) -> pathlib.Path:
+    rows = [row for row in per_class if row["p_at_1"] is not None]  # already worst first
+    values = [row["p_at_1"] for row in rows]
+    if len(rows) <= MAX_LABELLED_CLASSES:
+        figure, axes = plt.subplots(figsize=(7, max(2.5, 0.3 * len(rows) + 1)))
+        positions = np.arange(len(rows))
+        axes.barh(positions, values)
+        axes.set_yticks(positions, [row["name"] for row in rows])
+        axes.invert_yaxis()  # worst at the top
+        axes.set_xlim(0, 1)
+        axes.set_xlabel("P@1")
+    else:
+        figure, axes = plt.subplots(figsize=(10, 4))
+        axes.bar(np.arange(len(rows)), values, width=1.0)
+        axes.set_xticks([])
+        axes.set_xlabel(f"{len(rows)} classes, sorted by P@1")
+        axes.set_ylim(0, 1)
+        axes.set_ylabel("P@1")
+    overall = metrics.get("precision_at_1")
+    if overall is not None:
+        line = axes.axvline if len(rows) <= MAX_LABELLED_CLASSES else axes.axhline
+        line(overall, color="black", ls="--", lw=1, label=f"overall {overall:.3f}")
+        axes.legend(loc="best")
+    axes.set_title("Per-class P@1 (leave-one-out retrieval)")
+    return _save_figure(figure, path)
+
+
+def _plot_projection(path, emb: torch.Tensor, labels: np.ndarray, class_names, projection: str, seed: int):
+    rng = np.random.default_rng(seed)
+    if len(labels) > MAX_PROJECTION_POINTS:
+        keep = np.sort(rng.choice(len(labels), size=MAX_PROJECTION_POINTS, replace=False))
+    else:
+        keep = np.arange(len(labels))
+    points = F.normalize(emb[torch.from_numpy(keep)], p=2, dim=1).numpy()
+    shown_labels = labels[keep]
+    if projection == "pca":
+        coords = PCA(n_components=2, random_state=seed).fit_transform(points)
+    else:
+        perplexity = min(30.0, max(1.0, (len(points) - 1) / 3))
+        coords = TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(points)
+
+    classes = np.unique(shown_labels)
+    figure, axes = plt.subplots(figsize=(7, 6))
+    if len(classes) <= 20:
+        palette = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20")
+        for position, class_id in enumerate(classes):
+            mask = shown_labels == class_id
+            axes.scatter(*coords[mask].T, s=6, color=palette(position), label=class_names[class_id])
+        axes.legend(markerscale=2, fontsize="small", loc="best")
+    else:
+        colour = np.searchsorted(classes, shown_labels)
+        axes.scatter(*coords.T, s=3, c=colour, cmap="nipy_spectral", alpha=0.7)
+    axes.set_title(f"{projection.upper()} of {len(keep)} of {len(labels)} embeddings, {len(classes)} classes")
+    axes.set_xticks([])
+    axes.set_yticks([])
+    return _save_figure(figure, path)
+
+
+def _plot_confusion(path, labels: np.ndarray, predictions: np.ndarray, class_names) -> pathlib.Path:
+    class_ids = np.union1d(labels, predictions)
+    matrix = confusion_matrix(labels, predictions, labels=class_ids).astype(np.float64)
+    # Row-normalised: each row shows where one true class's samples went (per-class recall).
+    row_totals = matrix.sum(axis=1, keepdims=True)
+    matrix = np.divide(matrix, row_totals, out=np.zeros_like(matrix), where=row_totals > 0)
+    size = 8 if len(class_ids) > MAX_LABELLED_CLASSES else max(4.0, 0.35 * len(class_ids) + 2)
+    figure, axes = plt.subplots(figsize=(size, size))
+    image = axes.imshow(matrix, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    if len(class_ids) <= MAX_LABELLED_CLASSES:
+        names = [class_names[class_id] for class_id in class_ids]
+        axes.set_xticks(np.arange(len(class_ids)), names, rotation=90)
+        axes.set_yticks(np.arange(len(class_ids)), names)
+    else:
+        axes.set_xticks([])
+        axes.set_yticks([])
+    axes.set_xlabel("kNN prediction")
+    axes.set_ylabel("true class")
+    axes.set_title(f"kNN confusion (row-normalised)\naccuracy {np.mean(labels == predictions):.3f}")
+    figure.colorbar(image, ax=axes, fraction=0.046)
+    return _save_figure(figure, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------
+
+
+def _format(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool) or isinstance(value, int):
+        return str(value)
+    return f"{value:.4f}"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _markdown(title: str, metrics: dict, counts: dict, per_class: list[dict], images: list[str]) -> str:
+    lines = [
+        f"# {title}",
+        "",
+        f"{counts['n_samples']} samples, {counts['n_classes']} classes "
+        f"({counts['n_singleton_classes']} with a single sample, left out of retrieval metrics), "
+        f"embedding dimension {counts['embedding_dim']}.",
+        "",
+        "## Metrics",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *(f"| {_cell(name)} | {_format(value)} |" for name, value in metrics.items()),
+        "",
+        "## Plots",
+        "",
+        *(f"![{image.removesuffix('.png')}]({image})\n" for image in images),
+        "## Per-class P@1 (worst first)",
+        "",
+        "| class id | name | samples | P@1 |",
+        "|---|---|---|---|",
+        *(
+            f"| {row['class_id']} | {_cell(row['name'])} | {row['count']} | {_format(row['p_at_1'])} |"
+            for row in per_class
+        ),
+        "",
+    ]
+    return "\n".join(lines)
