@@ -79,7 +79,7 @@ cmd_demo() {
     if [[ $stage -le 5 && $stop_stage -ge 5 ]]; then
         echo "== stage 5: embed new audio against the training gallery"
         "$PY" -m audioclf.embed --model "$run_dir/best.pt" --gallery data/demo/index.xlsx \
-            --top 3 data/demo/wav/class_00/item_0/
+            --top 3 data/demo/wav/c00/c00_i0/
     fi
 }
 

@@ -39,8 +39,10 @@ from audioclf.sampler import MPerClassSampler
 
 log = logging.getLogger("audioclf")
 
-# Test-only fault injection: crash this process at a global step (first launch only).
+# Test-only fault injection: crash rank 0 at a global step (first launch only), or behave as if
+# SIGTERM arrived at a global step.
 CRASH_ENV = "AUDIOCLF_TEST_CRASH_AT_STEP"
+STOP_ENV = "AUDIOCLF_TEST_STOP_AT_STEP"
 
 
 class StopRequested:
@@ -239,6 +241,7 @@ def _fit(cfg: Config, env: distributed.DistEnv, stop: StopRequested) -> dict:
     metrics_writer = MetricsWriter(run_dir, enabled=env.is_primary)
     guard = NonFiniteGuard(cfg.train.nonfinite_patience)
     crash_at = int(os.environ.get(CRASH_ENV, "0"))
+    stop_at = int(os.environ.get(STOP_ENV, "0"))
     first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     classes = data.train.classes
 
@@ -282,6 +285,8 @@ def _fit(cfg: Config, env: distributed.DistEnv, stop: StopRequested) -> dict:
             if crash_at and step == crash_at and first_launch and env.rank == 0:
                 log.error("test fault injection: crashing at step %d", step)
                 os._exit(17)
+            if stop_at and step == stop_at:
+                stop.flag = True
             if cfg.train.consistency_every_steps and step % cfg.train.consistency_every_steps == 0:
                 distributed.check_parameter_consistency(model, action=cfg.train.consistency_action,
                                                         device=env.device)
@@ -337,5 +342,17 @@ def _fit(cfg: Config, env: distributed.DistEnv, stop: StopRequested) -> dict:
     metrics_writer.close()
     distributed.barrier()
     return {"run_dir": str(run_dir), "metrics": last_metrics, "history": history,
-            "stopped": stopped, "step": global_step, "world_size": env.world_size}
+            "stopped": stopped, "step": global_step, "world_size": env.world_size,
+            "parameters_sha256": parameters_digest(model)}
+
+
+def parameters_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes: equal digests mean bit-identical parameters."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, p in distributed.unwrap(model).named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 

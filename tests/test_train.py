@@ -1,0 +1,169 @@
+"""End-to-end training on CPU: real 2-process gloo groups, torchrun, resume, signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from audioclf import checkpoint
+from audioclf.config import Config
+from tests.conftest import tiny_config
+from tests.distributed_utils import free_port, run_in_group
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fit_worker(rank, world, cfg: Config):
+    from audioclf.trainer import fit
+
+    return fit(cfg)
+
+
+def untrained_metrics(cfg: Config) -> dict:
+    """Validation metrics of the freshly initialised network, built as the trainer builds it."""
+    from audioclf.data.loader import build_eval_loader
+    from audioclf.engine import resolve_precision, validate
+    from audioclf.trainer import build_data, build_net, seed_everything
+
+    seed_everything(cfg.train.seed, False)
+    data = build_data(cfg)
+    net = build_net(cfg, len(data.train.classes))
+    loader = build_eval_loader(data.val_set, batch_size=cfg.eval.batch_size, num_workers=0,
+                               collate_fn=__import__("audioclf.data.dataset",
+                                                     fromlist=["collate_padded"]).collate_padded)
+    return validate(net, loader, resolve_precision(cfg.train, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("model", ["cnn", "conformer"])
+def test_ddp_training_learns_and_ranks_stay_identical(tmp_path, tiny_demo, model):
+    epochs = {"cnn": 6, "conformer": 6}[model]
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", model, f"train.epochs={epochs}",
+                      "train.consistency_every_steps=2", "eval.distributed=true")
+    before = untrained_metrics(cfg)
+    r0, r1 = run_in_group(_fit_worker, tmp_path, cfg, timeout=300)
+    # Bit-identical parameters on both ranks (and the per-step consistency check never fired).
+    assert r0["parameters_sha256"] == r1["parameters_sha256"]
+    assert r0["world_size"] == 2 and r0["step"] == r1["step"] > 0
+    after = r0["metrics"]
+    assert after["map_at_r"] > before["map_at_r"] + 0.1, (before, after)
+    run_dir = Path(r0["run_dir"])
+    for name in ("config.yaml", "train.log", "metrics.csv", "last.pt", "best.pt"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tensorboard").iterdir())
+    rows = (run_dir / "metrics.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + epochs
+    ckpt = checkpoint.load(run_dir / "last.pt")
+    assert not any(k.startswith("module.") for k in ckpt["model"])
+    assert len(ckpt["rng"]) == 2 and ckpt["world_size"] == 2
+    assert {"optimizer", "lr_schedule", "scaler", "sampler", "versions", "config"} <= set(ckpt)
+
+
+def _fit_single(cfg: Config) -> dict:
+    from audioclf.trainer import fit
+
+    return fit(cfg)
+
+
+def test_resume_after_two_epochs_is_bit_exact(tmp_path, tiny_demo):
+    common = ["optim.scheduler=step", "optim.step_size=1", "optim.gamma=0.7",
+              "optim.warmup_steps=3", "eval.every=2"]
+    straight = _fit_single(tiny_config(tiny_demo, tmp_path / "a", "cnn", "train.epochs=4", *common))
+    first = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2", *common))
+    resumed = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=4",
+                                      "checkpoint.resume=auto", *common))
+    assert first["step"] < resumed["step"] == straight["step"]
+    assert resumed["parameters_sha256"] == straight["parameters_sha256"]
+    assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in straight["history"]]
+
+
+def test_mid_epoch_stop_and_resume_continues_the_same_batches(tmp_path, tiny_demo, monkeypatch):
+    from audioclf.trainer import STOP_ENV
+
+    straight = _fit_single(tiny_config(tiny_demo, tmp_path / "a", "cnn", "train.epochs=2"))
+    monkeypatch.setenv(STOP_ENV, "3")
+    stopped = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2"))
+    monkeypatch.delenv(STOP_ENV)
+    assert stopped["stopped"] and stopped["step"] == 3
+    ckpt = checkpoint.load(tmp_path / "b" / "t" / "last.pt")
+    assert (ckpt["epoch"], ckpt["position"], ckpt["step"]) == (0, 3, 3)
+    assert ckpt["sampler"]["position"] == 3
+    resumed = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2",
+                                      "checkpoint.resume=auto"))
+    assert resumed["step"] == straight["step"]
+    assert resumed["parameters_sha256"] == straight["parameters_sha256"]
+
+
+def _cli(config: Config) -> list[str]:
+    """The config as command-line overrides for `python -m audioclf.train`."""
+    from audioclf.config import to_dict
+
+    out = []
+    for section, values in to_dict(config).items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                out += [f"{section}.{key}.{k}={v}" for k, v in value.items()]
+            else:
+                out.append(f"{section}.{key}={'null' if value is None else value}")
+    return [o for o in out if not o.endswith("=")]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, tiny_demo):
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
+    proc = subprocess.Popen([sys.executable, "-m", "audioclf.train", *_cli(cfg)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "runs" / "t" / "train.log"
+    deadline = time.time() + 120
+    while time.time() < deadline and "epoch 1/100" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.5)
+    assert "epoch 1/100" in log.read_text(), proc.stdout.read().decode()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    ckpt = checkpoint.load(tmp_path / "runs" / "t" / "last.pt")
+    assert ckpt["step"] > 0 and ckpt["epoch"] < 100
+    assert "stopped on request" in log.read_text()
+
+
+def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
+    from audioclf.trainer import CRASH_ENV
+
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=2", "eval.every=0",
+                      "checkpoint.every_steps=2", "checkpoint.resume=auto")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--max-restarts=1", "-m", "audioclf.train", *_cli(cfg)]
+    env = dict(_env(), **{CRASH_ENV: "3"})
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "runs" / "t" / "train.log").read_text()
+    assert "test fault injection: crashing at step 3" in log
+    assert "resumed from" in log and "at epoch 0, batch 2, step 2" in log
+    assert len((tmp_path / "runs" / "t" / "metrics.csv").read_text().strip().splitlines()) == 3
+
+
+def test_legacy_local_rank_launch(tmp_path, tiny_demo):
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
+                      "train.limit_batches=2")
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE="2")
+        env.pop("LOCAL_RANK", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "audioclf.train", f"--local_rank={rank}", *_cli(cfg)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    log = (tmp_path / "runs" / "t" / "train.log").read_text()
+    assert "rank 0 of 2" in log
