@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+from pathlib import Path
 
 from audioclf.config import ConfigError, load_config
 
@@ -42,8 +44,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from audioclf.trainer import fit  # heavy imports after the config is known to be valid
 
-    fit(cfg, local_rank_arg=args.local_rank)
+    try:
+        fit(cfg, local_rank_arg=args.local_rank)
+    except Exception as exc:
+        if not is_user_error(exc):
+            raise
+        print(f"audioclf.train: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError)
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """A validation error raised by audioclf itself (bad input, clear message): no traceback.
+
+    Errors raised inside torch or other libraries keep their traceback.
+    """
+    if not isinstance(exc, USER_ERRORS):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(PACKAGE_DIR)
 
 
 if __name__ == "__main__":

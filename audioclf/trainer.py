@@ -164,7 +164,7 @@ def fit(cfg: Config, *, local_rank_arg: int | None = None) -> dict:
 
 def _fit(cfg: Config, env: distributed.DistEnv, stop: StopRequested) -> dict:
     run_dir = Path(cfg.train.runs_dir) / cfg.train.name
-    setup_logging(run_dir, env.rank)
+    setup_logging(None, env.rank)  # console only until the input is known to be valid
     resume_path = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
     ckpt = checkpoint.load(resume_path) if resume_path is not None else None
     if ckpt is not None:
@@ -173,14 +173,16 @@ def _fit(cfg: Config, env: distributed.DistEnv, stop: StopRequested) -> dict:
         if (saved.model, saved.features) != (cfg.model, cfg.features):
             log.warning("resuming: model and features settings taken from %s", resume_path)
         cfg.model, cfg.features = saved.model, saved.features
+    seed_everything(cfg.train.seed + env.rank, cfg.train.deterministic)
+    data = build_data(cfg)  # validates the index: a bad sheet fails before anything is written
+
     if env.is_primary:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
-        log.info("run directory %s (rank 0 of %d, %s, device %s)", run_dir, env.world_size,
-                 env.strategy, env.device)
-    seed_everything(cfg.train.seed + env.rank, cfg.train.deterministic)
-
-    data = build_data(cfg)
+    distributed.barrier()
+    setup_logging(run_dir, env.rank)
+    log.info("run directory %s (rank 0 of %d, %s, device %s)", run_dir, env.world_size,
+             env.strategy, env.device)
     sampler = MPerClassSampler(
         data.train.table["cls"].to_numpy(), data.train.table["item"].to_numpy(),
         batch_size=cfg.sampler.batch_size, m=cfg.sampler.m, rank=env.rank,
