@@ -114,6 +114,19 @@ def _cli(config: Config) -> list[str]:
     return [o for o in out if not o.endswith("=")]
 
 
+def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """Run a launcher in its own session; on timeout kill the whole group (no orphan workers)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return -9, out + f"\n[timed out after {timeout} s]"
+    return proc.returncode, out
+
+
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
@@ -123,12 +136,15 @@ def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, ti
     proc = subprocess.Popen([sys.executable, "-m", "audioclf.train", *_cli(cfg)], cwd=ROOT,
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     log = tmp_path / "runs" / "t" / "train.log"
-    deadline = time.time() + 120
-    while time.time() < deadline and "epoch 1/100" not in (log.read_text() if log.exists() else ""):
-        time.sleep(0.5)
-    assert "epoch 1/100" in log.read_text(), proc.stdout.read().decode()[-3000:]
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and "epoch 1/100" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.5)
+        assert "epoch 1/100" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     assert proc.returncode == 0, out.decode()[-3000:]
     ckpt = checkpoint.load(tmp_path / "runs" / "t" / "last.pt")
     assert ckpt["step"] > 0 and ckpt["epoch"] < 100
@@ -143,8 +159,8 @@ def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--max-restarts=1", "-m", "audioclf.train", *_cli(cfg)]
     env = dict(_env(), **{CRASH_ENV: "3"})
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    returncode, output = run_group(cmd, env, timeout=300)
+    assert returncode == 0, output[-4000:]
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "test fault injection: crashing at step 3" in log
     assert "resumed from" in log and "at epoch 0, batch 2, step 2" in log
@@ -163,7 +179,11 @@ def test_legacy_local_rank_launch(tmp_path, tiny_demo):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "audioclf.train", f"--local_rank={rank}", *_cli(cfg)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=180)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "rank 0 of 2" in log

@@ -1,0 +1,77 @@
+"""Embedding networks, the model registry, and the module that training wraps in DDP.
+
+Nothing here knows about ranks or devices: wrapping (DDP, SyncBN) lives in distributed.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from audioclf.config import ModelConfig
+from audioclf.features import FeatureFrontend
+from audioclf.models.cnn import CNNEmbedder
+from audioclf.models.conformer import ConformerEmbedder
+from audioclf.models.heads import ClassifierHead
+
+__all__ = [
+    "MODELS",
+    "build_model",
+    "count_parameters",
+    "EmbeddingNet",
+    "CNNEmbedder",
+    "ConformerEmbedder",
+    "ClassifierHead",
+    "FeatureFrontend",
+]
+
+MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
+    "cnn": lambda cfg, n_mels: CNNEmbedder(n_mels, cfg.cnn, cfg.embedding_dim),
+    "conformer": lambda cfg, n_mels: ConformerEmbedder(n_mels, cfg.conformer, cfg.embedding_dim),
+}
+
+
+def build_model(cfg: ModelConfig, n_mels: int) -> nn.Module:
+    """The embedder named by `model.name`: log-mel [B, T, n_mels] → unit embeddings [B, D]."""
+    if cfg.name not in MODELS:
+        raise ValueError(f"model.name={cfg.name!r} is unknown; valid names: {', '.join(MODELS)}")
+    return MODELS[cfg.name](cfg, n_mels)
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameter values (shared parameters counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+class EmbeddingNet(nn.Module):
+    """Front end + embedder (+ optional classifier head): what training wraps in DDP.
+
+    forward(x, lengths) → (embeddings [B, D], logits [B, C] or None); x is waveforms [B, S]
+    or features [B, T, F] as the front end expects, lengths in samples or frames.
+    `embed` returns the embeddings alone (call it in eval mode: SpecAugment and dropout follow
+    the module's training flag).
+    """
+
+    def __init__(self, frontend: FeatureFrontend, embedder: nn.Module, num_classes: int = 0):
+        super().__init__()
+        if num_classes < 0:
+            raise ValueError(f"num_classes must be >= 0 (0 = no classifier head), got {num_classes}")
+        self.frontend = frontend
+        self.embedder = embedder
+        self.num_classes = num_classes
+        self.head: ClassifierHead | None = (
+            ClassifierHead(embedder.embedding_dim, num_classes) if num_classes > 0 else None
+        )
+
+    def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor | None]:
+        embeddings = self.embed(x, lengths)
+        if self.head is None:
+            return embeddings, None
+        return embeddings, self.head(embeddings)
+
+    @torch.jit.export
+    def embed(self, x: Tensor, lengths: Tensor) -> Tensor:
+        feats, feat_lengths = self.frontend(x, lengths)
+        return self.embedder(feats, feat_lengths)

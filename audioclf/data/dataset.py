@@ -1,0 +1,140 @@
+"""Map-style dataset of audio clips or precomputed log-mel files, and its padding collate.
+
+Items are read in DataLoader workers; the log-mel front end runs later, batched, on the device.
+A key is a position or `(position, crop_seed)`: the seed fixes the training crop, so crops do
+not depend on which worker reads an item and a resumed run reads exactly the same crops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from audioclf.config import FeaturesConfig
+from audioclf.features import (
+    AudioReadError,
+    FeatureFileError,
+    crop_or_pad,
+    eval_max_frames,
+    load_audio,
+    read_npy_crop,
+)
+
+log = logging.getLogger("audioclf")
+
+Item = tuple[Tensor, int, int]  # (waveform [S] or features [T, F], label, position)
+
+
+class AudioDataset(torch.utils.data.Dataset):
+    """Clips at `paths` with integer `labels`; returns `(x, label, position)`.
+
+    Training (`train=True`): a crop of `features.crop_seconds` (random, seeded per item).
+    Evaluation: the whole clip cut centred to `features.eval_max_seconds`
+    (`eval_crop="full"`), or a centred crop of `crop_seconds` (`eval_crop="center"`).
+    x is a float32 waveform [samples] (`kind="audio"`) or log-mel [frames, n_mels] (`kind="npy"`).
+
+    A file that cannot be read raises an error naming the file and its index row; with
+    `skip_bad_files=True` the item is None instead (dropped by `collate_padded`) and counted in
+    `self.skipped`. The counter lives in the process that read the item: with DataLoader
+    workers each worker counts its own skips, and the main process sees them as shorter batches.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        labels: np.ndarray,
+        cfg: FeaturesConfig,
+        *,
+        train: bool,
+        rows: Sequence[int] | None = None,
+        skip_bad_files: bool = False,
+    ):
+        labels = np.asarray(labels)
+        if labels.ndim != 1 or len(labels) != len(paths):
+            raise ValueError(
+                f"AudioDataset needs one label per path: got {len(paths)} paths and labels of "
+                f"shape {labels.shape}"
+            )
+        if len(labels) and not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"AudioDataset labels must be integers, got dtype {labels.dtype}")
+        if rows is not None and len(rows) != len(paths):
+            raise ValueError(f"AudioDataset got {len(rows)} rows for {len(paths)} paths")
+        if cfg.kind not in ("audio", "npy"):
+            raise ValueError(f"features.kind={cfg.kind!r} is invalid: use 'audio' or 'npy'")
+        self.paths = [str(p) for p in paths]
+        self.labels = labels.astype(np.int64)
+        self.rows = None if rows is None else [int(r) for r in rows]
+        self.cfg = cfg
+        self.train = train
+        self.skip_bad_files = skip_bad_files
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> Item | None:
+        if isinstance(key, tuple):
+            position, crop_seed = key
+        else:
+            position, crop_seed = key, key
+        position = int(position)
+        if not 0 <= position < len(self.paths):
+            raise IndexError(f"position {position} is out of range for {len(self.paths)} items")
+        rng = np.random.default_rng(int(crop_seed)) if self.train else None
+        path = self.paths[position]
+        try:
+            x = self._read(path, rng)
+        except (AudioReadError, FeatureFileError) as exc:
+            where = f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
+            if not self.skip_bad_files:
+                raise type(exc)(
+                    f"{where}: {exc}. Fix or remove the file, or set "
+                    "data.skip_bad_files=true to skip unreadable files"
+                ) from exc
+            self.skipped += 1
+            log.warning("skipping unreadable file at %s (%s): %s", where, path, exc)
+            return None
+        return x, int(self.labels[position]), position
+
+    def _read(self, path: str, rng: np.random.Generator | None) -> Tensor:
+        cfg = self.cfg
+        if cfg.kind == "audio":
+            wave = load_audio(path, cfg.sample_rate)
+            if self.train or cfg.eval_crop == "center":
+                return crop_or_pad(wave, cfg.crop_samples, rng, cfg.pad_mode)
+            max_samples = int(round(cfg.eval_max_seconds * cfg.sample_rate))
+            if wave.shape[0] > max_samples:
+                wave = crop_or_pad(wave, max_samples, None, cfg.pad_mode)
+            return wave
+        if self.train or cfg.eval_crop == "center":
+            feats = read_npy_crop(path, cfg.crop_frames, rng, cfg.npy_layout, cfg.n_mels, cfg.pad_mode)
+        else:
+            feats = read_npy_crop(path, eval_max_frames(cfg), None, cfg.npy_layout, cfg.n_mels, "none")
+        return torch.from_numpy(feats)
+
+
+def collate_padded(batch: Sequence[Item | None]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Stack items, zero-padding along their first axis; drops None (skipped) items.
+
+    Returns (x [B, L] or [B, T, F], lengths [B], labels [B], positions [B]), all int64 except x.
+    A batch whose items were all skipped gives B = 0 (x of shape [0, 0]).
+    """
+    items = [item for item in batch if item is not None]
+    dropped = len(batch) - len(items)
+    if dropped:
+        log.warning("dropped %d unreadable item(s) from a batch of %d", dropped, len(batch))
+    if not items:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, 0), empty, empty.clone(), empty.clone()
+    xs = [x for x, _, _ in items]
+    lengths = torch.tensor([x.shape[0] for x in xs], dtype=torch.int64)
+    padded = xs[0].new_zeros((len(xs), int(lengths.max()), *xs[0].shape[1:]))
+    for i, x in enumerate(xs):
+        padded[i, : x.shape[0]] = x
+    labels = torch.tensor([label for _, label, _ in items], dtype=torch.int64)
+    positions = torch.tensor([position for _, _, position in items], dtype=torch.int64)
+    return padded, lengths, labels, positions

@@ -1,0 +1,132 @@
+"""Triplet loss with a miner (pytorch-metric-learning), optional cross-entropy, optional
+cross-rank mining.
+
+Distance convention: cosine similarity (PML `CosineSimilarity`) on L2-normalised embeddings.
+A triplet's loss is relu(cos(a, n) - cos(a, p) + margin), so `loss.margin` is in units of
+cosine distance (1 - cos). The triplet term is averaged over the mined triplets whose loss is
+non-zero (PML's default AvgNonZeroReducer).
+
+Cross-rank scaling (`loss.cross_rank=True`): every rank gathers the embeddings and labels of
+all ranks (`all_gather_with_grad` / `all_gather_nograd`, in rank order) and computes the same
+loss L on the global batch. In backward, `all_gather_with_grad` SUM-reduces dL/d(global batch)
+over the W ranks (W identical copies) and hands each rank its own slice: W · dL/d(own slice).
+DDP then averages parameter gradients over the W ranks, so they equal
+sum over ranks of dL/d(own slice) · d(own slice)/dθ = the single-process gradient of L on the
+concatenated batch. The cross-entropy term is per rank on local logits; DDP's average makes it
+the mean over ranks (the global mean when every rank holds the same number of items).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pytorch_metric_learning import distances, losses, miners
+from torch import Tensor, nn
+
+from audioclf.config import LossConfig
+from audioclf.distributed import all_gather_nograd, all_gather_with_grad
+
+MINERS = ("batch_hard", "semi_hard", "all")
+
+
+class TripletLoss(nn.Module):
+    """forward(embeddings [B, D], labels [B], logits [B, C] | None) → (loss, stats).
+
+    The loss is computed in fp32 even under autocast. stats holds floats: `triplets` (mined on
+    the local or global batch), `triplet_loss`, `ce_loss` (0.0 when not used).
+    A batch whose labels admit no triplet (one class, or all singletons) gives a zero loss that
+    still depends on the embeddings, so backward reaches every parameter (and, with
+    cross_rank, every rank runs the gather's backward collective).
+    """
+
+    def __init__(self, cfg: LossConfig):
+        super().__init__()
+        if cfg.miner not in MINERS:
+            raise ValueError(f"loss.miner={cfg.miner!r} is invalid: use one of {', '.join(MINERS)}")
+        if cfg.margin < 0 or cfg.ce_weight < 0:
+            raise ValueError(
+                f"loss.margin and loss.ce_weight must be >= 0, got {cfg.margin} and {cfg.ce_weight}"
+            )
+        self.margin = cfg.margin
+        self.ce_weight = cfg.ce_weight
+        self.cross_rank = cfg.cross_rank
+        distance = distances.CosineSimilarity()
+        self.triplet = losses.TripletMarginLoss(margin=cfg.margin, distance=distance)
+        if cfg.miner == "batch_hard":
+            self.miner = miners.BatchHardMiner(distance=distance)
+        else:
+            kind = "semihard" if cfg.miner == "semi_hard" else "all"
+            self.miner = miners.TripletMarginMiner(
+                margin=cfg.margin, type_of_triplets=kind, distance=distance
+            )
+
+    def forward(
+        self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, float]]:
+        _check_inputs(embeddings, labels, logits)
+        if logits is None and self.ce_weight > 0:
+            raise ValueError(
+                f"loss.ce_weight={self.ce_weight} needs classifier logits: build EmbeddingNet "
+                "with num_classes > 0, or set loss.ce_weight=0"
+            )
+        labels = labels.to(embeddings.device)
+        local_labels = labels
+        with torch.autocast(device_type=embeddings.device.type, enabled=False):
+            embeddings = embeddings.float()
+            if self.cross_rank:
+                embeddings, labels = _gather_global(embeddings, labels)
+            anchors, positives, negatives = self.miner(embeddings, labels)
+            n_triplets = int(anchors.shape[0])
+            if n_triplets == 0:
+                # Zero, yet connected to every embedding (and so every parameter and rank);
+                # "+ 0.0" turns a -0.0 into 0.0.
+                triplet_loss = embeddings.sum() * 0.0 + 0.0
+            else:
+                triplet_loss = self.triplet(embeddings, labels, (anchors, positives, negatives))
+            loss = triplet_loss
+            ce_loss = torch.zeros((), device=embeddings.device)
+            if logits is not None and self.ce_weight > 0:
+                ce_loss = F.cross_entropy(logits.float(), local_labels)
+                loss = loss + self.ce_weight * ce_loss
+        stats = {
+            "triplets": float(n_triplets),
+            "triplet_loss": float(triplet_loss.detach()),
+            "ce_loss": float(ce_loss.detach()),
+        }
+        return loss, stats
+
+
+def _gather_global(embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """The global batch in rank order; this rank's rows keep their gradient.
+
+    Ranks may hold different numbers of items (e.g. after skipped files): sizes are gathered
+    first, and shorter batches are padded to the longest for the gather, then cut out again.
+    Identity without a process group.
+    """
+    sizes = all_gather_nograd(torch.tensor([embeddings.shape[0]], device=embeddings.device))
+    largest = int(sizes.max())
+    if int(sizes.min()) == largest:
+        return all_gather_with_grad(embeddings), all_gather_nograd(labels)
+    missing = largest - embeddings.shape[0]
+    embeddings = F.pad(embeddings, (0, 0, 0, missing))
+    labels = torch.cat([labels, labels.new_full((missing,), -1)])
+    gathered, gathered_labels = all_gather_with_grad(embeddings), all_gather_nograd(labels)
+    keep = (torch.arange(largest, device=sizes.device)[None, :] < sizes[:, None]).flatten()
+    return gathered[keep], gathered_labels[keep]
+
+
+def _check_inputs(embeddings: Tensor, labels: Tensor, logits: Tensor | None) -> None:
+    if embeddings.dim() != 2:
+        raise ValueError(f"TripletLoss expects embeddings [batch, dim], got shape {list(embeddings.shape)}")
+    if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
+        raise ValueError(
+            f"TripletLoss expects one label per embedding: embeddings {list(embeddings.shape)}, "
+            f"labels {list(labels.shape)}"
+        )
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"TripletLoss labels must be integers, got dtype {labels.dtype}")
+    if logits is not None and (logits.dim() != 2 or logits.shape[0] != embeddings.shape[0]):
+        raise ValueError(
+            f"TripletLoss expects logits [batch, classes] with batch={embeddings.shape[0]}, "
+            f"got shape {list(logits.shape)}"
+        )

@@ -1,0 +1,76 @@
+"""PANNs-style 2-D CNN embedder over log-mel features."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from audioclf.config import CNNConfig
+from audioclf.models.pooling import lengths_to_mask, masked_max, masked_mean
+
+
+class ConvBlock(nn.Module):
+    """2 × (conv3x3 + BatchNorm + ReLU), then 2×2 average pooling.
+
+    Frames at or past `lengths` are zeroed before every convolution, so (in eval mode) the
+    padding of a batch never reaches the valid frames through the 3×3 receptive fields.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        keep = lengths_to_mask(lengths, x.shape[2])[:, None, :, None].to(x.dtype)  # [B,1,T,1]
+        x = F.relu(self.bn1(self.conv1(x * keep))) * keep
+        x = F.relu(self.bn2(self.conv2(x)))
+        # Floor pooling: pooled frame i < len // 2 covers only valid frames 2i and 2i + 1.
+        x = F.avg_pool2d(x, kernel_size=2)
+        return x, torch.div(lengths, 2, rounding_mode="floor").clamp(min=1)
+
+
+class CNNEmbedder(nn.Module):
+    """Log-mel [B, T, n_mels] → L2-normalised embedding [B, embedding_dim].
+
+    `depth` blocks with `width * 2**i` channels; then mean over frequency, masked mean + masked
+    max over time (summed, as in PANNs), dropout, Linear. Clips shorter than 2**depth frames
+    are zero-padded up to it (their length still counts only the real frames).
+    """
+
+    def __init__(self, n_mels: int, cfg: CNNConfig, embedding_dim: int):
+        super().__init__()
+        if cfg.width < 1 or cfg.depth < 1:
+            raise ValueError(f"model.cnn needs width >= 1 and depth >= 1, got {cfg.width}, {cfg.depth}")
+        if n_mels < 2**cfg.depth:
+            raise ValueError(
+                f"model.cnn.depth={cfg.depth} halves the {n_mels} mel bins {cfg.depth} times: "
+                f"use features.n_mels >= {2**cfg.depth} or a smaller depth"
+            )
+        if embedding_dim < 1:
+            raise ValueError(f"model.embedding_dim must be >= 1, got {embedding_dim}")
+        channels = [1] + [cfg.width * 2**i for i in range(cfg.depth)]
+        self.blocks = nn.ModuleList(
+            [ConvBlock(channels[i], channels[i + 1]) for i in range(cfg.depth)]
+        )
+        self.min_frames = 2**cfg.depth
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.embedding = nn.Linear(channels[-1], embedding_dim)
+        self.embedding_dim = embedding_dim
+
+    def forward(self, feats: Tensor, lengths: Tensor | None = None) -> Tensor:
+        if lengths is None:
+            lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
+        lengths = lengths.clamp(min=1, max=feats.shape[1])
+        keep = lengths_to_mask(lengths, feats.shape[1]).unsqueeze(-1).to(feats.dtype)
+        feats = F.pad(feats * keep, (0, 0, 0, max(0, self.min_frames - feats.shape[1])))
+        x = feats.unsqueeze(1)  # [B, 1, T, F], padded frames zeroed
+        for block in self.blocks:
+            x, lengths = block(x, lengths)
+        x = x.mean(dim=3).transpose(1, 2)  # [B, T', C]
+        mask = lengths_to_mask(lengths, x.shape[1])
+        pooled = masked_mean(x, mask) + masked_max(x, mask)
+        return F.normalize(self.embedding(self.dropout(pooled)), dim=1)

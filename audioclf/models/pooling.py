@@ -1,0 +1,49 @@
+"""Masked pooling over time: padded frames never contribute to an utterance's vector."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def lengths_to_mask(lengths: Tensor, max_len: int) -> Tensor:
+    """Boolean [B, max_len] mask, True on the first lengths[b] frames of row b."""
+    positions = torch.arange(max_len, device=lengths.device)
+    return positions.unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x [B, T, D] over the frames where mask [B, T] is True → [B, D]."""
+    weights = mask.unsqueeze(-1).to(x.dtype)
+    return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+
+def masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """Max of x [B, T, D] over the frames where mask [B, T] is True → [B, D] (needs >= 1 frame)."""
+    return x.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(dim=1)
+
+
+class AttentiveStatsPooling(nn.Module):
+    """Attentive statistics pooling (Okabe et al. 2018; channel-wise weights as in ECAPA-TDNN).
+
+    A small MLP scores every frame and channel; the softmax over valid frames weights a mean
+    and a standard deviation, concatenated to [B, 2 * in_dim]. Computed in fp32 (or fp64) even from half precision.
+    """
+
+    def __init__(self, in_dim: int, attention_dim: int = 128):
+        super().__init__()
+        self.attention = nn.Sequential(
+            nn.Linear(in_dim, attention_dim),
+            nn.Tanh(),
+            nn.Linear(attention_dim, in_dim),
+        )
+        self.output_dim = 2 * in_dim
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = x.to(torch.promote_types(x.dtype, torch.float32)).masked_fill(~mask.unsqueeze(-1), 0.0)
+        scores = self.attention(x).to(x.dtype).masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        weights = torch.softmax(scores, dim=1)  # [B, T, D]; zero on padded frames
+        mean = (weights * x).sum(dim=1)
+        var = (weights * x * x).sum(dim=1) - mean * mean
+        std = torch.sqrt(var.clamp(min=1e-6))
+        return torch.cat([mean, std], dim=1)

@@ -1,0 +1,281 @@
+"""Audio/feature reading and the batched front end."""
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from audioclf import features
+from audioclf.config import FeaturesConfig
+from audioclf.features import (
+    AudioReadError,
+    FeatureFileError,
+    FeatureFrontend,
+    LogMel,
+    SpecAugment,
+    UtteranceNorm,
+    crop_or_pad,
+    load_audio,
+    log_mel,
+    read_npy_crop,
+)
+
+# ---------------------------------------------------------------------------------------------
+# load_audio
+
+
+def test_load_audio_mixes_stereo_down_and_resamples(tmp_path):
+    seconds, rate = 0.5, 44100
+    t = np.arange(int(seconds * rate)) / rate
+    left = 0.5 * np.sin(2 * np.pi * 440 * t)
+    right = 0.1 * np.ones_like(t)
+    path = tmp_path / "stereo.wav"
+    soundfile.write(path, np.stack([left, right], axis=1), rate, subtype="FLOAT")
+
+    wave = load_audio(path, 16000)
+
+    assert wave.dtype == torch.float32 and wave.dim() == 1
+    assert wave.shape[0] == int(seconds * 16000)
+    # The mono mix of a sine and a constant has mean = constant / 2 (well inside the clip).
+    assert wave[2000:-2000].mean().item() == pytest.approx(0.05, abs=5e-3)
+    assert wave.abs().max().item() == pytest.approx(0.3, abs=0.02)
+
+
+def test_load_audio_keeps_rate_and_reads_flac(tmp_path):
+    path = tmp_path / "mono.flac"
+    data = np.random.default_rng(0).uniform(-0.5, 0.5, 1600)
+    soundfile.write(path, data, 16000)
+    wave = load_audio(path, 16000)
+    np.testing.assert_allclose(wave.numpy(), data, atol=1e-4)  # 16-bit FLAC quantisation
+
+
+@pytest.mark.parametrize("content", [b"", b"RIFF\x00\x00garbage, not audio" * 10])
+def test_corrupt_audio_names_the_file(tmp_path, content):
+    path = tmp_path / "broken.wav"
+    path.write_bytes(content)
+    with pytest.raises(AudioReadError, match="broken.wav"):
+        load_audio(path, 16000)
+
+
+def test_missing_audio_names_the_file(tmp_path):
+    with pytest.raises(AudioReadError, match="nowhere.wav"):
+        load_audio(tmp_path / "nowhere.wav", 16000)
+
+
+# ---------------------------------------------------------------------------------------------
+# crop_or_pad
+
+
+def test_crop_centred_without_rng():
+    wave = torch.arange(10.0)
+    assert crop_or_pad(wave, 4, None).tolist() == [3.0, 4.0, 5.0, 6.0]
+
+
+def test_random_crop_is_a_window_and_seeded():
+    wave = torch.arange(1000.0)
+    crops = [crop_or_pad(wave, 50, np.random.default_rng(seed)) for seed in range(20)]
+    starts = {int(c[0]) for c in crops}
+    assert len(starts) > 10  # random offsets
+    for c in crops:
+        assert c.tolist() == list(range(int(c[0]), int(c[0]) + 50))
+    again = crop_or_pad(wave, 50, np.random.default_rng(3))
+    assert torch.equal(again, crops[3])
+
+
+def test_short_clip_is_tiled_or_zero_padded():
+    wave = torch.tensor([1.0, 2.0, 3.0])
+    assert crop_or_pad(wave, 8, None, "repeat").tolist() == [1, 2, 3, 1, 2, 3, 1, 2]
+    assert crop_or_pad(wave, 5, np.random.default_rng(0), "zeros").tolist() == [1, 2, 3, 0, 0]
+
+
+def test_crop_or_pad_rejects_bad_input():
+    with pytest.raises(ValueError, match="pad_mode"):
+        crop_or_pad(torch.ones(4), 8, None, "mirror")
+    with pytest.raises(ValueError, match="empty"):
+        crop_or_pad(torch.ones(0), 8, None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 300), length=st.integers(1, 300), seed=st.integers(0, 2**32),
+       pad_mode=st.sampled_from(["repeat", "zeros"]))
+def test_crop_or_pad_always_gives_the_length(total, length, seed, pad_mode):
+    wave = torch.arange(1, total + 1, dtype=torch.float32)
+    out = crop_or_pad(wave, length, np.random.default_rng(seed), pad_mode)
+    assert out.shape == (length,)
+    kept = out[out != 0]
+    assert bool(((kept >= 1) & (kept <= total)).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# read_npy_crop
+
+
+def _write(path, array):
+    np.save(path, array)
+    return path
+
+
+def test_npy_window_both_layouts(tmp_path):
+    frames = np.arange(1000 * 8, dtype=np.float32).reshape(1000, 8)
+    fb = _write(tmp_path / "fb.npy", frames)
+    bf = _write(tmp_path / "bf.npy", np.ascontiguousarray(frames.T))
+    for path, layout in [(fb, "frames_bins"), (bf, "bins_frames")]:
+        centred = read_npy_crop(path, 100, None, layout, 8)
+        np.testing.assert_array_equal(centred, frames[450:550])
+        crop = read_npy_crop(path, 100, np.random.default_rng(5), layout, 8)
+        start = int(crop[0, 0]) // 8
+        np.testing.assert_array_equal(crop, frames[start : start + 100])
+        assert crop.dtype == np.float32 and crop.flags["C_CONTIGUOUS"] and crop.flags["WRITEABLE"]
+        np.testing.assert_array_equal(read_npy_crop(path, None, None, layout, 8), frames)
+
+
+@pytest.mark.parametrize("layout", ["frames_bins", "bins_frames"])
+def test_npy_crop_reads_only_the_window_of_a_large_file(tmp_path, monkeypatch, layout):
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((23_400, 64)).astype(np.float32)  # ~6 MB, like real feature files
+    path = _write(tmp_path / "big.npy", big if layout == "frames_bins" else big.T.copy())
+    bytes_read = []
+    real_read_at = features._read_at
+
+    def spy(fd, offset, count, dtype):
+        bytes_read.append(count * dtype.itemsize)
+        return real_read_at(fd, offset, count, dtype)
+
+    monkeypatch.setattr(features, "_read_at", spy)
+    for seed in range(5):
+        bytes_read.clear()
+        crop = read_npy_crop(path, 200, np.random.default_rng(seed), layout, 64)
+        matches = np.flatnonzero(big[:, 0] == crop[0, 0])
+        assert len(matches) == 1
+        np.testing.assert_array_equal(crop, big[matches[0] : matches[0] + 200])
+        assert sum(bytes_read) == 200 * 64 * 4  # the window's bytes, nothing more
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f2", "<f8"])
+@pytest.mark.parametrize("fortran", [False, True])
+def test_npy_dtypes_byte_orders_and_fortran_order(tmp_path, dtype, fortran):
+    frames = (np.arange(40 * 6).reshape(40, 6) / 8).astype(dtype)
+    for layout, stored in [("frames_bins", frames), ("bins_frames", frames.T)]:
+        stored = np.asfortranarray(stored) if fortran else np.ascontiguousarray(stored)
+        path = _write(tmp_path / f"{layout}.npy", stored)
+        crop = read_npy_crop(path, 10, None, layout, 6)
+        np.testing.assert_array_equal(crop, frames[15:25].astype(np.float32))
+        assert crop.dtype == np.float32
+
+
+def test_short_npy_is_padded_like_audio(tmp_path):
+    frames = np.arange(3 * 2, dtype=np.float32).reshape(3, 2) + 1
+    path = _write(tmp_path / "short.npy", frames)
+    np.testing.assert_array_equal(read_npy_crop(path, 7, None, "frames_bins", 2, "repeat"),
+                                  frames[[0, 1, 2, 0, 1, 2, 0]])
+    zeros = read_npy_crop(path, 5, None, "frames_bins", 2, "zeros")
+    np.testing.assert_array_equal(zeros[:3], frames)
+    assert not zeros[3:].any()
+    assert read_npy_crop(path, 5, None, "frames_bins", 2, "none").shape == (3, 2)
+
+
+@pytest.mark.parametrize(
+    "array, layout, expected",
+    [
+        (np.zeros((10, 8, 2), np.float32), "frames_bins", r"shape \(10, 8, 2\).*\(frames, 8\)"),
+        (np.zeros((10, 7), np.float32), "frames_bins", r"shape \(10, 7\).*\(frames, 8\)"),
+        (np.zeros((10, 8), np.float32), "bins_frames", r"shape \(10, 8\).*\(8, frames\)"),
+        (np.zeros((10, 8), np.int16), "frames_bins", r"dtype int16"),
+        (np.zeros((0, 8), np.float32), "frames_bins", r"shape \(0, 8\)"),
+    ],
+)
+def test_wrong_feature_file_names_file_shape_and_expectation(tmp_path, array, layout, expected):
+    path = _write(tmp_path / "feat_bad.npy", array)
+    with pytest.raises(FeatureFileError, match="feat_bad.npy") as info:
+        read_npy_crop(path, 4, None, layout, 8)
+    assert info.match(expected)
+
+
+def test_corrupt_or_missing_npy_names_the_file(tmp_path):
+    path = _write(tmp_path / "trunc.npy", np.zeros((1000, 8), np.float32))
+    path.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(FeatureFileError, match="trunc.npy"):
+        read_npy_crop(path, 4, None, "frames_bins", 8)
+    (tmp_path / "text.npy").write_text("not numpy")
+    with pytest.raises(FeatureFileError, match="text.npy"):
+        read_npy_crop(tmp_path / "text.npy", 4, None, "frames_bins", 8)
+    with pytest.raises(FeatureFileError, match="absent.npy"):
+        read_npy_crop(tmp_path / "absent.npy", 4, None, "frames_bins", 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Front end
+
+
+def test_log_mel_shapes_and_lengths():
+    cfg = FeaturesConfig(n_mels=40)
+    waves = torch.randn(3, 16000)
+    lengths = torch.tensor([16000, 8000, 100])
+    feats, frame_lengths = LogMel(cfg)(waves, lengths)
+    assert feats.shape == (3, 16000 // 160 + 1, 40) and feats.dtype == torch.float32
+    assert frame_lengths.tolist() == [101, 51, 1]
+    single = log_mel(waves[1, :8000], cfg)
+    assert isinstance(single, np.ndarray) and single.shape == (51, 40)
+    # The offline features are the front end's own frames (away from the zero-padded end).
+    np.testing.assert_allclose(single[:45], feats[1, :45].numpy(), atol=1e-4)
+
+
+def test_log_mel_is_fp32_under_autocast():
+    lm = LogMel(FeaturesConfig(n_mels=32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        feats, _ = lm(torch.randn(2, 4000), torch.tensor([4000, 4000]))
+    assert feats.dtype == torch.float32 and torch.isfinite(feats).all()
+
+
+def test_utterance_norm_ignores_padding():
+    norm = UtteranceNorm()
+    torch.manual_seed(0)
+    alone = torch.randn(1, 30, 8) * 3 + 5
+    padded = torch.cat([alone, 1000 * torch.randn(1, 20, 8)], dim=1)
+    out_alone = norm(alone, torch.tensor([30]))
+    out_padded = norm(padded, torch.tensor([30]))
+    torch.testing.assert_close(out_padded[:, :30], out_alone, atol=1e-5, rtol=1e-5)
+    assert not out_padded[:, 30:].any()
+    assert out_alone.mean(dim=1).abs().max() < 1e-5
+    assert (out_alone.std(dim=1, unbiased=False) - 1).abs().max() < 1e-3
+
+
+def test_spec_augment_only_in_training():
+    aug = SpecAugment(freq_mask=4, time_mask=10, num_masks=2)
+    feats = torch.randn(8, 100, 32)
+    aug.eval()
+    assert torch.equal(aug(feats), feats)
+    aug.train()
+    torch.manual_seed(0)
+    out = aug(feats)
+    assert out.shape == feats.shape and not torch.equal(out, feats)
+    changed = out != feats
+    assert bool((out[changed] == 0).all())
+    # Masks are drawn per example (iid_masks): examples differ in what was masked.
+    per_example = changed.flatten(1).sum(dim=1)
+    assert len(set(per_example.tolist())) > 1
+
+
+@pytest.mark.parametrize("kind", ["audio", "npy"])
+def test_frontend_both_kinds(kind):
+    cfg = FeaturesConfig(kind=kind, n_mels=32)
+    frontend = FeatureFrontend(cfg).eval()
+    if kind == "audio":
+        x, lengths = torch.randn(2, 8000), torch.tensor([8000, 4000])
+        frames = [51, 26]
+    else:
+        x, lengths = torch.randn(2, 60, 32), torch.tensor([60, 30])
+        frames = [60, 30]
+    feats, feat_lengths = frontend(x, lengths)
+    assert feats.shape == (2, frames[0], 32) and feat_lengths.tolist() == frames
+    assert not feats[1, frames[1]:].any()  # padding stays zero after normalisation
+    assert feats[0].mean().abs() < 1e-4
+
+
+def test_frontend_rejects_wrong_input_shape():
+    with pytest.raises(ValueError, match=r"\[batch, frames, 32\]"):
+        FeatureFrontend(FeaturesConfig(kind="npy", n_mels=32))(torch.zeros(2, 10, 40), torch.tensor([10, 10]))
+    with pytest.raises(ValueError, match=r"\[batch, samples\]"):
+        FeatureFrontend(FeaturesConfig(kind="audio"))(torch.zeros(2, 10, 40), torch.tensor([10, 10]))
