@@ -78,6 +78,7 @@ class FeaturesConfig:
     n_mels: int = 64  # mel bins (= bins of precomputed features)
     f_min: float = 20.0  # lowest mel frequency in Hz
     f_max: Union[float, None] = None  # highest mel frequency; None = sample_rate / 2
+    norm: Literal["utterance", "utterance_bin", "none"] = "utterance"  # per-utterance mean/var over all bins, per bin (CMVN), or none
     crop_seconds: float = 2.0  # training crop length
     pad_mode: Literal["repeat", "zeros"] = "repeat"  # how clips shorter than the crop are filled
     eval_crop: Literal["full", "center"] = "full"  # evaluation: whole clip or a centred crop

@@ -277,22 +277,34 @@ def log_mel(wave: Tensor, cfg: FeaturesConfig) -> np.ndarray:
 
 
 class UtteranceNorm(nn.Module):
-    """Per-utterance, per-bin mean/variance normalisation over the valid frames only.
+    """Per-utterance mean/variance normalisation over the valid frames only.
 
-    Statistics use frames < lengths[b], so padding does not change them; padded frames come out
-    as zeros. Computed in fp32.
+    mode="utterance" (default): one mean and variance over all valid frames and bins, which
+    removes the recording gain but keeps the spectral envelope (often what tells classes apart).
+    mode="utterance_bin": per mel bin (CMVN), which also removes the envelope / channel.
+    mode="none": no normalisation. Statistics use frames < lengths[b], so padding does not change
+    them; padded frames come out as zeros. Computed in fp32.
     """
 
-    def __init__(self, eps: float = 1e-5):
+    def __init__(self, mode: str = "utterance", eps: float = 1e-5):
         super().__init__()
+        if mode not in ("utterance", "utterance_bin", "none"):
+            raise ValueError(
+                f"features.norm={mode!r} is invalid: use 'utterance', 'utterance_bin' or 'none'"
+            )
+        self.mode = mode
         self.eps = eps
 
     def forward(self, feats: Tensor, lengths: Tensor) -> Tensor:
         feats = feats.float()
         mask = _valid_frames(lengths, feats.shape[1]).unsqueeze(-1).to(feats.dtype)  # [B, T, 1]
-        count = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
-        mean = (feats * mask).sum(dim=1, keepdim=True) / count
-        var = (((feats - mean) * mask) ** 2).sum(dim=1, keepdim=True) / count
+        if self.mode == "none":
+            return feats * mask
+        dims = [1] if self.mode == "utterance_bin" else [1, 2]
+        bins = 1.0 if self.mode == "utterance_bin" else float(feats.shape[2])
+        count = (mask.sum(dim=1, keepdim=True) * bins).clamp(min=1.0)
+        mean = (feats * mask).sum(dim=dims, keepdim=True) / count
+        var = (((feats - mean) * mask) ** 2).sum(dim=dims, keepdim=True) / count
         return (feats - mean) / torch.sqrt(var + self.eps) * mask
 
 
@@ -342,7 +354,7 @@ class FeatureFrontend(nn.Module):
         self.kind = cfg.kind
         self.n_mels = cfg.n_mels
         self.log_mel = LogMel(cfg) if cfg.kind == "audio" else None
-        self.norm = UtteranceNorm()
+        self.norm = UtteranceNorm(cfg.norm)
         num_masks = cfg.num_masks if cfg.spec_augment else 0
         self.spec_augment = SpecAugment(cfg.freq_mask, cfg.time_mask, num_masks)
 

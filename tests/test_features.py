@@ -229,8 +229,9 @@ def test_log_mel_is_fp32_under_autocast():
     assert feats.dtype == torch.float32 and torch.isfinite(feats).all()
 
 
-def test_utterance_norm_ignores_padding():
-    norm = UtteranceNorm()
+@pytest.mark.parametrize("mode", ["utterance", "utterance_bin"])
+def test_utterance_norm_ignores_padding(mode):
+    norm = UtteranceNorm(mode)
     torch.manual_seed(0)
     alone = torch.randn(1, 30, 8) * 3 + 5
     padded = torch.cat([alone, 1000 * torch.randn(1, 20, 8)], dim=1)
@@ -238,8 +239,20 @@ def test_utterance_norm_ignores_padding():
     out_padded = norm(padded, torch.tensor([30]))
     torch.testing.assert_close(out_padded[:, :30], out_alone, atol=1e-5, rtol=1e-5)
     assert not out_padded[:, 30:].any()
-    assert out_alone.mean(dim=1).abs().max() < 1e-5
-    assert (out_alone.std(dim=1, unbiased=False) - 1).abs().max() < 1e-3
+    dims = (1,) if mode == "utterance_bin" else (1, 2)
+    assert out_alone.mean(dim=dims).abs().max() < 1e-5
+    assert (out_alone.std(dim=dims, unbiased=False) - 1).abs().max() < 1e-3
+
+
+def test_utterance_norm_keeps_the_spectral_envelope_by_default():
+    feats = torch.linspace(0, 7, 8).repeat(1, 30, 1)  # a bright-to-dark envelope, constant in time
+    lengths = torch.tensor([30])
+    kept = UtteranceNorm("utterance")(feats, lengths)
+    removed = UtteranceNorm("utterance_bin")(feats, lengths)
+    assert kept[0, 0, -1] > kept[0, 0, 0]  # bins still ordered
+    assert removed.abs().max() < 1e-3  # per-bin CMVN wipes a stationary envelope
+    with pytest.raises(ValueError, match="features.norm='x' is invalid"):
+        UtteranceNorm("x")
 
 
 def test_spec_augment_only_in_training():
