@@ -106,11 +106,19 @@ def setup(
         if chosen_backend == "nccl" and not use_cuda:
             raise RuntimeError("dist.backend=nccl needs CUDA; use dist.backend=gloo (or auto) on CPU")
         if not is_initialized():
-            dist.init_process_group(
-                backend=chosen_backend,
-                timeout=datetime.timedelta(minutes=timeout_minutes),
-                **({"device_id": dev} if chosen_backend == "nccl" else {}),
-            )
+            timeout = datetime.timedelta(minutes=timeout_minutes)
+            extra = {"device_id": dev} if chosen_backend == "nccl" else {}
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if restart is not None:
+                # After a torchrun restart the rendezvous store can still hold the previous
+                # attempt's peer addresses (seen with gloo: "connectFullMesh ... Connection
+                # refused"); a per-attempt key prefix keeps the attempts apart.
+                store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+                store = dist.PrefixStore(f"audioclf/attempt_{restart}", store)
+                dist.init_process_group(backend=chosen_backend, store=store, rank=rank,
+                                        world_size=world_size, timeout=timeout, **extra)
+            else:
+                dist.init_process_group(backend=chosen_backend, timeout=timeout, **extra)
         rank, world_size = dist.get_rank(), dist.get_world_size()
     return DistEnv(rank, local_rank, world_size, dev, strategy, chosen_backend)
 

