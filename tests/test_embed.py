@@ -1,0 +1,198 @@
+"""The embed CLI: class ranking of new files against a gallery sheet, --save, cache, errors."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from audioclf import embed
+from audioclf.embed import main
+from audioclf.export import export_model
+from tests.test_export import make_checkpoint
+
+CLASSES = ("c00", "c01", "c02", "c03")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_demo):
+    """A gallery of one file per class, copies of those files as queries (in nested folders,
+    beside a file that is not audio), and an untrained Conformer checkpoint.
+
+    An untrained model is enough: a file identical to a gallery entry has the same embedding,
+    so it scores 1.0 against its own class (a one-file class's centroid is that file). The tiny
+    Conformer keeps other classes well below that (< 0.998); the untrained CNN does not.
+    """
+    root = tmp_path_factory.mktemp("embed")
+    table = pd.read_excel(tiny_demo, dtype=str, engine="openpyxl")
+    table = table[table["a_cls"].isin(CLASSES) & table["a_id"].str.endswith("_i0_00")].copy()
+    table["path"] = [str(tiny_demo.parent / p) for p in table["path"]]
+    gallery = root / "gallery.csv"
+    table.to_csv(gallery, index=False)
+    queries = root / "queries"
+    expected = {}
+    for i, (cls, path) in enumerate(zip(table["a_cls"], table["path"], strict=True)):
+        copy = queries / ("nested" if i % 2 else "") / f"query_{cls}.wav"
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, copy)
+        expected[str(copy)] = cls
+    (queries / "notes.txt").write_text("not audio")
+    (root / "model").mkdir()
+    model = make_checkpoint(root / "model" / "best.pt", "conformer")
+    return {"root": root, "gallery": gallery, "queries": queries, "expected": expected,
+            "model": model}
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def parse_rankings(stdout: str) -> dict[str, list[tuple[str, float]]]:
+    """{file: [(class, score), ...]} from the printed blocks."""
+    rankings: dict[str, list[tuple[str, float]]] = {}
+    current = None
+    for line in stdout.splitlines()[1:]:  # the first line describes model and gallery
+        if line.startswith("saved "):
+            break
+        if not line.startswith(" "):
+            current = line
+            rankings[current] = []
+        else:
+            _, cls, score = line.split()
+            rankings[current].append((cls, float(score)))
+    return rankings
+
+
+def embed_cli(capsys, setup, *extra, model=None):
+    code, out, err = run_cli(capsys, "--model", model or setup["model"], "--gallery",
+                             setup["gallery"], "--quiet", "--device", "cpu", *extra,
+                             setup["queries"])
+    assert code == 0, err
+    return out, parse_rankings(out)
+
+
+def test_files_from_the_gallery_rank_their_own_class_first(setup, capsys):
+    out, rankings = embed_cli(capsys, setup, "--top", "3")
+    assert sorted(rankings) == sorted(setup["expected"])  # folders searched recursively
+    for path, ranking in rankings.items():
+        assert len(ranking) == 3
+        assert [score for _, score in ranking] == sorted((s for _, s in ranking), reverse=True)
+        top_class, top_score = ranking[0]
+        assert top_class == setup["expected"][path]
+        assert top_score == pytest.approx(1.0, abs=1e-4)
+        assert ranking[1][1] < top_score - 1e-3
+    assert "4 files, 4 classes" in out.splitlines()[0]
+
+
+def test_save_writes_embeddings_and_file_names(setup, capsys, tmp_path):
+    prefix = tmp_path / "out" / "new"
+    out, rankings = embed_cli(capsys, setup, "--save", prefix, "--top", "1")
+    embeddings = np.load(f"{prefix}.npy")
+    table = pd.read_csv(f"{prefix}.csv")
+    assert embeddings.shape == (4, 16) and embeddings.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
+    assert table["file"].tolist() == list(rankings)  # rows in the printed order
+    assert table["top_class"].tolist() == [setup["expected"][f] for f in table["file"]]
+    assert f"saved {prefix}.npy and {prefix}.csv" in out
+
+
+def test_gallery_embeddings_are_cached_per_sheet_content(setup, capsys):
+    cache = setup["model"].parent / embed.CACHE_DIR
+    shutil.rmtree(cache, ignore_errors=True)
+    first, ranked_first = embed_cli(capsys, setup)
+    assert "cached" not in first.splitlines()[0] and len(list(cache.glob("gallery-*.npz"))) == 1
+    second, ranked_second = embed_cli(capsys, setup)
+    assert "cached" in second.splitlines()[0]
+    assert ranked_second == ranked_first
+
+    edited = setup["root"] / "edited.csv"  # another sheet content → its own cache entry
+    pd.read_csv(setup["gallery"]).iloc[:3].to_csv(edited, index=False)
+    code, out, _ = run_cli(capsys, "--model", setup["model"], "--gallery", edited, "--quiet",
+                           setup["queries"])
+    assert code == 0 and "3 files, 3 classes)" in out.splitlines()[0]
+    assert len(list(cache.glob("gallery-*.npz"))) == 2
+    third, _ = embed_cli(capsys, setup, "--no-cache")
+    assert "cached" not in third.splitlines()[0]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit is deprecated
+def test_exports_rank_like_the_checkpoint(setup, capsys, tmp_path):
+    # One file per batch: in a padded batch a clip's last log-mel frames see the batch's zero
+    # padding (a lone clip sees a reflection), which would blur the comparison of a model
+    # with the front end against one fed each file's own log-mel.
+    lone = ("--no-cache", "--batch-size", "1")
+    _, reference = embed_cli(capsys, setup, *lone)
+    exports = [("torchscript", True)]
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+        import onnxscript  # noqa: F401
+        exports.append(("onnx", False))  # ONNX without the front end: log-mel computed here
+    except ImportError:
+        pass
+    for fmt, frontend in exports:
+        out = tmp_path / f"model.{fmt}"
+        export_model(setup["model"], fmt, out, frontend=frontend)
+        _, rankings = embed_cli(capsys, setup, *lone, model=out)
+        assert list(rankings) == list(reference), fmt
+        for path, ranking in rankings.items():
+            assert ranking[0][0] == reference[path][0][0] == setup["expected"][path], fmt
+            # Lower ranks may swap places where scores tie within the tolerance.
+            scores, expected = dict(ranking), dict(reference[path])
+            assert scores.keys() == expected.keys()
+            for cls, score in scores.items():
+                assert score == pytest.approx(expected[cls], abs=2e-4), (fmt, path, cls)
+
+
+def write_sheet(path: Path, setup, drop: str | None = None) -> Path:
+    table = pd.read_csv(setup["gallery"])
+    (table.drop(columns=drop) if drop else table).to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty folder", "no .wav / .flac / .ogg files found"),
+    ("missing path", "does not exist"),
+    ("npy for an audio model", "the model takes audio, not .npy files"),
+    ("gallery without classes", "has no column 'a_cls'"),
+    ("unreadable audio", "cannot read audio file"),
+    ("export without sidecar", "needs its sidecar"),
+])
+def test_errors_exit_2_with_one_line(setup, capsys, tmp_path, case, message):
+    gallery, inputs, model = setup["gallery"], [setup["queries"]], setup["model"]
+    if case == "empty folder":
+        (tmp_path / "empty" / "sub").mkdir(parents=True)
+        inputs = [tmp_path / "empty"]
+    elif case == "missing path":
+        inputs = [tmp_path / "nothing.wav"]
+    elif case == "npy for an audio model":
+        np.save(tmp_path / "feats.npy", np.zeros((10, 32), np.float32))
+        inputs = [tmp_path / "feats.npy"]
+    elif case == "gallery without classes":
+        gallery = write_sheet(tmp_path / "no_class.csv", setup, drop="a_cls")
+    elif case == "unreadable audio":
+        broken = tmp_path / "broken.wav"
+        broken.write_bytes(b"RIFF but not really a wav file")
+        inputs = [setup["queries"], broken]
+    else:
+        model = tmp_path / "model.onnx"
+        model.write_bytes(b"onnx")
+    code, out, err = run_cli(capsys, "--model", model, "--gallery", gallery, "--quiet", *inputs)
+    assert code == 2 and out == ""
+    assert err.startswith("python -m audioclf.embed: error: ") and err.count("\n") == 1
+    assert message in err
+    if case == "unreadable audio":
+        assert str(tmp_path / "broken.wav") in err
+
+
+def test_help_explains_inputs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--gallery" in text and "centroid" in text and "sidecar" in text

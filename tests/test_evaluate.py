@@ -1,0 +1,254 @@
+"""The offline evaluator: reports from a trained checkpoint, --split/--index/--gallery, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from audioclf import evaluate
+from audioclf.checkpoint import CheckpointError
+from audioclf.data.index import load_index
+from audioclf.evaluate import enrollment_split, main
+from audioclf.inference import embed_files, load_trained
+from tests.conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = ("precision_at_1", "map_at_r", "r_precision", "knn_accuracy", "centroid_accuracy",
+           "eer", "min_dcf", "nmi", "ami")
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, tiny_demo):
+    """A checkpoint written by the real trainer (1 short epoch of the tiny CNN)."""
+    from audioclf.trainer import fit
+
+    runs = tmp_path_factory.mktemp("runs")
+    cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=1", "train.limit_batches=4",
+                      "eval.every=0")
+    run_dir = Path(fit(cfg)["run_dir"])
+    return run_dir / "best.pt"
+
+
+@pytest.fixture(scope="session")
+def closed_set_sheet(tmp_path_factory, tiny_demo):
+    """The demo rows with a split column: per item, id 00 → val, id 01 → test, others → train,
+    so every class is in every split (closed set)."""
+    table = pd.read_excel(tiny_demo, dtype=str, engine="openpyxl")
+    table["path"] = [str(tiny_demo.parent / p) for p in table["path"]]
+    suffix = table["a_id"].str[-2:]
+    table["split"] = np.select([suffix == "00", suffix == "01"], ["val", "test"], "train")
+    path = tmp_path_factory.mktemp("sheets") / "closed.csv"
+    table.to_csv(path, index=False)
+    return path
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_report(folder: Path) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
+def test_default_evaluation_writes_a_complete_report(trained, tmp_path, capsys):
+    out = tmp_path / "eval"
+    code, stdout, err = run_cli(capsys, "--checkpoint", trained, "--out", out, "--num-workers", 0,
+                                "--quiet", "--device", "cpu")
+    assert code == 0, err
+    for name in ("report.json", "report.md", "det.png", "per_class_p1.png", "projection.png"):
+        assert (out / name).stat().st_size > 0, name
+    report = read_report(out)
+    for name in METRICS:
+        assert math.isfinite(report["metrics"][name]), name
+    setup = report["evaluation"]
+    # The tiny demo's generated split holds out whole classes: 3 of 12 classes x 12 samples.
+    assert setup["split"] == "val" and setup["n_samples"] == 36 and setup["n_classes"] == 3
+    assert setup["classification"].startswith("enrollment")
+    assert any("open-set" in note for note in setup["notes"])
+    assert "open-set" in (out / "report.md").read_text()
+    assert not (out / "confusion.png").exists()  # queries are a subset: no per-sample kNN
+    assert "precision_at_1" in stdout and str(out / "report.md") in stdout
+    assert not list(tmp_path.glob(".eval.partial*"))
+
+
+def test_default_out_is_next_to_the_checkpoint(trained, capsys):
+    code, _, err = run_cli(capsys, "--checkpoint", trained, "--num-workers", 0, "--quiet",
+                           "--gallery", "none")
+    assert code == 0, err
+    report = read_report(trained.parent / "eval")
+    assert report["evaluation"]["classification"] == "none"
+    assert "knn_accuracy" not in report["metrics"]
+
+
+def test_index_and_split_are_honoured_closed_set(trained, closed_set_sheet, tmp_path, capsys):
+    for split, expected in (("val", 36), ("test", 36)):
+        out = tmp_path / split
+        code, stdout, err = run_cli(capsys, "--checkpoint", trained, "--index", closed_set_sheet,
+                                    "--split", split, "--out", out, "--num-workers", 0, "--quiet",
+                                    "--projection", "tsne")
+        assert code == 0, err
+        for name in evaluate.SUMMARY_METRICS:  # the summary table has a row per metric
+            assert any(line.split()[:1] == [name] for line in stdout.splitlines()), name
+        setup = read_report(out)["evaluation"]
+        assert setup["index"] == str(closed_set_sheet)
+        assert setup["split"] == split and setup["n_samples"] == expected
+        assert setup["n_classes"] == 12
+        # Every evaluated class is in the train split: classified against it, kNN confusion.
+        assert setup["classification"].startswith("closed set")
+        assert setup["n_gallery_samples"] == 144 - 72
+        assert (out / "confusion.png").is_file()
+        assert math.isfinite(read_report(out)["metrics"]["knn_accuracy"])
+
+
+def test_gallery_sheet(trained, closed_set_sheet, tmp_path, capsys):
+    table = pd.read_csv(closed_set_sheet, dtype=str)
+    full = tmp_path / "gallery.csv"
+    table[table["split"] == "train"].drop(columns="split").to_csv(full, index=False)
+    code, _, err = run_cli(capsys, "--checkpoint", trained, "--index", closed_set_sheet,
+                           "--gallery", full, "--out", tmp_path / "ok", "--num-workers", 0,
+                           "--quiet")
+    assert code == 0, err
+    assert read_report(tmp_path / "ok")["evaluation"]["gallery"] == str(full)
+
+    partial = tmp_path / "partial.csv"
+    table[table["a_cls"] != "c03"].to_csv(partial, index=False)
+    code, out, err = run_cli(capsys, "--checkpoint", trained, "--index", closed_set_sheet,
+                             "--gallery", partial, "--out", tmp_path / "bad", "--num-workers", 0,
+                             "--quiet")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "lacks 1 of the 12 evaluated classes ('c03')" in err
+    assert not (tmp_path / "bad").exists()
+
+
+def corrupt_checkpoint(trained: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "corrupt.pt"
+    path.write_bytes(trained.read_bytes()[:2000])
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing checkpoint", "does not exist"),
+    ("corrupt checkpoint", "cannot be read"),
+    ("empty split", "the val split of"),
+    ("absent split", "has no 'test' split"),
+    ("index without class column", "has no column 'a_cls'"),
+    ("wrong model name", "--model-name conformer was requested but"),
+    ("no cuda", "CUDA is not available"),
+])
+def test_errors_exit_2_with_one_line_and_write_nothing(trained, closed_set_sheet, tmp_path, capsys,
+                                                      case, message):
+    if case == "no cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    table = pd.read_csv(closed_set_sheet, dtype=str)
+    out = tmp_path / "out"
+    args = ["--checkpoint", trained, "--out", out, "--num-workers", 0, "--quiet"]
+    if case == "missing checkpoint":
+        args[1] = tmp_path / "nope.pt"
+    elif case == "corrupt checkpoint":
+        args[1] = corrupt_checkpoint(trained, tmp_path)
+    elif case == "empty split":
+        sheet = tmp_path / "all_train.csv"
+        table.assign(split="train").to_csv(sheet, index=False)
+        args += ["--index", sheet]
+    elif case == "absent split":
+        sheet = tmp_path / "no_test.csv"
+        table.assign(split=table["split"].replace("test", "val")).to_csv(sheet, index=False)
+        args += ["--index", sheet, "--split", "test"]
+    elif case == "index without class column":
+        sheet = tmp_path / "no_class.csv"
+        table.drop(columns="a_cls").to_csv(sheet, index=False)
+        args += ["--index", sheet]
+    elif case == "wrong model name":
+        args += ["--model-name", "conformer"]
+    else:
+        args += ["--device", "cuda"]
+    code, stdout, err = run_cli(capsys, *args)
+    assert code == 2 and stdout == ""
+    assert err.startswith("python -m audioclf.evaluate: error: ") and err.count("\n") == 1
+    assert message in err
+    if case == "wrong model name":
+        assert "holds a cnn model" in err
+    assert not out.exists()
+
+
+def test_unreadable_file_is_named_or_skipped(trained, closed_set_sheet, tmp_path, capsys):
+    table = pd.read_csv(closed_set_sheet, dtype=str)
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"RIFF, but not audio")
+    first_val = table.index[table["split"] == "val"][0]
+    table.loc[first_val, "path"] = str(broken)
+    sheet = tmp_path / "broken.csv"
+    table.to_csv(sheet, index=False)
+    args = ["--checkpoint", trained, "--index", sheet, "--num-workers", 0, "--quiet"]
+    code, _, err = run_cli(capsys, *args, "--out", tmp_path / "failed")
+    assert code == 2 and err.count("\n") == 1
+    assert f"index row {first_val + 2}" in err and str(broken) in err
+    assert "pass --skip-bad-files" in err and not (tmp_path / "failed").exists()
+
+    code, _, err = run_cli(capsys, *args, "--out", tmp_path / "ok", "--skip-bad-files")
+    assert code == 0, err
+    setup = read_report(tmp_path / "ok")["evaluation"]
+    assert setup["n_samples"] == 35 and any("1 unreadable file" in n for n in setup["notes"])
+
+
+def test_weights_of_another_model_config_are_named(trained, tmp_path):
+    ckpt = torch.load(trained, weights_only=False)
+    ckpt["config"]["model"]["cnn"]["width"] = 16
+    ckpt["config"]["model"]["embedding_dim"] = 8
+    other = tmp_path / "other.pt"
+    torch.save(ckpt, other)
+    with pytest.raises(CheckpointError) as info:
+        load_trained(other)
+    text = str(info.value)
+    assert "shape mismatches" in text and "embedder.blocks.0.conv1.weight" in text
+    assert "written by another model config" in text
+
+    del ckpt["model"]["embedder.embedding.bias"]
+    ckpt["model"]["extra.weight"] = torch.zeros(1)
+    ckpt["config"]["model"]["cnn"]["width"] = 8
+    ckpt["config"]["model"]["embedding_dim"] = 16
+    torch.save(ckpt, other)
+    with pytest.raises(CheckpointError, match=r"missing keys embedder\.embedding\.bias; "
+                                              r"unexpected keys extra\.weight"):
+        load_trained(other)
+
+
+def test_ddp_prefixed_weights_load(trained, tmp_path, tiny_demo):
+    ckpt = torch.load(trained, weights_only=False)
+    ckpt["model"] = {f"module.{k}": v for k, v in ckpt["model"].items()}
+    wrapped = tmp_path / "wrapped.pt"
+    torch.save(ckpt, wrapped)
+    net, cfg, _ = load_trained(wrapped)
+    reference, _, _ = load_trained(trained)
+    files = load_index(cfg.data).table["path"].tolist()[:3]
+    np.testing.assert_array_equal(embed_files(net, cfg, files, progress=False),
+                                  embed_files(reference, cfg, files, progress=False))
+
+
+def test_enrollment_split_is_by_item_and_keeps_both_sides():
+    classes = np.array(["a"] * 6 + ["b"] * 3 + ["c"])
+    items = np.array(["a1", "a1", "a2", "a2", "a3", "a3", "b1", "b1", "b1", "c1"])
+    enroll = enrollment_split(classes, items, seed=0)
+    for item in ("a1", "a2", "a3"):  # an item is wholly on one side
+        assert len(set(enroll[items == item])) == 1
+    assert enroll[classes == "a"].sum() == 2  # one of three items enrolls
+    assert enroll[classes == "b"].sum() == 1  # a single item: its samples split
+    assert not enroll[classes == "c"].any()  # a single sample only queries
+    np.testing.assert_array_equal(enroll, enrollment_split(classes, items, seed=0))
+
+
+def test_help_runs_as_a_module():
+    result = subprocess.run([sys.executable, "-m", "audioclf.evaluate", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "MAP@R" in result.stdout and "--gallery" in result.stdout
