@@ -31,10 +31,10 @@ setup_venv() {
     fi
     local stamp="$VENV/.requirements.sha256"
     local want
-    want="$(sha256sum requirements.txt | cut -d' ' -f1)"
+    want="$(cat requirements.txt requirements-dev.txt | sha256sum | cut -d' ' -f1)"
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-        echo "run.sh: installing requirements.txt into .venv (first run takes a few minutes)"
-        "$PY" -m pip install --disable-pip-version-check -q -r requirements.txt
+        echo "run.sh: installing requirements-dev.txt into .venv (first run takes a few minutes)"
+        "$PY" -m pip install --disable-pip-version-check -q -r requirements-dev.txt
         echo "$want" > "$stamp"
     fi
 }
@@ -135,8 +135,11 @@ cmd_stop() {
         echo "run $1 is not running"
         return 0
     fi
-    # SIGTERM to the whole group: workers finish their step, write last.pt and exit 0.
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+    # SIGTERM to torchrun's workers: they finish their step, write last.pt and exit 0, and then
+    # torchrun exits normally. (Signalling torchrun itself makes it tear the workers down.)
+    if ! pkill -TERM -P "$pid" 2>/dev/null; then
+        kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+    fi
     for _ in $(seq 1 120); do
         kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; echo "stopped $1"; return 0; }
         sleep 1

@@ -43,6 +43,7 @@ log = logging.getLogger("audioclf")
 # SIGTERM arrived at a global step.
 CRASH_ENV = "AUDIOCLF_TEST_CRASH_AT_STEP"
 STOP_ENV = "AUDIOCLF_TEST_STOP_AT_STEP"
+RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
 
 
 class StopRequested:
@@ -139,13 +140,13 @@ def evaluate_on_ranks(model, data: RunData, cfg: Config, env: distributed.DistEn
         if env.is_primary:
             emb = np.concatenate([p[0] for p in parts if len(p[1])])
             labels = np.concatenate([p[1] for p in parts])
-            result = retrieval_metrics(emb, labels, device=precision.device)
-            metrics = {k: float(v) for k, v in result.items() if np.isscalar(v)}
-        return metrics
+            metrics = retrieval_metrics(emb, labels, device=precision.device)
+        return {k: float(metrics[k]) for k in RETRIEVAL_KEYS if k in metrics}
     metrics = {}
     if env.is_primary:
         loader = build_eval_loader(data.val_set, batch_size=cfg.eval.batch_size, **kwargs)
         metrics = validate(model, loader, precision, progress=True)
+        metrics = {k: metrics[k] for k in RETRIEVAL_KEYS if k in metrics}
     distributed.barrier()  # other ranks wait here; dist.timeout_minutes must cover validation
     return metrics
 

@@ -190,3 +190,11 @@ def test_legacy_local_rank_launch(tmp_path, tiny_demo):
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "rank 0 of 2" in log
+
+
+def test_dataloader_workers_do_not_change_the_run(tmp_path, tiny_demo):
+    # Crops are seeded per (epoch, batch, slot), not by worker RNG: 0 or 2 workers, same run.
+    runs = [_fit_single(tiny_config(tiny_demo, tmp_path / str(w), "cnn", "train.epochs=2",
+                                    f"data.num_workers={w}", "eval.every=0"))
+            for w in (0, 2)]
+    assert runs[0]["parameters_sha256"] == runs[1]["parameters_sha256"]

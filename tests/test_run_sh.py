@@ -1,0 +1,57 @@
+"""run.sh: help, background launch with pid file, and a clean stop that leaves last.pt."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from audioclf import checkpoint
+from audioclf.config import save_config
+from tests.conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_sh(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["./run.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def test_help_lists_the_commands():
+    out = run_sh("--help")
+    assert out.returncode == 0
+    for word in ("demo", "test", "--bg", "stop NAME"):
+        assert word in out.stdout
+
+
+def test_missing_config_is_one_clear_line():
+    out = run_sh("configs/nope.yaml")
+    assert out.returncode == 2 and out.stderr.strip() == "run.sh: config configs/nope.yaml not found"
+
+
+def test_background_run_and_stop(tmp_path, tiny_demo):
+    runs = tmp_path / "runs"
+    cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=500", "eval.every=0", "train.name=bg")
+    save_config(cfg, tmp_path / "bg.yaml")
+    started = run_sh("--bg", "--nproc", "2", str(tmp_path / "bg.yaml"))
+    assert started.returncode == 0, started.stderr
+    assert "./run.sh stop bg" in started.stdout and "tail -f" in started.stdout
+    run_dir = runs / "bg"
+    pid = int((run_dir / "pid").read_text())
+    try:
+        log = run_dir / "train.log"
+        deadline = time.time() + 120
+        while time.time() < deadline and "epoch 2/500" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.5)
+        assert "epoch 2/500" in log.read_text(), (run_dir / "nohup.log").read_text()[-3000:]
+        stopped = run_sh("stop", "bg", env={"RUNS_DIR": str(runs)})
+        assert stopped.returncode == 0 and "stopped bg" in stopped.stdout, stopped.stderr
+    finally:
+        subprocess.run(["kill", "-9", f"-{pid}"], capture_output=True)
+    assert not (run_dir / "pid").exists()
+    ckpt = checkpoint.load(run_dir / "last.pt")
+    assert ckpt["step"] > 0 and ckpt["world_size"] == 2
+    assert "stopped on request" in (run_dir / "train.log").read_text()
+    assert "Traceback" not in (run_dir / "nohup.log").read_text()
