@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 class DataConfig:
     index: str = "data/demo/index.xlsx"  # index sheet: .xlsx, .csv or .parquet
     root: str = ""  # folder that relative paths are resolved against; "" = the index's folder
-    sheet: Union[int, str] = 0  # Excel sheet name or position
+    sheet: int | str = 0  # Excel sheet name or position
     class_column: str = "a_cls"  # column holding the class label
     item_column: str = "a_item"  # column holding the source/recording inside a class
     id_column: str = "a_id"  # column holding the unique sample id
@@ -77,7 +77,7 @@ class FeaturesConfig:
     hop_length: int = 160  # hop in samples (one feature frame)
     n_mels: int = 64  # mel bins (= bins of precomputed features)
     f_min: float = 20.0  # lowest mel frequency in Hz
-    f_max: Union[float, None] = None  # highest mel frequency; None = sample_rate / 2
+    f_max: float | None = None  # highest mel frequency; None = sample_rate / 2
     norm: Literal["utterance", "utterance_bin", "none"] = "utterance"  # per-utterance mean/var over all bins, per bin (CMVN), or none
     crop_seconds: float = 2.0  # training crop length
     pad_mode: Literal["repeat", "zeros"] = "repeat"  # how clips shorter than the crop are filled
@@ -182,7 +182,7 @@ class TrainConfig:
     limit_batches: int = 0  # stop each epoch after this many batches; 0 = full epoch
     accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast dtype (fp16 uses GradScaler)
-    opt_level: Union[Literal["O0", "O1", "O2", "O3"], None] = None  # apex alias; overrides precision
+    opt_level: Literal["O0", "O1", "O2", "O3"] | None = None  # apex alias; overrides precision
     seed: int = 0  # seed for python, numpy, torch and the sampler
     deterministic: bool = False  # torch deterministic algorithms (slower)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available

@@ -24,7 +24,13 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from audioclf.config import load_config  # noqa: E402
-from audioclf.engine import LRSchedule, NonFiniteGuard, build_optimizer, resolve_precision, train_one_epoch  # noqa: E402
+from audioclf.engine import (  # noqa: E402
+    LRSchedule,
+    NonFiniteGuard,
+    build_optimizer,
+    resolve_precision,
+    train_one_epoch,
+)
 from audioclf.losses import TripletLoss  # noqa: E402
 from audioclf.trainer import build_net  # noqa: E402
 

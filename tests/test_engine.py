@@ -137,7 +137,7 @@ def test_exact_mean_loss_and_sample_count():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = batches(3, 5)
     r = train_one_epoch(model, loader, mse, opt, resolve_precision(TrainConfig(), CPU))
-    expected = sum(mse(model(x, l), y)[0].item() * len(y) for x, l, y, _ in loader) / 15
+    expected = sum(mse(model(x, lengths), y)[0].item() * len(y) for x, lengths, y, _ in loader) / 15
     assert r.samples == 15 and r.loss == pytest.approx(expected)
 
 
@@ -146,7 +146,7 @@ def test_nonfinite_steps_are_skipped_and_counted():
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     bad = batches(2, 4)
-    bad = [(torch.full_like(x, float("nan")), l, y, p) for x, l, y, p in bad]
+    bad = [(torch.full_like(x, float("nan")), n, y, p) for x, n, y, p in bad]
     guard = NonFiniteGuard(patience=5)
     r = train_one_epoch(model, bad, mse, opt, resolve_precision(TrainConfig(), CPU), guard=guard)
     assert guard.total == 2 and r.steps == 2 and math.isnan(r.loss)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from audioclf.data.dataset import collate_padded
 
+
 class SeededBatches:
     """Wraps a batch sampler; yields [(position, crop_seed), ...] instead of [position, ...]."""
 
