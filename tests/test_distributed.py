@@ -121,3 +121,34 @@ def test_primary_first_and_reductions(tmp_path):
     for _, _, _, total, stop, gathered in (r0, r1):
         assert total == [3.0, 20.0] and stop is True
         assert gathered == [{"rank": 0}, {"rank": 1}]
+
+
+def _global_loss_worker(rank, world):
+    from audioclf.config import TrainConfig
+    from audioclf.engine import resolve_precision, train_one_epoch
+
+    torch.manual_seed(0)
+    env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")
+    model = distributed.wrap(_Net(), env, sync_bn=False, find_unused_parameters=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # frozen: per-sample losses are fixed
+    torch.manual_seed(10 + rank)
+    size = 3 if rank == 0 else 9  # unequal: a mean of rank means would be wrong
+    loader = [(torch.randn(size, 4), torch.full((size,), 4), torch.randint(0, 2, (size,)),
+               torch.arange(size)) for _ in range(2)]
+
+    def loss_fn(out, labels):
+        return nn.functional.cross_entropy(out, labels), {}
+
+    result = train_one_epoch(model, loader, loss_fn, opt,
+                             resolve_precision(TrainConfig(), torch.device("cpu")))
+    with torch.no_grad():
+        per_sample = torch.cat([nn.functional.cross_entropy(model(x, n), y, reduction="none")
+                                for x, n, y, _ in loader])
+    return result.loss, result.samples, per_sample.tolist()
+
+
+def test_epoch_loss_is_the_exact_global_mean(tmp_path):
+    (loss0, n0, s0), (loss1, n1, s1) = run_in_group(_global_loss_worker, tmp_path)
+    everything = torch.tensor(s0 + s1, dtype=torch.float64)
+    assert n0 == n1 == 24
+    assert abs(loss0 - everything.mean().item()) < 1e-6 and loss0 == loss1

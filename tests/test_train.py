@@ -198,3 +198,14 @@ def test_dataloader_workers_do_not_change_the_run(tmp_path, tiny_demo):
                                     f"data.num_workers={w}", "eval.every=0"))
             for w in (0, 2)]
     assert runs[0]["parameters_sha256"] == runs[1]["parameters_sha256"]
+
+
+def test_training_on_precomputed_npy_features(tmp_path):
+    from audioclf.data.demo import generate_demo
+
+    generate_demo(tmp_path / "demo", classes=8, items=3, ids=3, features=True)
+    cfg = tiny_config(tmp_path / "demo" / "index_features.xlsx", tmp_path / "runs", "cnn",
+                      "features.kind=npy", "features.n_mels=64", "train.epochs=1")
+    result = _fit_single(cfg)
+    assert result["step"] > 0 and set(result["metrics"]) == {"precision_at_1", "map_at_r",
+                                                              "r_precision"}
