@@ -252,8 +252,11 @@ class LogMel(nn.Module):
             with torch.autocast(device_type=waves.device.type, enabled=False):
                 feats = torch.log(self.mel(waves) + self.log_offset)
         feats = feats.transpose(1, 2)
-        frame_lengths = torch.div(lengths, self.hop_length, rounding_mode="floor") + 1
-        return feats, frame_lengths.clamp(max=feats.shape[1])
+        # Valid frames are those whose window ends inside the clip: the last centred frames of a
+        # short clip would see the batch's zero padding (alone they would see reflection), so
+        # counting them would make an embedding depend on what else is in the batch.
+        inside = torch.div(lengths - self.n_fft // 2, self.hop_length, rounding_mode="floor") + 1
+        return feats, inside.clamp(min=1, max=feats.shape[1])
 
 
 _LOG_MEL_CACHE: dict[tuple, LogMel] = {}
@@ -272,8 +275,8 @@ def log_mel(wave: Tensor, cfg: FeaturesConfig) -> np.ndarray:
     if wave.dim() != 1:
         raise ValueError(f"log_mel expects a 1-D waveform, got shape {tuple(wave.shape)}")
     with torch.no_grad():
-        feats, _ = _LOG_MEL_CACHE[key](wave.unsqueeze(0), torch.tensor([wave.shape[0]]))
-    return feats[0].numpy()
+        feats, frames = _LOG_MEL_CACHE[key](wave.unsqueeze(0), torch.tensor([wave.shape[0]]))
+    return feats[0, : int(frames[0])].numpy()  # only the valid frames, as the front end counts them
 
 
 class UtteranceNorm(nn.Module):
@@ -376,9 +379,10 @@ class FeatureFrontend(nn.Module):
         return self.spec_augment(feats), lengths
 
 
-def frames_for_samples(n_samples: int, hop_length: int) -> int:
-    """Frames LogMel produces for `n_samples` samples (centred frames)."""
-    return n_samples // hop_length + 1
+def frames_for_samples(n_samples: int, hop_length: int, n_fft: int = 0) -> int:
+    """Valid frames LogMel counts for `n_samples` samples (centred frames whose window ends
+    inside the clip; with n_fft=0, every centred frame)."""
+    return max(1, (n_samples - n_fft // 2) // hop_length + 1)
 
 
 def eval_max_frames(cfg: FeaturesConfig) -> int:

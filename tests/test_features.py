@@ -215,9 +215,10 @@ def test_log_mel_shapes_and_lengths():
     lengths = torch.tensor([16000, 8000, 100])
     feats, frame_lengths = LogMel(cfg)(waves, lengths)
     assert feats.shape == (3, 16000 // 160 + 1, 40) and feats.dtype == torch.float32
-    assert frame_lengths.tolist() == [101, 51, 1]
+    # Valid frames: centred windows (n_fft 512, hop 160) that end inside the clip.
+    assert frame_lengths.tolist() == [(16000 - 256) // 160 + 1, (8000 - 256) // 160 + 1, 1]
     single = log_mel(waves[1, :8000], cfg)
-    assert isinstance(single, np.ndarray) and single.shape == (51, 40)
+    assert isinstance(single, np.ndarray) and single.shape == (49, 40)
     # The offline features are the front end's own frames (away from the zero-padded end).
     np.testing.assert_allclose(single[:45], feats[1, :45].numpy(), atol=1e-4)
 
@@ -277,12 +278,12 @@ def test_frontend_both_kinds(kind):
     frontend = FeatureFrontend(cfg).eval()
     if kind == "audio":
         x, lengths = torch.randn(2, 8000), torch.tensor([8000, 4000])
-        frames = [51, 26]
+        total, frames = 51, [49, 24]
     else:
         x, lengths = torch.randn(2, 60, 32), torch.tensor([60, 30])
-        frames = [60, 30]
+        total, frames = 60, [60, 30]
     feats, feat_lengths = frontend(x, lengths)
-    assert feats.shape == (2, frames[0], 32) and feat_lengths.tolist() == frames
+    assert feats.shape == (2, total, 32) and feat_lengths.tolist() == frames
     assert not feats[1, frames[1]:].any()  # padding stays zero after normalisation
     assert feats[0].mean().abs() < 1e-4
 

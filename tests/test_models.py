@@ -212,3 +212,24 @@ def test_triplet_loss_falls_on_separable_patterns(name):
     final = held_out_loss()
     assert initial > 0.05, f"the untrained model already separates the classes ({initial:.3f})"
     assert final < 0.5 * initial, f"held-out triplet loss {initial:.3f} → {final:.3f}"
+
+
+@pytest.mark.parametrize("name", ["cnn", "conformer"])
+def test_waveform_embedding_does_not_depend_on_the_batch(name):
+    """A clip embedded alone equals the same clip zero-padded next to a longer one."""
+    from audioclf.config import load_config
+    from audioclf.trainer import build_net
+
+    cfg = load_config(None, [
+        f"model.name={name}", "features.n_mels=32", "model.cnn.width=8", "model.cnn.depth=2",
+        "model.conformer.d_model=32", "model.conformer.num_heads=2", "model.conformer.ffn_dim=64",
+        "model.conformer.num_layers=1", "model.conformer.kernel_size=7"])
+    torch.manual_seed(0)
+    net = build_net(cfg, 0).eval()
+    short, long = torch.randn(1, 12345) * 0.1, torch.randn(1, 20000) * 0.1
+    batch = torch.zeros(2, 20000)
+    batch[0, :12345], batch[1] = short[0], long[0]
+    with torch.no_grad():
+        alone = net.embed(short, torch.tensor([12345]))
+        together = net.embed(batch, torch.tensor([12345, 20000]))
+    torch.testing.assert_close(together[:1], alone, atol=1e-5, rtol=0)

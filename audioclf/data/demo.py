@@ -41,7 +41,7 @@ from audioclf.config import FeaturesConfig
 MANIFEST = "demo.json"
 INDEX = "index.xlsx"
 FEATURES_INDEX = "index_features.xlsx"
-VERSION = 2  # bump when the generated audio changes, so old folders are regenerated
+VERSION = 3  # bump when the generated audio changes, so old folders are regenerated
 
 MIN_SECONDS, MAX_SECONDS = 1.0, 2.0  # length of one id
 CHIRP_PERIOD = 2.0  # seconds; the fundamental sweeps over one period, then starts again
