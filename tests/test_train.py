@@ -159,8 +159,10 @@ def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
 
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=2", "eval.every=0",
                       "checkpoint.every_steps=2", "checkpoint.resume=auto")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--max-restarts=1", "-m", "audioclf.train", *_cli(cfg)]
+    # The c10d rendezvous of the README's multi-node command, on one node.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--max-restarts=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+           "--rdzv_id=restart-test", "-m", "audioclf.train", *_cli(cfg)]
     env = dict(_env(), **{CRASH_ENV: "3"})
     returncode, output = run_group(cmd, env, timeout=300)
     assert returncode == 0, output[-4000:]
