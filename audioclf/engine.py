@@ -250,47 +250,49 @@ def train_one_epoch(
     optimizer.zero_grad(set_to_none=True)
     bar = tqdm(total=total, desc=description, disable=not progress, dynamic_ncols=True,
                mininterval=1.0, leave=False)
-    for x, lengths, labels, _positions in loader:
-        if limit_batches and batch_index >= limit_batches:
-            break
-        x = x.to(device, non_blocking=True)
-        lengths = lengths.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        final_micro = (batch_index + 1) % accumulate == 0
-        with distributed.no_sync(model, skip=not final_micro):
-            with precision.autocast():
-                output = model(x, lengths)
-            loss, stats = loss_fn(output, labels)
-            precision.scaler.scale(loss / accumulate).backward()
-        loss = loss.detach()
-        finite_loss = torch.isfinite(loss)
-        loss_sum += torch.where(finite_loss, loss.double() * labels.numel(), 0.0)
-        sample_count += torch.where(finite_loss, float(labels.numel()), 0.0)
-        for k, v in stats.items():
-            stat_sums[k] = stat_sums.get(k, 0.0) + float(v)
-        batch_index += 1
-        bar.update(1)
-        if not final_micro:
-            continue
-        precision.scaler.unscale_(optimizer)
-        # The norm is computed from all-reduced gradients: every rank takes the same decision.
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
-        finite = bool(torch.isfinite(norm))
-        if finite:
-            precision.scaler.step(optimizer)
-        precision.scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        global_step += 1
-        steps += 1
-        guard.update(finite, global_step)
-        if schedule is not None:
-            schedule.step()
-        if progress and steps % 10 == 0:
-            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-        if on_step is not None and on_step(global_step, batch_index):
-            stopped = True
-            break
-    bar.close()
+    try:
+        for x, lengths, labels, _positions in loader:
+            if limit_batches and batch_index >= limit_batches:
+                break
+            x = x.to(device, non_blocking=True)
+            lengths = lengths.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            final_micro = (batch_index + 1) % accumulate == 0
+            with distributed.no_sync(model, skip=not final_micro):
+                with precision.autocast():
+                    output = model(x, lengths)
+                loss, stats = loss_fn(output, labels)
+                precision.scaler.scale(loss / accumulate).backward()
+            loss = loss.detach()
+            finite_loss = torch.isfinite(loss)
+            loss_sum += torch.where(finite_loss, loss.double() * labels.numel(), 0.0)
+            sample_count += torch.where(finite_loss, float(labels.numel()), 0.0)
+            for k, v in stats.items():
+                stat_sums[k] = stat_sums.get(k, 0.0) + float(v)
+            batch_index += 1
+            bar.update(1)
+            if not final_micro:
+                continue
+            precision.scaler.unscale_(optimizer)
+            # The norm is computed from all-reduced gradients: every rank takes the same decision.
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+            finite = bool(torch.isfinite(norm))
+            if finite:
+                precision.scaler.step(optimizer)
+            precision.scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            global_step += 1
+            steps += 1
+            guard.update(finite, global_step)
+            if schedule is not None:
+                schedule.step()
+            if progress and steps % 10 == 0:
+                bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+            if on_step is not None and on_step(global_step, batch_index):
+                stopped = True
+                break
+    finally:
+        bar.close()  # also on error, so the message starts on its own line
     if batch_index % accumulate != 0:  # drop a trailing incomplete accumulation group
         optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - start

@@ -88,3 +88,15 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     return str(value)
+
+
+def log_failure_to_file(exc: BaseException, rank: int) -> None:
+    """Append this rank's traceback to train.log (the console already shows the error)."""
+    files = [h for h in log.handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        return
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0,
+                            "rank %d stopped with %s: %s", (rank, type(exc).__name__, exc),
+                            (type(exc), exc, exc.__traceback__))
+    for handler in files:
+        handler.handle(record)

@@ -32,7 +32,7 @@ from audioclf.engine import (
     train_one_epoch,
     validate,
 )
-from audioclf.logs import MetricsWriter, setup_logging
+from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
 from audioclf.losses import TripletLoss
 from audioclf.models import EmbeddingNet, FeatureFrontend, build_model, count_parameters
 from audioclf.sampler import MPerClassSampler
@@ -159,6 +159,9 @@ def fit(cfg: Config, *, local_rank_arg: int | None = None) -> dict:
     try:
         with StopRequested() as stop:
             return _fit(cfg, env, stop)
+    except Exception as exc:
+        log_failure_to_file(exc, env.rank)  # every rank's traceback lands in train.log
+        raise
     finally:
         distributed.teardown()
 

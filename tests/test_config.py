@@ -37,6 +37,14 @@ def test_defaults_without_file():
     assert cfg == Config()
 
 
+def test_exponent_without_dot_is_a_float(tmp_path):
+    # PyYAML parses 5e-4 as a string; users write learning rates that way.
+    cfg = load_config(write(tmp_path, {"optim": {"lr": "5e-4"}}), ["optim.min_lr=1e-6"])
+    assert cfg.optim.lr == 5e-4 and cfg.optim.min_lr == 1e-6
+    with pytest.raises(ConfigError, match="optim.lr='fast' has the wrong type: expected float"):
+        load_config(None, ["optim.lr=fast"])
+
+
 def test_int_accepted_for_float_and_null_for_optional():
     cfg = load_config(None, ["optim.lr=1", "features.f_max=null"])
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
