@@ -152,3 +152,18 @@ def test_epoch_loss_is_the_exact_global_mean(tmp_path):
     everything = torch.tensor(s0 + s1, dtype=torch.float64)
     assert n0 == n1 == 24
     assert abs(loss0 - everything.mean().item()) < 1e-6 and loss0 == loss1
+
+
+def test_checkpoints_load_across_syncbn_and_batchnorm():
+    from audioclf.config import load_config
+    from audioclf.trainer import build_net
+
+    cfg = load_config(None, ["model.name=conformer", "model.conformer.d_model=32",
+                             "model.conformer.num_heads=2", "model.conformer.num_layers=1"])
+    plain = build_net(cfg, 0)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(build_net(cfg, 0))
+    assert any(isinstance(m, nn.SyncBatchNorm) for m in synced.modules())
+    plain.load_state_dict(synced.state_dict())  # GPU-trained (SyncBN) → CPU evaluation
+    synced.load_state_dict(plain.state_dict())  # and back, e.g. resuming on a GPU box
+    for (name, a), (_, b) in zip(plain.state_dict().items(), synced.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -211,3 +211,16 @@ def test_training_on_precomputed_npy_features(tmp_path):
     result = _fit_single(cfg)
     assert result["step"] > 0 and set(result["metrics"]) == {"precision_at_1", "map_at_r",
                                                               "r_precision"}
+
+
+def test_fp16_run_keeps_grad_scaler_state_in_checkpoints(tmp_path, tiny_demo):
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
+                      "train.opt_level=O1")  # the apex alias for fp16 autocast + loss scaling
+    first = _fit_single(cfg)
+    ckpt = checkpoint.load(tmp_path / "runs" / "t" / "last.pt")
+    assert ckpt["config"]["train"]["opt_level"] == "O1"
+    assert ckpt["scaler"]["scale"] > 0 and "_growth_tracker" in ckpt["scaler"]
+    resumed = _fit_single(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=2",
+                                      "eval.every=0", "train.opt_level=O1",
+                                      "checkpoint.resume=auto"))
+    assert resumed["step"] == 2 * first["step"]
