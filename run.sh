@@ -64,8 +64,9 @@ cmd_demo() {
     fi
     if [[ $stage -le 2 && $stop_stage -ge 2 ]]; then
         echo "== stage 2: train (2 processes)"
+        # resume=auto: a second ./run.sh demo continues (or, when finished, keeps) the run.
         "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
-            -m audioclf.train --config configs/demo_cnn.yaml
+            -m audioclf.train --config configs/demo_cnn.yaml checkpoint.resume=auto
     fi
     if [[ $stage -le 3 && $stop_stage -ge 3 ]]; then
         echo "== stage 3: offline evaluation"

@@ -170,6 +170,12 @@ def _fit(cfg: Config, env: distributed.DistEnv, stop: StopRequested) -> dict:
     run_dir = Path(cfg.train.runs_dir) / cfg.train.name
     setup_logging(None, env.rank)  # console only until the input is known to be valid
     resume_path = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    if resume_path is None and (run_dir / checkpoint.LAST).exists():
+        raise ValueError(
+            f"{run_dir} already holds a run ({checkpoint.LAST}); continue it with "
+            "checkpoint.resume=auto, or start a new one with another train.name (or delete the "
+            "folder)"
+        )
     ckpt = checkpoint.load(resume_path) if resume_path is not None else None
     if ckpt is not None:
         # The architecture comes from the checkpoint, not from the flags.

@@ -224,3 +224,13 @@ def test_fp16_run_keeps_grad_scaler_state_in_checkpoints(tmp_path, tiny_demo):
                                       "eval.every=0", "train.opt_level=O1",
                                       "checkpoint.resume=auto"))
     assert resumed["step"] == 2 * first["step"]
+
+
+def test_fresh_start_refuses_to_overwrite_a_run(tmp_path, tiny_demo):
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0")
+    first = _fit_single(cfg)
+    with pytest.raises(ValueError, match=r"already holds a run \(last.pt\).*checkpoint.resume=auto"):
+        _fit_single(cfg)
+    done = _fit_single(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1",
+                                   "eval.every=0", "checkpoint.resume=auto"))
+    assert done["step"] == first["step"] and done["history"] == first["history"]
