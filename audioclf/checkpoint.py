@@ -8,15 +8,15 @@ original config file (the resolved config travels inside).
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from audioclf.fileio import atomic_copy, atomic_write
 
 log = logging.getLogger("audioclf")
 
@@ -64,18 +64,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_atomic(obj: dict, path: str | Path) -> Path:
     """torch.save to a temporary file in the same folder, fsync, then os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic_write(path, lambda handle: torch.save(obj, handle), sync=True)
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
@@ -121,18 +110,12 @@ class CheckpointSaver:
         """End of an epoch: last.pt, epoch_<N>.pt (pruned to keep_last) and best.pt if improved."""
         written = [self.save_last(state)]
         if self.keep_last > 0:
-            epoch_path = self.run_dir / f"epoch_{epoch:04d}.pt"
-            shutil.copyfile(written[0], epoch_path.with_name(epoch_path.name + ".tmp"))
-            os.replace(epoch_path.with_name(epoch_path.name + ".tmp"), epoch_path)
-            written.append(epoch_path)
+            written.append(atomic_copy(written[0], self.run_dir / f"epoch_{epoch:04d}.pt"))
             for old in sorted(self.run_dir.glob("epoch_*.pt"))[: -self.keep_last]:
                 old.unlink(missing_ok=True)
         if self.is_better(metric):
             self.best_metric = metric
-            best_tmp = self.run_dir / f".{BEST}.tmp"
-            shutil.copyfile(written[0], best_tmp)
-            os.replace(best_tmp, self.run_dir / BEST)
-            written.append(self.run_dir / BEST)
+            written.append(atomic_copy(written[0], self.run_dir / BEST))
         return written
 
 

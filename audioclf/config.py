@@ -404,10 +404,9 @@ def config_from_dict(data: dict) -> Config:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    from audioclf.fileio import atomic_write_bytes
+
+    atomic_write_bytes(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
 
 
 # ---------------------------------------------------------------------------------------------

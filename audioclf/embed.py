@@ -46,11 +46,11 @@ from torch import Tensor
 from audioclf.checkpoint import CheckpointError
 from audioclf.config import DataConfig, FeaturesConfig, from_dict
 from audioclf.data.index import load_index
+from audioclf.fileio import atomic_write_bytes
 from audioclf.inference import (
     LOG_MEL,
     WAVEFORM,
     UsageError,
-    atomic_write_bytes,
     cli_errors,
     describe_checkpoint,
     embed_files,

@@ -54,11 +54,11 @@ from torch import Tensor, nn
 from audioclf import checkpoint
 from audioclf.config import Config, to_dict
 from audioclf.features import FeatureFrontend, frames_for_samples
+from audioclf.fileio import atomic_write_bytes
 from audioclf.inference import (
     LOG_MEL,
     WAVEFORM,
     UsageError,
-    atomic_write_bytes,
     cli_errors,
     load_trained,
 )

@@ -271,18 +271,6 @@ def cli_errors(prog: str, run: Callable[[], int]) -> int:
         return 2
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write bytes to a temporary file in the same folder, then os.replace it into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def describe_checkpoint(ckpt: dict[str, Any], cfg: Config) -> str:
     """'cnn, 128-d, epoch 12, step 3400' — for summaries."""
     parts = [cfg.model.name, f"{cfg.model.embedding_dim}-d"]

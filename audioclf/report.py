@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
-import uuid
-from collections.abc import Callable
-from typing import IO
 
 import matplotlib
 
@@ -35,6 +31,7 @@ from sklearn.decomposition import PCA  # noqa: E402
 from sklearn.manifold import TSNE  # noqa: E402
 from sklearn.metrics import confusion_matrix  # noqa: E402
 
+from audioclf.fileio import atomic_write  # noqa: E402
 from audioclf.metrics import check_embeddings, retrieval_metrics  # noqa: E402
 
 PROJECTIONS = ("pca", "tsne")
@@ -121,7 +118,7 @@ def write_report(
         written["confusion.png"] = _plot_confusion(out_dir / "confusion.png", lab, knn_predictions, class_names)
 
     markdown = _markdown(title, metrics, counts, per_class, images=list(written))
-    written["report.md"] = _write_atomically(out_dir / "report.md", lambda f: f.write(markdown.encode()))
+    written["report.md"] = atomic_write(out_dir / "report.md", lambda f: f.write(markdown.encode()))
     report = {
         "title": title,
         "metrics": metrics,
@@ -130,7 +127,7 @@ def write_report(
         "files": sorted([*written, "report.json"]),
     }
     text = json.dumps(_json_ready(report), indent=2, allow_nan=False) + "\n"
-    written["report.json"] = _write_atomically(out_dir / "report.json", lambda f: f.write(text.encode()))
+    written["report.json"] = atomic_write(out_dir / "report.json", lambda f: f.write(text.encode()))
     return written
 
 
@@ -190,28 +187,10 @@ def _per_class_p1(labels: np.ndarray, correct_at_1: np.ndarray, class_names: lis
     return sorted(rows, key=lambda row: (row["p_at_1"] is None, row["p_at_1"] or 0.0, row["class_id"]))
 
 
-# --------------------------------------------------------------------------------------------
-# Atomic file writing
-# --------------------------------------------------------------------------------------------
-
-
-def _write_atomically(path: pathlib.Path, write: Callable[[IO[bytes]], None]) -> pathlib.Path:
-    # A unique name opened with "x" (not mkstemp, whose 0600 mode would make reports private).
-    temp_path = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(temp_path, "xb") as handle:
-            write(handle)
-        os.replace(temp_path, path)
-    except BaseException:
-        temp_path.unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _save_figure(figure, path: pathlib.Path) -> pathlib.Path:
     try:
         figure.tight_layout()
-        return _write_atomically(path, lambda handle: figure.savefig(handle, format="png", dpi=120))
+        return atomic_write(path, lambda handle: figure.savefig(handle, format="png", dpi=120))
     finally:
         plt.close(figure)
 

@@ -32,6 +32,7 @@ from audioclf.engine import (
     train_one_epoch,
     validate,
 )
+from audioclf.fileio import atomic_copy
 from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
 from audioclf.losses import TripletLoss
 from audioclf.models import EmbeddingNet, FeatureFrontend, build_model, count_parameters
@@ -350,7 +351,7 @@ def _fit(cfg: Config, env: distributed.DistEnv, stop: StopRequested) -> dict:
     if env.is_primary and not stopped and not (run_dir / checkpoint.BEST).exists() \
             and (run_dir / checkpoint.LAST).exists():
         log.info("no validation metric was computed: best.pt is the final epoch")
-        checkpoint.save_atomic(checkpoint.load(run_dir / checkpoint.LAST), run_dir / checkpoint.BEST)
+        atomic_copy(run_dir / checkpoint.LAST, run_dir / checkpoint.BEST)
     metrics_writer.close()
     distributed.barrier()
     return {"run_dir": str(run_dir), "metrics": last_metrics, "history": history,

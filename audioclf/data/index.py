@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import string
-import tempfile
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
@@ -43,6 +42,7 @@ import pyarrow as pa
 
 from audioclf import distributed
 from audioclf.config import DataConfig
+from audioclf.fileio import atomic_write
 
 log = logging.getLogger("audioclf")
 
@@ -514,17 +514,14 @@ def _read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
 def _write_cache(path: Path, table: pd.DataFrame, meta: dict) -> None:
     """Atomically (temp file + os.replace); a cache that cannot be written is only logged."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         arrow = pa.Table.from_pandas(table, preserve_index=False)
         arrow = arrow.replace_schema_metadata({_CACHE_META_KEY: json.dumps(meta).encode()})
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as sink, pa.ipc.new_file(sink, arrow.schema) as writer:
+
+        def write(sink) -> None:
+            with pa.ipc.new_file(sink, arrow.schema) as writer:
                 writer.write_table(arrow)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+
+        atomic_write(path, write)
     except OSError as exc:
         log.warning("could not write the index cache %s (%s); the sheet is parsed on every run "
                     "(set data.cache_dir to a writable folder)", path, exc)
