@@ -333,20 +333,35 @@ def extract_embeddings(embed: Callable, loader: Iterable, precision: Precision, 
     return np.concatenate(chunks), np.concatenate(labels_out), np.concatenate(positions_out)
 
 
-def validate(model: nn.Module, loader: Iterable, precision: Precision, *,
-             progress: bool = False) -> dict[str, float]:
-    """Retrieval metrics (P@1, MAP@R, R-precision) of the bare model on one loader, rank-local."""
-    from audioclf.metrics import retrieval_metrics
+RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
 
+
+def embed_for_validation(model: nn.Module, loader: Iterable, precision: Precision, *,
+                         progress: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Embeddings of the bare model in eval mode over one loader (training mode restored after)."""
     net = distributed.unwrap(model)
     was_training = net.training
     net.eval()
     try:
-        embeddings, labels, _ = extract_embeddings(net.embed, loader, precision,
-                                                   progress=progress, description="validate")
+        return extract_embeddings(net.embed, loader, precision, progress=progress,
+                                  description="validate")
     finally:
         net.train(was_training)
+
+
+def retrieval_summary(embeddings: np.ndarray, labels: np.ndarray,
+                      device: torch.device | None = None) -> dict[str, float]:
+    """P@1, MAP@R and R-precision as plain floats ({} with fewer than 2 samples)."""
+    from audioclf.metrics import retrieval_metrics
+
     if len(labels) < 2:
         return {}
-    metrics = retrieval_metrics(embeddings, labels, device=precision.device)
-    return {k: float(v) for k, v in metrics.items() if np.isscalar(v)}
+    metrics = retrieval_metrics(embeddings, labels, device=device)
+    return {k: float(metrics[k]) for k in RETRIEVAL_KEYS}
+
+
+def validate(model: nn.Module, loader: Iterable, precision: Precision, *,
+             progress: bool = False) -> dict[str, float]:
+    """Retrieval metrics of the bare model on one loader, rank-local."""
+    embeddings, labels, _ = embed_for_validation(model, loader, precision, progress=progress)
+    return retrieval_summary(embeddings, labels, precision.device)

@@ -26,9 +26,10 @@ from audioclf.engine import (
     LRSchedule,
     NonFiniteGuard,
     build_optimizer,
-    extract_embeddings,
+    embed_for_validation,
     lr_scale,
     resolve_precision,
+    retrieval_summary,
     train_one_epoch,
     validate,
 )
@@ -44,7 +45,6 @@ log = logging.getLogger("audioclf")
 # SIGTERM arrived at a global step.
 CRASH_ENV = "AUDIOCLF_TEST_CRASH_AT_STEP"
 STOP_ENV = "AUDIOCLF_TEST_STOP_AT_STEP"
-RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
 
 
 class StopRequested:
@@ -125,29 +125,18 @@ def evaluate_on_ranks(model, data: RunData, cfg: Config, env: distributed.DistEn
         return {}
     n = len(data.val_set)
     if cfg.eval.distributed and env.distributed:
-        from audioclf.metrics import retrieval_metrics
-
         positions = list(range(env.rank, n, env.world_size))
         loader = build_eval_loader(data.val_set, positions, batch_size=cfg.eval.batch_size, **kwargs)
-        net = distributed.unwrap(model)
-        net.eval()
-        try:
-            emb, labels, pos = extract_embeddings(net.embed, loader, precision,
-                                                  progress=env.is_primary, description="validate")
-        finally:
-            net.train()
-        parts = distributed.gather_objects((emb, labels, pos))
-        metrics = {}
-        if env.is_primary:
-            emb = np.concatenate([p[0] for p in parts if len(p[1])])
-            labels = np.concatenate([p[1] for p in parts])
-            metrics = retrieval_metrics(emb, labels, device=precision.device)
-        return {k: float(metrics[k]) for k in RETRIEVAL_KEYS if k in metrics}
+        emb, labels, _ = embed_for_validation(model, loader, precision, progress=env.is_primary)
+        parts = distributed.gather_objects((emb, labels))
+        if not env.is_primary:
+            return {}
+        emb = np.concatenate([e for e, lab in parts if len(lab)])
+        return retrieval_summary(emb, np.concatenate([lab for _, lab in parts]), precision.device)
     metrics = {}
     if env.is_primary:
         loader = build_eval_loader(data.val_set, batch_size=cfg.eval.batch_size, **kwargs)
         metrics = validate(model, loader, precision, progress=True)
-        metrics = {k: metrics[k] for k in RETRIEVAL_KEYS if k in metrics}
     distributed.barrier()  # other ranks wait here; dist.timeout_minutes must cover validation
     return metrics
 

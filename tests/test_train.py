@@ -28,17 +28,17 @@ def _fit_worker(rank, world, cfg: Config):
 
 def untrained_metrics(cfg: Config) -> dict:
     """Validation metrics of the freshly initialised network, built as the trainer builds it."""
-    from audioclf.data.loader import build_eval_loader
+    from audioclf.data.loader import build_eval_loader, loader_kwargs
     from audioclf.engine import resolve_precision, validate
     from audioclf.trainer import build_data, build_net, seed_everything
 
     seed_everything(cfg.train.seed, False)
     data = build_data(cfg)
     net = build_net(cfg, len(data.train.classes))
-    loader = build_eval_loader(data.val_set, batch_size=cfg.eval.batch_size, num_workers=0,
-                               collate_fn=__import__("audioclf.data.dataset",
-                                                     fromlist=["collate_padded"]).collate_padded)
-    return validate(net, loader, resolve_precision(cfg.train, torch.device("cpu")))
+    cpu = torch.device("cpu")
+    loader = build_eval_loader(data.val_set, batch_size=cfg.eval.batch_size,
+                               **loader_kwargs(0, False, False, 2, cpu))
+    return validate(net, loader, resolve_precision(cfg.train, cpu))
 
 
 @pytest.mark.parametrize("model", ["cnn", "conformer"])
