@@ -39,12 +39,14 @@ setup_venv() {
     fi
 }
 
-config_name() {
-    # The run name a config + overrides resolve to (train.name), for pid and log files.
+run_location() {
+    # "<train.name>\t<run dir>" that a config + overrides resolve to (pid and log files go there).
     "$PY" - "$@" <<'PYEOF'
 import sys
+from pathlib import Path
 from audioclf.config import load_config
-print(load_config(sys.argv[1], sys.argv[2:]).train.name)
+cfg = load_config(sys.argv[1], sys.argv[2:]).train
+print(cfg.name, Path(cfg.runs_dir) / cfg.name, sep="\t")
 PYEOF
 }
 
@@ -97,22 +99,14 @@ cmd_train() {
     [[ $# -ge 1 ]] || die "train: missing CONFIG (e.g. ./run.sh --nproc 4 configs/conformer.yaml)"
     local config="$1"; shift
     [[ -f "$config" ]] || die "config $config not found"
-    local name
-    name="$(config_name "$config" "$@")"
     local launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc"
                   -m audioclf.train --config "$config" "$@")
     if [[ $bg -eq 0 ]]; then
         exec "${launch[@]}"
     fi
-    local run_dir
-    run_dir="$("$PY" - "$config" "$@" <<'PYEOF'
-import sys
-from pathlib import Path
-from audioclf.config import load_config
-cfg = load_config(sys.argv[1], sys.argv[2:])
-print(Path(cfg.train.runs_dir) / cfg.train.name)
-PYEOF
-)"
+    local name run_dir
+    IFS=$'\t' read -r name run_dir < <(run_location "$config" "$@")
+    [[ -n "$run_dir" ]] || die "cannot read train.name from $config (see the error above)"
     mkdir -p "$run_dir"
     if [[ -f "$run_dir/pid" ]] && kill -0 "$(cat "$run_dir/pid")" 2>/dev/null; then
         die "run $name is already running (pid $(cat "$run_dir/pid")); ./run.sh stop $name first"
