@@ -44,8 +44,11 @@ run_location() {
     "$PY" - "$@" <<'PYEOF'
 import sys
 from pathlib import Path
-from audioclf.config import load_config
-cfg = load_config(sys.argv[1], sys.argv[2:]).train
+from audioclf.config import ConfigError, load_config
+try:
+    cfg = load_config(sys.argv[1], sys.argv[2:]).train
+except ConfigError as exc:
+    sys.exit(f"run.sh: {exc}")
 print(cfg.name, Path(cfg.runs_dir) / cfg.name, sep="\t")
 PYEOF
 }
@@ -105,8 +108,7 @@ cmd_train() {
         exec "${launch[@]}"
     fi
     local name run_dir
-    IFS=$'\t' read -r name run_dir < <(run_location "$config" "$@")
-    [[ -n "$run_dir" ]] || die "cannot read train.name from $config (see the error above)"
+    IFS=$'\t' read -r name run_dir < <(run_location "$config" "$@") || exit 2
     mkdir -p "$run_dir"
     if [[ -f "$run_dir/pid" ]] && kill -0 "$(cat "$run_dir/pid")" 2>/dev/null; then
         die "run $name is already running (pid $(cat "$run_dir/pid")); ./run.sh stop $name first"
