@@ -18,17 +18,17 @@ from audioclf.data.dataset import collate_padded
 
 
 class SeededBatches:
-    """Wraps a batch sampler; yields [(position, crop_seed), ...] instead of [position, ...]."""
+    """Wraps a batch sampler; yields [(position, crop_seed), ...] instead of [position, ...].
+
+    Epoch and resume position are the sampler's own (MPerClassSampler.epoch; a resumed epoch
+    starts at batches_per_epoch - len), so the seeds follow the sampler through a resume.
+    """
 
     def __init__(self, batch_sampler, seed: int):
         self.batch_sampler = batch_sampler
         self.seed = seed
-        self.epoch = 0
-        self._start = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        self._start = 0
         self.batch_sampler.set_epoch(epoch)
 
     def state_dict(self, position: int) -> dict:
@@ -36,16 +36,15 @@ class SeededBatches:
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.load_state_dict(state)
-        self.epoch = int(state["epoch"])
-        self._start = int(state["position"])
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        start, self._start = self._start, 0
-        for batch_index, batch in enumerate(self.batch_sampler, start=start):
-            base = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + batch_index
+        sampler = self.batch_sampler
+        epoch, start = sampler.epoch, sampler.batches_per_epoch - len(sampler)
+        for batch_index, batch in enumerate(sampler, start=start):
+            base = (self.seed * 1_000_003 + epoch) * 10_000_019 + batch_index
             yield [(int(p), (base * 1_009 + slot) & 0x7FFF_FFFF_FFFF_FFFF) for slot, p in enumerate(batch)]
 
 
