@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -203,7 +203,6 @@ class EpochResult:
     steps: int  # optimizer steps taken on this rank in this epoch
     batches: int  # batches consumed (including a resumed epoch's first position)
     stopped: bool  # a stop was requested (signal) before the epoch ended
-    stats: dict = field(default_factory=dict)
 
     @property
     def samples_per_second(self) -> float:
@@ -231,8 +230,8 @@ def train_one_epoch(
     """One pass over `loader`; returns the exact global mean loss.
 
     Each batch is (x, lengths, labels, positions). `loss_fn(model_output, labels)` returns
-    (loss, stats). Micro-batches are grouped by `accumulate` with DDP's no_sync() on all but the
-    last, so one all-reduce happens per update. After each update `on_step(global_step,
+    (loss, stats); the stats are not used here. Micro-batches are grouped by `accumulate` with
+    DDP's no_sync() on all but the last, so one all-reduce happens per update. After each update `on_step(global_step,
     batches_consumed)` may return True to stop (its decision must agree across ranks).
     """
     device = precision.device
@@ -241,7 +240,6 @@ def train_one_epoch(
     params = [p for p in model.parameters() if p.requires_grad]
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sample_count = torch.zeros((), dtype=torch.float64, device=device)
-    stat_sums: dict[str, float] = {}
     total = len(loader) if hasattr(loader, "__len__") else None
     if limit_batches:
         total = max(0, min(total if total is not None else limit_batches, limit_batches - start_batch))
@@ -261,14 +259,12 @@ def train_one_epoch(
             with distributed.no_sync(model, skip=not final_micro):
                 with precision.autocast():
                     output = model(x, lengths)
-                loss, stats = loss_fn(output, labels)
+                loss, _stats = loss_fn(output, labels)
                 precision.scaler.scale(loss / accumulate).backward()
             loss = loss.detach()
             finite_loss = torch.isfinite(loss)
             loss_sum += torch.where(finite_loss, loss.double() * labels.numel(), 0.0)
             sample_count += torch.where(finite_loss, float(labels.numel()), 0.0)
-            for k, v in stats.items():
-                stat_sums[k] = stat_sums.get(k, 0.0) + float(v)
             batch_index += 1
             bar.update(1)
             if not final_micro:
@@ -305,7 +301,6 @@ def train_one_epoch(
         steps=steps,
         batches=batch_index,
         stopped=stopped,
-        stats=stat_sums,
     )
 
 
