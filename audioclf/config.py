@@ -274,7 +274,6 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value if value is not None else {}, key + ".")
     if origin in (Union, types.UnionType):
-        errors = []
         for option in typing.get_args(hint):
             if option is type(None):
                 if value is None:
@@ -282,8 +281,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
                 continue
             try:
                 return _coerce(option, value, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                continue  # try the next type of the union
         expected = " or ".join(_type_name(a) for a in typing.get_args(hint))
         raise ConfigError(f"config key {key}={value!r} has the wrong type: expected {expected}")
     if origin is Literal:
