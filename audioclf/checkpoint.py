@@ -3,6 +3,11 @@
 A checkpoint holds everything needed to resume bit-exactly (model, optimizer, LR schedule,
 grad scaler, sampler position, every rank's RNG states) and to rebuild the model without the
 original config file (the resolved config travels inside).
+
+`Checkpointer` is built once with the run's stateful parts, by name (torchtitan's
+`states={...}`, timm's `CheckpointSaver(model=..., optimizer=...)`); the loop then only says
+`save_last()` or `save_epoch(epoch, metric)`, and a resume is one `restore(ckpt)`.
+`CheckpointSaver` decides which files are kept.
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ from __future__ import annotations
 import logging
 import platform
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from audioclf import distributed
 from audioclf.fileio import atomic_copy, atomic_write
 
 log = logging.getLogger("audioclf")
@@ -62,6 +69,79 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class RankRNG:
+    """Every rank's RNG streams, as one checkpoint entry (a list ordered by rank).
+
+    `state_dict` is collective: every rank must call it (the states are gathered). On restore a
+    rank takes its own entry; with another world size the streams stay as seeded, which is said.
+    """
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return distributed.gather_objects(rng_state())
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        states = states or []
+        if len(states) == self.world_size:
+            set_rng_state(states[self.rank])
+        else:
+            log.warning("resuming with %d ranks from a %d-rank checkpoint: random streams are "
+                        "reseeded, so the run is not bit-identical", self.world_size, len(states))
+
+
+class Checkpointer:
+    """Saves a run's stateful parts by name into one flat dict, and restores them.
+
+    `states` go under their names ("model", "optimizer", ...); `flat` states (the trainer's
+    counters, the saver's best metric) are merged into the top level, as nanoGPT keeps
+    `iter_num`; `meta()` adds what is written but never restored (config, classes, versions).
+    Saving is collective — every rank must call `save_last` / `save_epoch` (RNG states are
+    gathered) — and rank 0 alone writes.
+    """
+
+    def __init__(self, saver: CheckpointSaver, *, states: dict[str, Stateful],
+                 flat: list[Stateful], meta: Callable[[], dict], primary: bool):
+        self.saver = saver
+        self.states = states
+        self.flat = flat
+        self.meta = meta
+        self.primary = primary
+
+    def state_dict(self) -> dict:
+        """The checkpoint dict (collective: every rank must call it)."""
+        state = {name: part.state_dict() for name, part in self.states.items()}
+        for part in self.flat:
+            state.update(part.state_dict())
+        state.update(self.meta())
+        return state
+
+    def save_last(self) -> Path | None:
+        """last.pt (collective); returns its path on rank 0."""
+        state = self.state_dict()
+        return self.saver.save_last(state) if self.primary else None
+
+    def save_epoch(self, epoch: int, metric: float | None) -> list[Path]:
+        """End of an epoch (collective): last.pt, epoch_<N>.pt and best.pt when `metric` is the
+        best so far; returns the files rank 0 wrote."""
+        state = self.state_dict()
+        return self.saver.save_epoch(state, epoch, metric) if self.primary else []
+
+    def restore(self, ckpt: dict) -> None:
+        """Load every part from a checkpoint dict (each rank, no collective)."""
+        for part in self.flat:
+            part.load_state_dict(ckpt)
+        for name, part in self.states.items():
+            part.load_state_dict(ckpt[name])
+
+
 def save_atomic(obj: dict, path: str | Path) -> Path:
     """torch.save to a temporary file in the same folder, fsync, then os.replace."""
     return atomic_write(path, lambda handle: torch.save(obj, handle), sync=True)
@@ -88,20 +168,26 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
 
 
 class CheckpointSaver:
-    """Keeps last.pt, best.pt and the last `keep_last` epoch checkpoints in a run directory."""
+    """Keeps last.pt, best.pt and the last `keep_last` epoch checkpoints in a run directory.
 
-    def __init__(self, run_dir: str | Path, *, keep_last: int, higher_is_better: bool = True):
+    best.pt follows the highest finite metric (every validation metric is higher-is-better).
+    """
+
+    def __init__(self, run_dir: str | Path, *, keep_last: int):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last
-        self.higher_is_better = higher_is_better
         self.best_metric: float | None = None
 
     def is_better(self, metric: float | None) -> bool:
         if metric is None or not np.isfinite(metric):
             return False
-        if self.best_metric is None:
-            return True
-        return metric > self.best_metric if self.higher_is_better else metric < self.best_metric
+        return self.best_metric is None or metric > self.best_metric
+
+    def state_dict(self) -> dict:
+        return {"best_metric": self.best_metric}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_metric = state.get("best_metric")
 
     def save_last(self, state: dict) -> Path:
         return save_atomic(state, self.run_dir / LAST)

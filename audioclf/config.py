@@ -94,6 +94,8 @@ class FeaturesConfig:
         _check(self.crop_seconds > 0, "features.crop_seconds", self.crop_seconds, "> 0")
         _check(self.hop_length > 0, "features.hop_length", self.hop_length, "> 0")
         _check(self.n_mels > 0, "features.n_mels", self.n_mels, "> 0")
+        for key in ("freq_mask", "time_mask", "num_masks"):
+            _check(getattr(self, key) >= 0, f"features.{key}", getattr(self, key), ">= 0")
 
     @property
     def crop_samples(self) -> int:
@@ -105,10 +107,63 @@ class FeaturesConfig:
 
 
 @dataclass
+class AugmentConfig:
+    enabled: bool = False  # augment training crops: waveforms, or log-mel for features.kind=npy (EQ and gain only)
+    speed_prob: float = 1.0  # share of clips speed-perturbed before the crop (tempo and pitch together, Kaldi/WeSpeaker style)
+    speed_factors: tuple[float, ...] = (0.9, 1.0, 1.1)  # speed drawn uniformly from these; 1.1 = 10 % faster and higher, 1.0 = unchanged
+    reverb_prob: float = 0.3  # share of crops convolved with a synthetic room impulse response
+    reverb_rt60: tuple[float, float] = (0.2, 0.8)  # reverberation time range in seconds (time to decay by 60 dB)
+    reverb_drr_db: tuple[float, float] = (0.0, 12.0)  # direct-to-reverberant energy ratio range in dB (lower = more reverberant)
+    reverb_early_reflections: int = 4  # discrete echoes 2-40 ms after the direct sound; 0 = diffuse tail only
+    eq_prob: float = 0.5  # share of crops coloured by a random smooth EQ curve (microphone / channel / synthesiser)
+    eq_bands: int = 6  # control points of the EQ curve, log-spaced from 50 Hz to sample_rate / 2
+    eq_gain_db: tuple[float, float] = (-6.0, 6.0)  # gain range of each control point in dB
+    eq_tilt_db_per_octave: tuple[float, float] = (-1.0, 1.0)  # spectral tilt range (dB per octave, pivot 1 kHz), added to the curve
+    noise_prob: float = 0.5  # share of crops with added noise
+    noise_snr_db: tuple[float, float] = (5.0, 20.0)  # signal-to-noise ratio range in dB
+    noise_colors: tuple[Literal["white", "pink", "brown"], ...] = ("white", "pink", "brown")  # generated noise colour, drawn uniformly
+    noise_dir: str = ""  # folder of noise recordings (wav/flac/ogg, searched recursively); "" = generated noise only
+    noise_file_prob: float = 0.5  # with noise_dir set: share of noisy crops using a random file segment instead of generated noise
+    noise_cache_mb: int = 256  # decoded noise files kept per data-loader process (least recently used dropped first)
+    gain_prob: float = 0.5  # share of crops with a random gain
+    gain_db: tuple[float, float] = (-6.0, 6.0)  # gain range in dB
+
+    def __post_init__(self) -> None:
+        for name in ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "noise_file_prob", "gain_prob"):
+            value = getattr(self, name)
+            _check(0.0 <= value <= 1.0, f"augment.{name}", value, "a probability in [0, 1]")
+        _check(
+            len(self.speed_factors) >= 1 and all(0.5 <= f <= 2.0 for f in self.speed_factors),
+            "augment.speed_factors", self.speed_factors, "a non-empty list of factors in [0.5, 2.0]",
+        )
+        self._check_range("reverb_rt60", self.reverb_rt60, 0.01, 5.0)
+        self._check_range("reverb_drr_db", self.reverb_drr_db, -30.0, 60.0)
+        self._check_range("eq_gain_db", self.eq_gain_db, -30.0, 30.0)
+        self._check_range("eq_tilt_db_per_octave", self.eq_tilt_db_per_octave, -6.0, 6.0)
+        self._check_range("noise_snr_db", self.noise_snr_db, -30.0, 100.0)
+        self._check_range("gain_db", self.gain_db, -60.0, 60.0)
+        _check(self.reverb_early_reflections >= 0, "augment.reverb_early_reflections",
+               self.reverb_early_reflections, ">= 0")
+        _check(self.eq_bands >= 2, "augment.eq_bands", self.eq_bands, ">= 2")
+        _check(len(self.noise_colors) >= 1, "augment.noise_colors", self.noise_colors,
+               "a non-empty list of 'white', 'pink', 'brown' (for files only, set noise_file_prob=1)")
+        _check(self.noise_cache_mb >= 0, "augment.noise_cache_mb", self.noise_cache_mb, ">= 0")
+
+    @staticmethod
+    def _check_range(name: str, value: Any, lowest: float, highest: float) -> None:
+        ok = len(value) == 2 and lowest <= value[0] <= value[1] <= highest
+        _check(ok, f"augment.{name}", value, f"[low, high] with {lowest} <= low <= high <= {highest}")
+
+
+@dataclass
 class CNNConfig:
     width: int = 32  # channels of the first block; doubled every block
     depth: int = 4  # number of conv blocks (each: 2 conv3x3 + BN + ReLU, then 2x2 pooling)
     dropout: float = 0.1  # dropout before the embedding layer
+
+    def __post_init__(self) -> None:
+        _check(self.width >= 1, "model.cnn.width", self.width, ">= 1")
+        _check(self.depth >= 1, "model.cnn.depth", self.depth, ">= 1")
 
 
 @dataclass
@@ -138,6 +193,9 @@ class ModelConfig:
     sync_bn: bool = True  # SyncBatchNorm under multi-GPU DDP (plain BatchNorm on CPU)
     cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
     conformer: ConformerConfig = field(default_factory=ConformerConfig)  # settings of conformer
+
+    def __post_init__(self) -> None:
+        _check(self.embedding_dim >= 1, "model.embedding_dim", self.embedding_dim, ">= 1")
 
 
 @dataclass
@@ -228,6 +286,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)  # index sheet and loading
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # m-per-class batches
     features: FeaturesConfig = field(default_factory=FeaturesConfig)  # audio → log-mel
+    augment: AugmentConfig = field(default_factory=AugmentConfig)  # waveform / feature augmentation (training only)
     model: ModelConfig = field(default_factory=ModelConfig)  # embedding network
     loss: LossConfig = field(default_factory=LossConfig)  # triplet loss and mining
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and LR schedule
@@ -235,6 +294,11 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)  # multi-process settings
     eval: EvalConfig = field(default_factory=EvalConfig)  # validation during training
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving, resume
+
+
+def choices(cls: type, name: str) -> tuple:
+    """The allowed values of a Literal field: the one home of that rule for other modules."""
+    return typing.get_args(typing.get_type_hints(cls)[name])
 
 
 def _check(ok: bool, key: str, value: Any, expected: str) -> None:

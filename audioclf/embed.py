@@ -44,19 +44,12 @@ import torch
 from torch import Tensor
 
 from audioclf.checkpoint import CheckpointError
+from audioclf.cli import ExportSidecar, UsageError, resolve_device, run_cli, sidecar_path
 from audioclf.config import DataConfig, FeaturesConfig, from_dict
 from audioclf.data.index import load_index
 from audioclf.fileio import atomic_write_bytes
-from audioclf.inference import (
-    LOG_MEL,
-    WAVEFORM,
-    UsageError,
-    cli_errors,
-    describe_checkpoint,
-    embed_files,
-    load_trained,
-    resolve_device,
-)
+from audioclf.inference import LOG_MEL, WAVEFORM, describe_checkpoint, embed_files, load_trained
+from audioclf.metrics import class_centroids
 
 log = logging.getLogger("audioclf")
 
@@ -84,10 +77,6 @@ class Model:
     device: torch.device
 
 
-def sidecar_of(path: Path) -> Path:
-    return path.with_name(path.name + ".json")
-
-
 def load_model(path: str | Path, device: torch.device) -> Model:
     """An audioclf checkpoint, or an export with its sidecar <path>.json."""
     from audioclf.export import load_onnx, load_torchscript
@@ -95,13 +84,13 @@ def load_model(path: str | Path, device: torch.device) -> Model:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--model {path} does not exist")
-    sidecar = sidecar_of(path)
+    sidecar = sidecar_path(path)
     if sidecar.is_file():
         try:
-            meta = json.loads(sidecar.read_text())
-            fmt, kind = meta["format"], meta["input_kind"]
-            features = from_dict(FeaturesConfig, meta["features"], "features.")
-            data = from_dict(DataConfig, meta.get("data_columns", {}), "data.")
+            meta = ExportSidecar.read(sidecar)
+            fmt, kind = meta.format, meta.input_kind
+            features = from_dict(FeaturesConfig, meta.features, "features.")
+            data = from_dict(DataConfig, meta.data_columns, "data.")
         except (ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"the sidecar {sidecar} of --model {path} cannot be read "
                              f"({type(exc).__name__}: {exc}); export the model again") from None
@@ -117,7 +106,7 @@ def load_model(path: str | Path, device: torch.device) -> Model:
             def embed_fn(x: Tensor, lengths: Tensor) -> Tensor:
                 return run(x, lengths)[0].to(x.device)  # the embeddings (logits come second)
 
-            dim = meta.get("embedding_dim")
+            dim = meta.embedding_dim
             return Model(embed_fn, features, kind, data, path, f"{fmt} export, {dim}-d", device)
     if path.suffix.lower() == ".onnx":
         raise UsageError(f"--model {path}: an ONNX export needs its sidecar {sidecar} "
@@ -219,9 +208,7 @@ def class_scores(query: np.ndarray, gallery: np.ndarray, classes: np.ndarray
                  ) -> tuple[list[str], np.ndarray]:
     """(class names, cosine similarity [queries, classes] to each class centroid)."""
     names, codes = np.unique(classes, return_inverse=True)
-    normed = torch.nn.functional.normalize(torch.from_numpy(gallery).float(), dim=1)
-    sums = torch.zeros(len(names), normed.shape[1]).index_add_(0, torch.from_numpy(codes), normed)
-    centroids = torch.nn.functional.normalize(sums, dim=1)
+    _, centroids = class_centroids(gallery, codes)
     queries = torch.nn.functional.normalize(torch.from_numpy(query).float(), dim=1)
     return names.tolist(), (queries @ centroids.T).numpy()
 
@@ -293,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return cli_errors(PROG, lambda: run(args))
+    return run_cli(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -47,19 +46,13 @@ import numpy as np
 import pandas as pd
 import torch
 
+from audioclf.cli import UsageError, one_line, resolve_device, run_cli
 from audioclf.config import Config, DataConfig
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index, split_index
-from audioclf.features import AudioReadError, FeatureFileError
-from audioclf.inference import (
-    UsageError,
-    cli_errors,
-    describe_checkpoint,
-    embed_dataset,
-    load_trained,
-    one_line,
-    resolve_device,
-)
+from audioclf.data.loader import loader_kwargs
+from audioclf.data.readers import AudioReadError, FeatureFileError
+from audioclf.inference import describe_checkpoint, extract_embeddings, load_trained
 
 PROG = "python -m audioclf.evaluate"
 REPORT_FILES = ("report.json", "report.md", "det.png", "per_class_p1.png", "projection.png",
@@ -193,9 +186,10 @@ def embed_index(net, index: Index, cfg: Config, *, batch_size: int, device: torc
     table = index.table
     dataset = AudioDataset(table["path"].tolist(), index.labels(), cfg.features, train=False,
                            rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files)
-    emb, _, positions = embed_dataset(net.embed, dataset, batch_size=batch_size, device=device,
-                                      num_workers=num_workers, progress=progress,
-                                      description=description)
+    options = loader_kwargs(num_workers, True, False, 2, device)
+    emb, _, positions = extract_embeddings(net, dataset, batch_size=batch_size, device=device,
+                                           loader_options=options, progress=progress,
+                                           description=description)
     return emb, table.iloc[positions].reset_index(drop=True)
 
 
@@ -315,7 +309,7 @@ def compute_metrics(emb: np.ndarray, names: np.ndarray, *, classification: str =
 
 def write_evaluation(out_dir: Path, evaluation: Evaluation, *, projection: str, seed: int,
                      setup: dict) -> Path:
-    """write_report into a staging folder, add the setup, then move each file into out_dir."""
+    """write_report into a staging folder, then move each file into out_dir."""
     from audioclf.report import write_report
 
     out_dir = Path(out_dir)
@@ -327,17 +321,8 @@ def write_evaluation(out_dir: Path, evaluation: Evaluation, *, projection: str, 
             staging, results=evaluation.results, embeddings=evaluation.embeddings,
             labels=evaluation.labels, class_names=evaluation.class_names,
             knn_predictions=evaluation.knn_predictions, verification=evaluation.verification,
-            projection=projection, seed=seed,
+            projection=projection, seed=seed, setup=setup, notes=evaluation.notes,
         )
-        report = json.loads((staging / "report.json").read_text())
-        report["evaluation"] = {**setup, "notes": evaluation.notes}
-        (staging / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-        markdown = (staging / "report.md").read_text()
-        title, _, rest = markdown.partition("\n")
-        lines = ["", "## Setup", ""]
-        lines += [f"- {key}: {value}" for key, value in setup.items()]
-        lines += [f"- note: {note}" for note in evaluation.notes]
-        (staging / "report.md").write_text("\n".join([title, *lines, rest]))
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in REPORT_FILES:  # a stale plot of an earlier run must not pass for this one
             if name not in written:
@@ -442,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return cli_errors(PROG, lambda: run(args))
+    return run_cli(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

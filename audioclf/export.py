@@ -13,7 +13,7 @@ The exported model is the network in eval mode (no SpecAugment, no dropout):
   x        default: waveforms float32 [batch, samples], mono at features.sample_rate,
            zero-padded after each clip; the log-mel front end is inside the model.
            --no-frontend (and models trained on .npy features): log-mel float32
-           [batch, frames, n_mels] as audioclf.features.log_mel computes it (log of mel power
+           [batch, frames, n_mels] as audioclf.models.frontend.log_mel computes it (log of mel power
            + 1e-6, not normalised); per-utterance normalisation is still inside the model.
   lengths  int64 [batch]: valid samples (or frames) of each row.
 Batch and time are dynamic in every format.
@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import dataclasses
 import io
-import json
 import logging
 import os
 import sys
@@ -52,17 +51,12 @@ import torch
 from torch import Tensor, nn
 
 from audioclf import checkpoint
+from audioclf.cli import ExportSidecar, UsageError, run_cli, sidecar_path
 from audioclf.config import Config, to_dict
-from audioclf.features import FeatureFrontend, frames_for_samples
 from audioclf.fileio import atomic_write_bytes
-from audioclf.inference import (
-    LOG_MEL,
-    WAVEFORM,
-    UsageError,
-    cli_errors,
-    load_trained,
-)
-from audioclf.models import ClassifierHead, EmbeddingNet
+from audioclf.inference import LOG_MEL, WAVEFORM, load_trained
+from audioclf.models import EmbeddingNet
+from audioclf.models.frontend import FeatureFrontend, frames_for_samples
 
 PROG = "python -m audioclf.export"
 FORMATS = ("torchscript", "onnx", "state_dict")
@@ -70,7 +64,6 @@ DEFAULT_OPSET = 18  # the dynamo exporter's lowest opset (it cannot convert down
 DEFAULT_TOLERANCE = 1e-4  # max abs difference of fp32 unit-length embeddings
 # Parity inputs: (batch, seconds, valid fraction of each row); two lengths, varied padding.
 PARITY_INPUTS = ((2, 1.0, (1.0, 0.6)), (3, 2.3, (1.0, 0.45, 0.8)))
-SIDECAR_SUFFIX = ".json"
 
 
 class ExportError(RuntimeError):
@@ -86,45 +79,38 @@ class ParityError(RuntimeError):
 
 
 class ExportedEmbedder(nn.Module):
-    """forward(x, lengths) -> embeddings: front end → embedder, in eval mode.
+    """forward(x, lengths) -> embeddings of an EmbeddingNet (front end → embedder), eval mode."""
 
-    `frontend` is the trained model's own FeatureFrontend, or (without the log-mel) one built
-    for log-mel input with the same settings, so normalisation stays inside the model.
-    """
-
-    def __init__(self, frontend: FeatureFrontend, embedder: nn.Module):
+    def __init__(self, net: EmbeddingNet):
         super().__init__()
-        self.frontend = frontend
-        self.embedder = embedder
-
-    def embeddings(self, x: Tensor, lengths: Tensor) -> Tensor:
-        feats, feat_lengths = self.frontend(x, lengths)
-        return self.embedder(feats, feat_lengths)
+        self.net = net
 
     def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
-        return self.embeddings(x, lengths)
+        return self.net.embed(x, lengths)
 
 
 class ExportedEmbedderWithLogits(ExportedEmbedder):
     """forward(x, lengths) -> (embeddings, logits of the classifier head)."""
 
-    def __init__(self, frontend: FeatureFrontend, embedder: nn.Module, head: ClassifierHead):
-        super().__init__(frontend, embedder)
-        self.head = head
-
     def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        embeddings = self.embeddings(x, lengths)
-        return embeddings, self.head(embeddings)
+        embeddings = self.net.embed(x, lengths)
+        return embeddings, self.net.head(embeddings)
 
 
 def exportable(net: EmbeddingNet, cfg: Config, frontend: bool = True) -> ExportedEmbedder:
-    """The module that is exported: with or without the log-mel, with logits if a head."""
-    front = net.frontend
-    if not frontend and front.log_mel is not None:
+    """The module that is exported: with or without the log-mel, with logits if a head.
+
+    Without the log-mel the trained embedder and head sit behind a front end built for log-mel
+    input with the same settings, so normalisation stays inside the model.
+    """
+    if not frontend and net.frontend.log_mel is not None:
         front = FeatureFrontend(dataclasses.replace(cfg.features, kind="npy"))
+        bare = EmbeddingNet(front, net.embedder)
+        bare.head = net.head
+        net = bare
     if net.head is not None:
-        return ExportedEmbedderWithLogits(front, net.embedder, net.head).eval()
-    return ExportedEmbedder(front, net.embedder).eval()
+        return ExportedEmbedderWithLogits(net).eval()
+    return ExportedEmbedder(net).eval()
 
 
 def input_kind(cfg: Config, frontend: bool) -> str:
@@ -269,11 +255,6 @@ def load_state_dict_export(path: Path, frontend: bool) -> Callable:
 # Export + parity
 
 
-def sidecar_path(out: str | Path) -> Path:
-    out = Path(out)
-    return out.with_name(out.name + SIDECAR_SUFFIX)
-
-
 def reference(net: EmbeddingNet, module: ExportedEmbedder, frontend: bool) -> Callable:
     """The PyTorch model the artefact must reproduce: the trained EmbeddingNet itself (its
     outputs without the None logits), or the exported module when it skips the log-mel."""
@@ -300,8 +281,8 @@ def parity_difference(expected_fn: Callable, loaded: Callable, inputs) -> float:
 
 def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, frontend: bool = True,
                  opset: int = DEFAULT_OPSET, tolerance: float = DEFAULT_TOLERANCE,
-                 model_name: str | None = None) -> dict:
-    """Write the artefact and its sidecar; returns the sidecar dict.
+                 model_name: str | None = None) -> ExportSidecar:
+    """Write the artefact and its sidecar; returns the sidecar.
 
     Raises ParityError (nothing written) when the reloaded artefact differs from the PyTorch
     model by more than `tolerance`; UsageError / CheckpointError / ExportError on bad input.
@@ -353,12 +334,13 @@ def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, fron
     meta = sidecar(cfg, ckpt, checkpoint_path, fmt=fmt, out=out, kind=kind,
                    with_logits=isinstance(module, ExportedEmbedderWithLogits), opset=opset,
                    difference=difference, tolerance=tolerance, inputs=inputs)
-    atomic_write_bytes(sidecar_path(out), (json.dumps(meta, indent=2) + "\n").encode())
+    atomic_write_bytes(sidecar_path(out), meta.to_json().encode())
     return meta
 
 
 def sidecar(cfg: Config, ckpt: dict, checkpoint_path: Path, *, fmt: str, out: Path, kind: str,
-            with_logits: bool, opset: int, difference: float, tolerance: float, inputs) -> dict:
+            with_logits: bool, opset: int, difference: float, tolerance: float,
+            inputs) -> ExportSidecar:
     features = cfg.features
     if kind == WAVEFORM:
         x_doc = (f"float32 [batch, samples]: mono waveforms at {features.sample_rate} Hz in "
@@ -366,7 +348,7 @@ def sidecar(cfg: Config, ckpt: dict, checkpoint_path: Path, *, fmt: str, out: Pa
         lengths_doc = "int64 [batch]: valid samples of each row"
     else:
         x_doc = (f"float32 [batch, frames, {features.n_mels}]: log-mel as "
-                 "audioclf.features.log_mel computes it (log(mel power + 1e-6), centred frames, "
+                 "audioclf.models.frontend.log_mel computes it (log(mel power + 1e-6), centred frames, "
                  "not normalised), zero-padded after each clip")
         lengths_doc = "int64 [batch]: valid frames of each row"
     versions = checkpoint.library_versions()
@@ -376,33 +358,31 @@ def sidecar(cfg: Config, ckpt: dict, checkpoint_path: Path, *, fmt: str, out: Pa
     input_names, output_names = (onnx_io_names(kind, with_logits) if fmt == "onnx"
                                  else (["x", "lengths"], ["embeddings", "logits"][: 1 + with_logits]))
     classes = list(ckpt.get("classes") or []) if with_logits else []
-    meta = {
-        "format": fmt,
-        "file": out.name,
-        "input_kind": kind,
-        "inputs": {input_names[0]: x_doc, input_names[1]: lengths_doc},
-        "outputs": {
+    return ExportSidecar(
+        format=fmt,
+        file=out.name,
+        input_kind=kind,
+        inputs={input_names[0]: x_doc, input_names[1]: lengths_doc},
+        outputs={
             "embeddings": f"float32 [batch, {cfg.model.embedding_dim}], L2-normalised",
             **({"logits": f"float32 [batch, {len(classes)}], one per class in 'classes'"}
                if with_logits else {}),
         },
-        "output_names": output_names,
-        "embedding_dim": cfg.model.embedding_dim,
-        "sample_rate": features.sample_rate,
-        "features": dataclasses.asdict(features),
-        "model": dataclasses.asdict(cfg.model),
-        "classes": classes,
-        "data_columns": {k: getattr(cfg.data, k) for k in (
+        output_names=output_names,
+        embedding_dim=cfg.model.embedding_dim,
+        sample_rate=features.sample_rate,
+        features=dataclasses.asdict(features),
+        model=dataclasses.asdict(cfg.model),
+        classes=classes,
+        data_columns={k: getattr(cfg.data, k) for k in (
             "sheet", "class_column", "item_column", "id_column", "path_column", "path_template")},
-        "checkpoint": {"path": str(checkpoint_path), "epoch": ckpt.get("epoch"),
-                       "step": ckpt.get("step")},
-        "parity": {"max_abs_diff": difference, "tolerance": tolerance,
-                   "input_shapes": [list(x.shape) for x, _ in inputs]},
-        "versions": versions,
-    }
-    if fmt == "onnx":
-        meta["opset"] = opset
-    return meta
+        checkpoint={"path": str(checkpoint_path), "epoch": ckpt.get("epoch"),
+                    "step": ckpt.get("step")},
+        parity={"max_abs_diff": difference, "tolerance": tolerance,
+                "input_shapes": [list(x.shape) for x, _ in inputs]},
+        versions=versions,
+        opset=opset if fmt == "onnx" else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,20 +419,20 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except ExportError as exc:
         raise UsageError(str(exc)) from None
-    shapes = ", ".join("x".join(map(str, s)) for s in meta["parity"]["input_shapes"])
-    outputs = f"{meta['embedding_dim']}-d embeddings"
-    if meta["classes"]:
-        outputs += f" and logits of {len(meta['classes'])} classes"
-    print(f"exported {meta['format']} ({meta['input_kind']} input, {outputs}) to {args.out}")
-    print(f"parity: max abs difference {meta['parity']['max_abs_diff']:.3g} on inputs {shapes} "
-          f"(tolerance {meta['parity']['tolerance']:g})")
+    shapes = ", ".join("x".join(map(str, s)) for s in meta.parity["input_shapes"])
+    outputs = f"{meta.embedding_dim}-d embeddings"
+    if meta.classes:
+        outputs += f" and logits of {len(meta.classes)} classes"
+    print(f"exported {meta.format} ({meta.input_kind} input, {outputs}) to {args.out}")
+    print(f"parity: max abs difference {meta.parity['max_abs_diff']:.3g} on inputs {shapes} "
+          f"(tolerance {meta.parity['tolerance']:g})")
     print(f"sidecar: {sidecar_path(args.out)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return cli_errors(PROG, lambda: run(args))
+    return run_cli(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -1,70 +1,42 @@
-"""Using a trained model outside training: load it, embed files, report errors as one line.
-
-Shared by the `evaluate`, `export` and `embed` entry points:
+"""Using a model outside the training loop: load it, and the one embedding-extraction path.
 
     net, cfg, ckpt = load_trained("runs/demo/best.pt")        # EmbeddingNet in eval mode
     emb = embed_files(net, cfg, ["a.wav", "b.wav"], batch_size=16, device="cpu")  # [2, D]
 
-`embed_files` reads each file as evaluation does (the whole clip, cut centred to
-features.eval_max_seconds, or a centred crop with features.eval_crop=center) and also takes any
-callable `(x, lengths) -> embeddings`, e.g. a TorchScript export, in place of the network.
+`extract_embeddings` is what validation during training, `evaluate` and `embed` all run: a
+model's `embed` (in eval mode) or any callable `(x, lengths) -> embeddings`, e.g. a TorchScript
+export, over a dataset in ordered batches. `embed_files` reads each file as evaluation does
+(the whole clip, cut centred to features.eval_max_seconds, or a centred crop with
+features.eval_crop=center).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from tqdm import tqdm
 
-from audioclf import checkpoint
+from audioclf import checkpoint, distributed
 from audioclf.checkpoint import CheckpointError
-from audioclf.config import Config, ConfigError, FeaturesConfig, TrainConfig, config_from_dict
+from audioclf.cli import UsageError
+from audioclf.config import Config, ConfigError, FeaturesConfig, config_from_dict
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.loader import build_eval_loader, loader_kwargs
-from audioclf.engine import extract_embeddings, resolve_precision
-from audioclf.features import AudioReadError, FeatureFileError, log_mel
-from audioclf.models import EmbeddingNet
+from audioclf.data.readers import AudioReadError, FeatureFileError
+from audioclf.models import EmbeddingNet, build_net
+from audioclf.models.frontend import log_mel
+from audioclf.precision import Precision, full_precision
 
 # What a model takes as input: waveforms [B, samples] or log-mel features [B, frames, n_mels].
 WAVEFORM, LOG_MEL = "waveform", "log_mel"
 # Prefixes that wrappers add to state-dict keys (DDP / DataParallel, torch.compile).
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHOW = 3  # keys quoted in a state-dict mismatch message
-DEBUG_ENV = "AUDIOCLF_DEBUG"  # set to 1 to get tracebacks instead of one-line CLI errors
-
-
-class UsageError(ValueError):
-    """Bad command-line input (flags, paths); the CLI prints it as one line and exits 2."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Devices
-
-
-def resolve_device(name: str) -> torch.device:
-    """'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available) → a device that exists here."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"--device {name!r} is not a device; use cpu, cuda, cuda:N or auto") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {name} was requested but CUDA is not available here; "
-                             "use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} "
-                             "CUDA device(s)")
-    elif device.type != "cpu":
-        raise UsageError(f"--device {name!r} is not supported; use cpu, cuda, cuda:N or auto")
-    return device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,8 +52,6 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
     asserts what the caller expects. Raises CheckpointError naming the file when it is missing,
     corrupt, not an audioclf checkpoint, of another model, or its weights do not fit its config.
     """
-    from audioclf.trainer import build_net
-
     path = Path(path)
     ckpt = checkpoint.load(path, map_location="cpu")
     cfg = checkpoint_config(ckpt, path)
@@ -152,8 +122,72 @@ def _check_state_dict(expected: dict[str, Tensor], state: dict, path: Path, cfg:
     )
 
 
+
+
+def describe_checkpoint(ckpt: dict[str, Any], cfg: Config) -> str:
+    """'cnn, 128-d, epoch 12, step 3400' — for summaries."""
+    parts = [cfg.model.name, f"{cfg.model.embedding_dim}-d"]
+    for key in ("epoch", "step"):
+        if ckpt.get(key) is not None:
+            parts.append(f"{key} {ckpt[key]}")
+    return ", ".join(parts)
+
+
 # ---------------------------------------------------------------------------------------------
-# Embedding files
+# Embedding extraction
+
+
+@torch.no_grad()
+def extract_embeddings(
+    model: nn.Module | Callable[[Tensor, Tensor], Tensor],
+    dataset: torch.utils.data.Dataset,
+    *,
+    batch_size: int,
+    device: str | torch.device = "cpu",
+    positions: Sequence[int] | None = None,
+    loader_options: dict | None = None,
+    precision: Precision | None = None,
+    progress: bool = False,
+    description: str = "embed",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Embeddings of a dataset of (x, label, position) items, in ordered batches.
+
+    `model` is a network with an `embed(x, lengths)` method (an EmbeddingNet, also inside a
+    DDP / DataParallel wrapper; it runs in eval mode and its training flag is restored after)
+    or any callable `(x, lengths) -> [B, D]`. `positions` selects items (default: all);
+    `loader_options` are DataLoader settings from `loader_kwargs` (default: no workers);
+    `precision` gives the autocast context (default fp32). One batch is on the device at a
+    time, without gradients. Returns (embeddings float32 [N, D], labels [N], positions [N]);
+    items a dataset skips (data.skip_bad_files) are absent.
+    """
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    device = torch.device(device)
+    precision = precision or full_precision(device)
+    options = loader_options if loader_options is not None else loader_kwargs(0, True, False, 2, device)
+    loader = build_eval_loader(dataset, None if positions is None else list(positions),
+                               batch_size=batch_size, **options)
+    net = distributed.unwrap(model) if isinstance(model, nn.Module) else None
+    embed = net.embed if net is not None else model
+    was_training = net is not None and net.training
+    if net is not None:
+        net.eval()
+    chunks, labels_out, positions_out = [], [], []
+    try:
+        for x, lengths, labels, batch_positions in tqdm(
+                loader, total=len(loader), desc=description, disable=not progress,
+                dynamic_ncols=True, leave=False):
+            with precision.autocast():
+                emb = embed(x.to(device, non_blocking=True), lengths.to(device, non_blocking=True))
+            chunks.append(emb.float().cpu().numpy())
+            labels_out.append(labels.numpy())
+            positions_out.append(batch_positions.numpy())
+    finally:
+        if was_training:
+            net.train()
+    if not chunks:
+        return np.zeros((0, 0), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(chunks), np.concatenate(labels_out), np.concatenate(positions_out)
 
 
 class _LogMelDataset(torch.utils.data.Dataset):
@@ -193,47 +227,25 @@ def file_dataset(paths: Sequence[str | Path], features: FeaturesConfig,
     return dataset
 
 
-def embed_dataset(embed_fn: Callable[[Tensor, Tensor], Tensor], dataset, *, batch_size: int,
-                  device: str | torch.device = "cpu", num_workers: int = 0, progress: bool = True,
-                  description: str = "embed") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Batched `embed_fn` over a dataset of (x, label, position) → (emb, labels, positions).
-
-    fp32, no gradients, bounded memory (one batch on the device at a time). Unreadable files
-    raise the dataset's error (AudioReadError / FeatureFileError naming the file).
-    """
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    device = torch.device(device)
-    kwargs = loader_kwargs(num_workers, True, False, 2, device)
-    loader = build_eval_loader(dataset, batch_size=batch_size, **kwargs)
-    precision = resolve_precision(TrainConfig(precision="fp32"), device)
-    return extract_embeddings(embed_fn, loader, precision, progress=progress,
-                              description=description)
-
-
 def embed_files(net: EmbeddingNet | Callable[[Tensor, Tensor], Tensor],
                 cfg: Config | FeaturesConfig, paths: Sequence[str | Path], batch_size: int = 32,
                 device: str | torch.device = "cpu", *, input_kind: str | None = None,
                 num_workers: int = 0, progress: bool = True) -> np.ndarray:
     """Embeddings float32 [len(paths), D] of audio (or .npy feature) files, in order.
 
-    `net` is an EmbeddingNet (its `embed` runs, in eval mode) or any callable
-    `(x, lengths) -> [B, D]` such as a TorchScript export; `input_kind` says what that callable
-    takes (WAVEFORM or LOG_MEL; default: what cfg.features.kind gives). A tqdm bar shows
-    progress. An unreadable file raises AudioReadError / FeatureFileError naming it.
+    `net` is an EmbeddingNet or any callable `(x, lengths) -> [B, D]` such as a TorchScript
+    export; `input_kind` says what that callable takes (WAVEFORM or LOG_MEL; default: what
+    cfg.features.kind gives). A tqdm bar shows progress. An unreadable file raises
+    AudioReadError / FeatureFileError naming it.
     """
     features = cfg.features if isinstance(cfg, Config) else cfg
     if not paths:
         raise UsageError("no files to embed")
-    if isinstance(net, EmbeddingNet):
-        net.eval()
-        embed_fn = net.embed
-    else:
-        embed_fn = net
     dataset = file_dataset(paths, features, input_kind)
+    options = loader_kwargs(num_workers, True, False, 2, torch.device(device))
     try:
-        emb, _, positions = embed_dataset(embed_fn, dataset, batch_size=batch_size, device=device,
-                                          num_workers=num_workers, progress=progress)
+        emb, _, positions = extract_embeddings(net, dataset, batch_size=batch_size, device=device,
+                                               loader_options=options, progress=progress)
     except (AudioReadError, FeatureFileError) as exc:
         # The dataset's message speaks of index items and data.skip_bad_files; for loose files
         # the reader's own message (which names the file) is the useful one.
@@ -241,40 +253,3 @@ def embed_files(net: EmbeddingNet | Callable[[Tensor, Tensor], Tensor],
         raise type(cause)(str(cause)) from None
     order = np.argsort(positions, kind="stable")
     return np.ascontiguousarray(emb[order], dtype=np.float32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Command-line helpers
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: worker tracebacks reduced to their final message."""
-    text = str(exc).strip() or type(exc).__name__
-    if "Original Traceback" in text:  # raised inside a DataLoader worker
-        last = [line for line in text.splitlines() if line.strip()][-1]
-        head, sep, message = last.partition(": ")
-        text = message if sep and "." in head and " " not in head else last
-    return " ".join(text.split())
-
-
-def cli_errors(prog: str, run: Callable[[], int]) -> int:
-    """Run a CLI body; expected errors (ValueError, OSError and their subclasses) → one line, exit 2.
-
-    Set AUDIOCLF_DEBUG=1 to see the traceback instead.
-    """
-    try:
-        return run()
-    except (ValueError, OSError) as exc:
-        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
-            raise
-        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
-        return 2
-
-
-def describe_checkpoint(ckpt: dict[str, Any], cfg: Config) -> str:
-    """'cnn, 128-d, epoch 12, step 3400' — for summaries."""
-    parts = [cfg.model.name, f"{cfg.model.embedding_dim}-d"]
-    for key in ("epoch", "step"):
-        if ckpt.get(key) is not None:
-            parts.append(f"{key} {ckpt[key]}")
-    return ", ".join(parts)

@@ -23,17 +23,18 @@ import torch.nn.functional as F
 from pytorch_metric_learning import distances, losses, miners
 from torch import Tensor, nn
 
-from audioclf.config import LossConfig
+from audioclf.config import LossConfig, choices
 from audioclf.distributed import all_gather_nograd, all_gather_with_grad
 
-MINERS = ("batch_hard", "semi_hard", "all")
+MINERS = choices(LossConfig, "miner")
 
 
 class TripletLoss(nn.Module):
-    """forward(embeddings [B, D], labels [B], logits [B, C] | None) → (loss, stats).
+    """forward(embeddings [B, D], labels [B], logits [B, C] | None) → scalar loss.
 
-    The loss is computed in fp32 even under autocast. stats holds floats: `triplets` (mined on
-    the local or global batch), `triplet_loss`, `ce_loss` (0.0 when not used).
+    The loss is computed in fp32 even under autocast. `with_stats` also returns floats:
+    `triplets` (mined on the local or global batch), `triplet_loss`, `ce_loss` (0.0 when not
+    used) — each a host sync, so the training loop calls forward.
     A batch whose labels admit no triplet (one class, or all singletons) gives a zero loss that
     still depends on the embeddings, so backward reaches every parameter (and, with
     cross_rank, every rank runs the gather's backward collective).
@@ -41,12 +42,8 @@ class TripletLoss(nn.Module):
 
     def __init__(self, cfg: LossConfig):
         super().__init__()
-        if cfg.miner not in MINERS:
+        if cfg.miner not in MINERS:  # a LossConfig edited after construction
             raise ValueError(f"loss.miner={cfg.miner!r} is invalid: use one of {', '.join(MINERS)}")
-        if cfg.margin < 0 or cfg.ce_weight < 0:
-            raise ValueError(
-                f"loss.margin and loss.ce_weight must be >= 0, got {cfg.margin} and {cfg.ce_weight}"
-            )
         self.margin = cfg.margin
         self.ce_weight = cfg.ce_weight
         self.cross_rank = cfg.cross_rank
@@ -60,9 +57,19 @@ class TripletLoss(nn.Module):
                 margin=cfg.margin, type_of_triplets=kind, distance=distance
             )
 
-    def forward(
-        self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
-    ) -> tuple[Tensor, dict[str, float]]:
+    def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
+        return self._terms(embeddings, labels, logits)[0]
+
+    def with_stats(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
+                   ) -> tuple[Tensor, dict[str, float]]:
+        """(loss, {"triplets", "triplet_loss", "ce_loss"} as floats)."""
+        loss, triplet_loss, ce_loss, n_triplets = self._terms(embeddings, labels, logits)
+        return loss, {"triplets": float(n_triplets), "triplet_loss": float(triplet_loss.detach()),
+                      "ce_loss": float(ce_loss.detach())}
+
+    def _terms(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None
+               ) -> tuple[Tensor, Tensor, Tensor, int]:
+        """(loss, triplet term, cross-entropy term, mined triplets)."""
         _check_inputs(embeddings, labels, logits)
         if logits is None and self.ce_weight > 0:
             raise ValueError(
@@ -88,12 +95,7 @@ class TripletLoss(nn.Module):
             if logits is not None and self.ce_weight > 0:
                 ce_loss = F.cross_entropy(logits.float(), local_labels)
                 loss = loss + self.ce_weight * ce_loss
-        stats = {
-            "triplets": float(n_triplets),
-            "triplet_loss": float(triplet_loss.detach()),
-            "ce_loss": float(ce_loss.detach()),
-        }
-        return loss, stats
+        return loss, triplet_loss, ce_loss, n_triplets
 
 
 def _gather_global(embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

@@ -5,8 +5,10 @@ and scores them by cosine similarity: embeddings are L2-normalised here, whateve
 did. Nothing in this module talks to ``torch.distributed``; callers gather first.
 
 - ``retrieval_metrics``: leave-one-out retrieval inside one set (P@1, MAP@R, R-precision),
-  equal to pytorch-metric-learning's ``AccuracyCalculator`` with query = reference.
-- ``knn_accuracy`` / ``centroid_accuracy``: classify queries against a labelled gallery.
+  equal to pytorch-metric-learning's ``AccuracyCalculator`` with query = reference; with
+  ``items``, cross-item retrieval (a query never retrieves its own item).
+- ``knn_accuracy`` / ``centroid_accuracy``: classify queries against a labelled gallery;
+  ``class_centroids``: the per-class centroids the latter uses.
 - ``verification_metrics``: same/different pairs scored by cosine similarity (EER, minDCF).
 - ``clustering_metrics``: k-means with one cluster per class (NMI, AMI).
 """
@@ -87,15 +89,37 @@ def _resolve_device(device) -> torch.device:
 # --------------------------------------------------------------------------------------------
 
 
+def _item_groups(items, n_samples: int, class_index: np.ndarray) -> np.ndarray:
+    """One int64 code per (class, item) pair: the same item id under two classes is two items."""
+    array = items.detach().cpu().numpy() if isinstance(items, torch.Tensor) else np.asarray(items)
+    problem = None
+    if array.ndim != 1 or len(array) != n_samples:
+        problem = f"got shape {array.shape}"
+    else:
+        try:
+            _, item_index = np.unique(array, return_inverse=True)
+        except TypeError:  # e.g. an object array mixing str and None
+            problem = f"got values of mixed types that cannot be sorted ({array.dtype})"
+    if problem:
+        raise ValueError(
+            f"items must be 1-D with one sortable item id (int or str) per embedding row "
+            f"({n_samples} rows), {problem}; pass e.g. the index's a_item column, or items=None "
+            f"for leave-one-out retrieval"
+        )
+    pairs = np.stack([class_index, item_index.reshape(-1)], axis=1)
+    return np.unique(pairs, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+
+
 def retrieval_metrics(
     embeddings,
     labels,
     *,
+    items=None,
     chunk_size: int = 2048,
     device=None,
     return_per_sample: bool = False,
 ) -> dict:
-    """Leave-one-out retrieval inside one set: every sample queries all the others.
+    """Retrieval inside one set: every sample queries all the others (or all other items).
 
     Follows pytorch-metric-learning 2.9 ``AccuracyCalculator`` with query = reference
     (``ref_includes_query=True``), and returns the same numbers:
@@ -109,20 +133,39 @@ def retrieval_metrics(
     - ``map_at_r``: mean over queries of (1/R) * sum over ranks i <= R that hold a same-label
       item of precision@i.
 
+    Cross-item retrieval, with ``items`` (one item id per row, e.g. the recording a clip was
+    cut from; an item belongs to its class, so the same id under two classes is two items):
+
+    - a query never retrieves a sample of its own item (itself included): those samples are
+      removed from its ranking, so they are neither hits nor misses;
+    - R is the number of samples of the query's class in *other* items;
+    - a query whose class has no other item is left out of all three averages and counted in
+      ``"n_queries_without_other_item"``.
+
+    This measures whether the embedding finds the class in another recording, not the
+    recording itself (clips of one item share speaker, channel, room ...).
+
     Similarities are computed ``chunk_size`` query rows at a time against all N samples into
-    one reused ``[chunk_size, N]`` buffer, keeping only each row's top k = (largest class - 1)
-    neighbours, so memory is O(chunk_size * N), never N x N.
+    one reused ``[chunk_size, N]`` buffer (plus a ``[chunk_size, N]`` boolean own-item mask
+    with ``items``), keeping only each row's top k = (largest R) neighbours, so memory is
+    O(chunk_size * N), never N x N.
 
     Returns ``{"precision_at_1", "map_at_r", "r_precision"}`` (floats in [0, 1]) and
-    ``"n_queries"`` (queries that entered the averages). With ``return_per_sample=True`` also
-    ``"per_sample_correct_at_1"``: np.bool_ [N], whether each sample's nearest other sample has
-    its label (always False for a singleton class).
+    ``"n_queries"`` (queries that entered the averages); with ``items`` also
+    ``"n_queries_without_other_item"``. With ``return_per_sample=True`` also
+    ``"per_sample_correct_at_1"``: np.bool_ [N], whether each sample's nearest retrievable
+    sample has its label (always False for a query left out of the averages).
     """
     _check_chunk_size(chunk_size)
     emb, lab = check_embeddings(embeddings, labels)
     n_samples = len(lab)
     _, class_index, class_counts = np.unique(lab, return_inverse=True, return_counts=True)
-    relevant_per_query = class_counts[class_index] - 1  # R; 0 for a singleton class
+    if items is None:
+        item_group = None
+        relevant_per_query = class_counts[class_index] - 1  # R; 0 for a singleton class
+    else:
+        item_group = _item_groups(items, n_samples, class_index)
+        relevant_per_query = class_counts[class_index] - np.bincount(item_group)[item_group]
     has_relevant = relevant_per_query > 0
 
     correct_at_1 = np.zeros(n_samples, dtype=np.bool_)
@@ -131,7 +174,9 @@ def retrieval_metrics(
 
     if has_relevant.any():
         dev = _resolve_device(device)
-        k = int(class_counts.max()) - 1
+        # Every query has at least R candidates that are not excluded (its class's other
+        # samples), so its first R ranks never reach a -inf entry; ranks past R are not scored.
+        k = int(relevant_per_query.max())
         normed = F.normalize(emb.to(dev), p=2, dim=1)
         normed_t = normed.T.contiguous()
         class_t = torch.from_numpy(class_index).to(dev)
@@ -140,12 +185,20 @@ def retrieval_metrics(
         # One buffer reused for every chunk: a fresh [chunk, N] tensor per chunk spends more
         # time in page faults than in the matmul at N = 100k.
         buffer = torch.empty(min(chunk_size, n_samples), n_samples, device=dev)
+        if item_group is not None:
+            group_t = torch.from_numpy(item_group).to(dev)
+            own_item_buffer = torch.empty(len(buffer), n_samples, dtype=torch.bool, device=dev)
         for start in range(0, n_samples, chunk_size):
             stop = min(start + chunk_size, n_samples)
             sim = buffer[: stop - start]
             torch.mm(normed[start:stop], normed_t, out=sim)
-            rows = torch.arange(stop - start, device=dev)
-            sim[rows, rows + start] = -torch.inf  # leave the query itself out
+            if item_group is None:
+                rows = torch.arange(stop - start, device=dev)
+                sim[rows, rows + start] = -torch.inf  # leave the query itself out
+            else:  # leave the query's whole item out (the query included)
+                own_item = own_item_buffer[: stop - start]
+                torch.eq(group_t[start:stop, None], group_t[None, :], out=own_item)
+                sim.masked_fill_(own_item, -torch.inf)
             neighbours = torch.topk(sim, k, dim=1, sorted=True).indices
             is_match = class_t[neighbours] == class_t[start:stop, None]
             relevant = relevant_t[start:stop, None]
@@ -168,6 +221,8 @@ def retrieval_metrics(
         "r_precision": mean_over_queries(r_precision),
         "n_queries": n_queries,
     }
+    if items is not None:
+        result["n_queries_without_other_item"] = n_samples - n_queries
     if return_per_sample:
         result["per_sample_correct_at_1"] = correct_at_1
     return result
@@ -232,19 +287,30 @@ def knn_accuracy(
     return {"knn_accuracy": float(np.mean(predictions == q_lab)), "predictions": predictions}
 
 
+def class_centroids(embeddings, labels) -> tuple[np.ndarray, torch.Tensor]:
+    """(sorted distinct labels int64 [C], their centroids float32 [C, D], L2-normalised).
+
+    A centroid is the mean of the class's L2-normalised embeddings, renormalised, so every
+    member weighs the same whatever its norm. Row i of the centroids belongs to label i.
+    """
+    emb, lab = check_embeddings(embeddings, labels, min_samples=1)
+    classes, class_index = np.unique(lab, return_inverse=True)
+    normed = F.normalize(emb, p=2, dim=1)
+    sums = torch.zeros(len(classes), emb.shape[1]).index_add_(0, torch.from_numpy(class_index), normed)
+    return classes, F.normalize(sums, p=2, dim=1)
+
+
 def centroid_accuracy(query, query_labels, gallery, gallery_labels) -> dict:
     """Classify each query by the nearest class centroid of the gallery (cosine similarity).
 
-    A centroid is the mean of the class's L2-normalised gallery embeddings, renormalised. Ties
-    go to the smallest label. A query label absent from the gallery counts as wrong.
+    Centroids come from ``class_centroids``. Ties go to the smallest label. A query label
+    absent from the gallery counts as wrong.
 
     Returns ``{"centroid_accuracy": float, "predictions": np.ndarray[int64] [n_query]}``.
     """
     q_emb, q_lab, g_emb, g_lab = _check_query_gallery(query, query_labels, gallery, gallery_labels)
-    classes, class_index = np.unique(g_lab, return_inverse=True)
-    g_normed = F.normalize(g_emb, p=2, dim=1)
-    sums = torch.zeros(len(classes), g_emb.shape[1]).index_add_(0, torch.from_numpy(class_index), g_normed)
-    centroids_t = F.normalize(sums, p=2, dim=1).T.contiguous()
+    classes, centroids = class_centroids(g_emb, g_lab)
+    centroids_t = centroids.T.contiguous()
     q_normed = F.normalize(q_emb, p=2, dim=1)
     nearest = np.empty(len(q_lab), dtype=np.int64)
     for start in range(0, len(q_lab), 2048):  # bounds the [queries, classes] block

@@ -54,6 +54,8 @@ def write_report(
     projection: str = "pca",
     seed: int = 0,
     title: str = "audioclf evaluation",
+    setup: dict | None = None,
+    notes: list[str] = (),
 ) -> dict[str, pathlib.Path]:
     """Write the report files into ``out_dir`` (created if missing).
 
@@ -66,6 +68,8 @@ def write_report(
     verification: the dict from ``verification_metrics``; draws det.png, scalars are reported.
     projection: "pca" or "tsne" for projection.png, on a seeded subsample of at most
         MAX_PROJECTION_POINTS points.
+    setup, notes: what was evaluated how, and remarks; a "Setup" section of report.md and
+        report.json's "evaluation" entry (setup + notes) when given.
 
     Returns file name -> path for every file written.
     """
@@ -117,7 +121,8 @@ def write_report(
     if knn_predictions is not None:
         written["confusion.png"] = _plot_confusion(out_dir / "confusion.png", lab, knn_predictions, class_names)
 
-    markdown = _markdown(title, metrics, counts, per_class, images=list(written))
+    markdown = _markdown(title, metrics, counts, per_class, images=list(written),
+                         setup=setup, notes=list(notes))
     written["report.md"] = atomic_write(out_dir / "report.md", lambda f: f.write(markdown.encode()))
     report = {
         "title": title,
@@ -126,6 +131,8 @@ def write_report(
         "per_class_p1": per_class,
         "files": sorted([*written, "report.json"]),
     }
+    if setup is not None:
+        report["evaluation"] = {**setup, "notes": list(notes)}
     text = json.dumps(_json_ready(report), indent=2, allow_nan=False) + "\n"
     written["report.json"] = atomic_write(out_dir / "report.json", lambda f: f.write(text.encode()))
     return written
@@ -324,10 +331,13 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _markdown(title: str, metrics: dict, counts: dict, per_class: list[dict], images: list[str]) -> str:
-    lines = [
-        f"# {title}",
-        "",
+def _markdown(title: str, metrics: dict, counts: dict, per_class: list[dict], images: list[str],
+              setup: dict | None, notes: list[str]) -> str:
+    lines = [f"# {title}", ""]
+    if setup is not None:
+        lines += ["## Setup", "", *(f"- {key}: {value}" for key, value in setup.items()),
+                  *(f"- note: {note}" for note in notes), ""]
+    lines += [
         f"{counts['n_samples']} samples, {counts['n_classes']} classes "
         f"({counts['n_singleton_classes']} with a single sample, left out of retrieval metrics), "
         f"embedding dimension {counts['embedding_dim']}.",

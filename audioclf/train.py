@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
-from pathlib import Path
 
-from audioclf.config import ConfigError, load_config
+from audioclf.cli import run_cli
+from audioclf.config import load_config
+
+PROG = "python -m audioclf.train"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m audioclf.train",
+        prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Overrides use dotted keys, e.g. train.epochs=3 sampler.m=4 optim.lr=5e-4 "
@@ -35,38 +36,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, hooks=None) -> int:
+    """The entry point; `hooks` (a trainer.TrainHooks) lets tests and tools watch the run."""
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"audioclf.train: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(PROG, lambda: run(args, hooks))
+
+
+def run(args: argparse.Namespace, hooks=None) -> int:
+    cfg = load_config(args.config, args.overrides)
     from audioclf.trainer import fit  # heavy imports after the config is known to be valid
 
-    try:
-        fit(cfg, local_rank_arg=args.local_rank)
-    except Exception as exc:
-        if not is_user_error(exc):
-            raise
-        print(f"audioclf.train: {exc}", file=sys.stderr)
-        return 2
+    fit(cfg, hooks=hooks, local_rank_arg=args.local_rank)
     return 0
-
-
-USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError)
-PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def is_user_error(exc: BaseException) -> bool:
-    """A validation error raised by audioclf itself (bad input, clear message): no traceback.
-
-    Errors raised inside torch or other libraries keep their traceback.
-    """
-    if not isinstance(exc, USER_ERRORS):
-        return False
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(PACKAGE_DIR)
 
 
 if __name__ == "__main__":

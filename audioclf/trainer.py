@@ -1,8 +1,13 @@
-"""fit(): build everything from a Config and run the epochs — the body of `audioclf.train`.
+"""The Trainer: builds a run from a Config, owns its stateful parts, and runs the epochs.
 
-Setup order: process group → run directory and logging → (resume checkpoint) → seeds →
+    fit(cfg)   # what `python -m audioclf.train` does, on every rank
+
+Set-up order: process group → run directory and logging → (resume checkpoint) → seeds →
 index and split (rank 0 builds the index cache) → data → model (DDP/SyncBN) → optimizer,
-schedule, precision → epochs: train_one_epoch, consistency check, rank-0 validation, checkpoint.
+schedule, precision → checkpointer. Each epoch: train_one_epoch, the parameter-consistency
+check, validation, then save. The parts that carry state (model, optimizer, LR schedule,
+grad scaler, sampler, RNG streams, the counters in `TrainState`) are handed to the
+`Checkpointer` by name, so saving and resuming are one call each.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import logging
 import os
 import random
 import signal
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +27,21 @@ from audioclf import checkpoint, distributed
 from audioclf.config import Config, config_from_dict, save_config, to_dict
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index_distributed, split_index
-from audioclf.data.loader import SeededBatches, build_eval_loader, build_train_loader, loader_kwargs
-from audioclf.engine import (
-    LRSchedule,
-    NonFiniteGuard,
-    build_optimizer,
-    embed_for_validation,
-    lr_scale,
-    resolve_precision,
-    retrieval_summary,
-    train_one_epoch,
-    validate,
-)
+from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs
+from audioclf.engine import EpochResult, NonFiniteGuard, train_one_epoch
 from audioclf.fileio import atomic_copy
+from audioclf.inference import extract_embeddings
 from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
 from audioclf.losses import TripletLoss
-from audioclf.models import EmbeddingNet, FeatureFrontend, build_model, count_parameters
+from audioclf.metrics import retrieval_metrics
+from audioclf.models import build_net, count_parameters
+from audioclf.optim import LRSchedule, base_lr, build_optimizer
+from audioclf.precision import resolve_precision
 from audioclf.sampler import MPerClassSampler
 
 log = logging.getLogger("audioclf")
 
-# Test-only fault injection: crash rank 0 at a global step (first launch only), or behave as if
-# SIGTERM arrived at a global step.
-CRASH_ENV = "AUDIOCLF_TEST_CRASH_AT_STEP"
-STOP_ENV = "AUDIOCLF_TEST_STOP_AT_STEP"
+RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
 
 
 class StopRequested:
@@ -73,6 +70,48 @@ class StopRequested:
             signal.signal(sig, handler)
 
 
+@dataclass
+class TrainHooks:
+    """Callbacks into a run, for tests and tools (production runs pass none)."""
+
+    on_step: Callable[[Trainer], None] | None = None  # after every optimizer step
+    on_end: Callable[[Trainer, dict], None] | None = None  # with the summary fit() returns
+
+
+@dataclass
+class TrainState:
+    """The run's counters; saved at the top level of every checkpoint."""
+
+    epoch: int = 0  # epochs completed (the epoch in progress is this one, 0-based)
+    position: int = 0  # batches of that epoch consumed
+    step: int = 0  # optimizer steps taken
+    history: list[dict] = field(default_factory=list)  # one metrics row per epoch
+    last_metrics: dict = field(default_factory=dict)  # the latest validation metrics
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "step": self.step,
+                "metrics": self.history, "last_metrics": self.last_metrics}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.step = state["epoch"], state["position"], state["step"]
+        self.history = list(state.get("metrics", []))
+        self.last_metrics = dict(state.get("last_metrics", {}))
+
+
+class _SamplerAtPosition:
+    """The sampler's resume point at the trainer's position in the epoch."""
+
+    def __init__(self, batches: SeededBatches, state: TrainState):
+        self.batches, self.state = batches, state
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict(self.state.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["position"]:  # an end-of-epoch checkpoint starts the next epoch afresh
+            self.batches.load_state_dict(state)
+
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -98,57 +137,26 @@ def build_data(cfg: Config) -> RunData:
     if len(train) == 0:
         raise ValueError(f"{index.source}: the train split is empty; check data.split_column / "
                          "data.val_ratio")
-    table = train.table
-    train_set = AudioDataset(table["path"].tolist(), train.labels(), cfg.features, train=True,
-                             rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files)
-    val_set = None
-    if val is not None and len(val) >= 2:
-        val_set = AudioDataset(val.table["path"].tolist(), val.labels(), cfg.features,
-                               train=False, rows=val.table["row"].tolist(),
-                               skip_bad_files=cfg.data.skip_bad_files)
-    else:
-        val = None
-    return RunData(train, val, train_set, val_set)
+    train_set = _dataset(train, cfg, train=True)
+    if val is None or len(val) < 2:
+        return RunData(train, None, train_set, None)
+    return RunData(train, val, train_set, _dataset(val, cfg, train=False))
 
 
-def build_net(cfg: Config, num_train_classes: int) -> EmbeddingNet:
-    frontend = FeatureFrontend(cfg.features)
-    embedder = build_model(cfg.model, cfg.features.n_mels)
-    num_classes = num_train_classes if cfg.loss.ce_weight > 0 else 0
-    return EmbeddingNet(frontend, embedder, num_classes=num_classes)
+def _dataset(index: Index, cfg: Config, *, train: bool) -> AudioDataset:
+    table = index.table
+    return AudioDataset(table["path"].tolist(), index.labels(), cfg.features, train=train,
+                        rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files)
 
 
-def evaluate_on_ranks(model, data: RunData, cfg: Config, env: distributed.DistEnv, precision,
-                      kwargs: dict) -> dict[str, float]:
-    """Rank-0 validation (others wait at the barrier), or sharded with eval.distributed."""
-    if data.val_set is None:
-        return {}
-    n = len(data.val_set)
-    if cfg.eval.distributed and env.distributed:
-        positions = list(range(env.rank, n, env.world_size))
-        loader = build_eval_loader(data.val_set, positions, batch_size=cfg.eval.batch_size, **kwargs)
-        emb, labels, _ = embed_for_validation(model, loader, precision, progress=env.is_primary)
-        parts = distributed.gather_objects((emb, labels))
-        if not env.is_primary:
-            return {}
-        emb = np.concatenate([e for e, lab in parts if len(lab)])
-        return retrieval_summary(emb, np.concatenate([lab for _, lab in parts]), precision.device)
-    metrics = {}
-    if env.is_primary:
-        loader = build_eval_loader(data.val_set, batch_size=cfg.eval.batch_size, **kwargs)
-        metrics = validate(model, loader, precision, progress=True)
-    distributed.barrier()  # other ranks wait here; dist.timeout_minutes must cover validation
-    return metrics
-
-
-def fit(cfg: Config, *, local_rank_arg: int | None = None) -> dict:
-    """Train as configured; returns a summary (run dir, last metrics). Used by train.py and tests."""
+def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | None = None) -> dict:
+    """Train as configured on this rank; returns a summary (run dir, step, metrics, history)."""
     env = distributed.setup(strategy=cfg.dist.strategy, backend=cfg.dist.backend,
                             device=cfg.train.device, timeout_minutes=cfg.dist.timeout_minutes,
                             local_rank_arg=local_rank_arg)
     try:
         with StopRequested() as stop:
-            return _fit(cfg, env, stop)
+            return Trainer(cfg, env, stop, hooks or TrainHooks()).fit()
     except Exception as exc:
         log_failure_to_file(exc, env.rank)  # every rank's traceback lands in train.log
         raise
@@ -156,205 +164,249 @@ def fit(cfg: Config, *, local_rank_arg: int | None = None) -> dict:
         distributed.teardown()
 
 
-def _fit(cfg: Config, env: distributed.DistEnv, stop: StopRequested) -> dict:
-    run_dir = Path(cfg.train.runs_dir) / cfg.train.name
-    setup_logging(None, env.rank)  # console only until the input is known to be valid
-    resume_path = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
-    if resume_path is None and (run_dir / checkpoint.LAST).exists():
-        raise ValueError(
-            f"{run_dir} already holds a run ({checkpoint.LAST}); continue it with "
-            "checkpoint.resume=auto, or start a new one with another train.name (or delete the "
-            "folder)"
+class Trainer:
+    """One rank's training run. Construction builds (and, when resuming, restores) everything;
+    `fit()` runs the remaining epochs."""
+
+    def __init__(self, cfg: Config, env: distributed.DistEnv, stop: StopRequested,
+                 hooks: TrainHooks):
+        self.cfg, self.env, self.stop, self.hooks = cfg, env, stop, hooks
+        self.run_dir = Path(cfg.train.runs_dir) / cfg.train.name
+        setup_logging(None, env.rank)  # console only until the input is known to be valid
+        resume_path, ckpt = self._resume_checkpoint()
+        seed_everything(cfg.train.seed + env.rank, cfg.train.deterministic)
+        self.data = build_data(cfg)  # validates the index: a bad sheet fails before any write
+        self._prepare_run_dir()
+
+        train = self.data.train
+        sampler = MPerClassSampler(
+            train.codes.class_codes, train.codes.item_codes,
+            batch_size=cfg.sampler.batch_size, m=cfg.sampler.m, rank=env.rank,
+            world_size=env.world_size, seed=cfg.train.seed, split=cfg.sampler.split,
+            small_classes=cfg.sampler.small_classes,
         )
-    ckpt = checkpoint.load(resume_path) if resume_path is not None else None
-    if ckpt is not None:
-        # The architecture comes from the checkpoint, not from the flags.
-        saved = config_from_dict(ckpt["config"])
+        self.batches = SeededBatches(sampler, cfg.train.seed)
+        self.loader_options = loader_kwargs(cfg.data.num_workers, cfg.data.pin_memory,
+                                            cfg.data.persistent_workers, cfg.data.prefetch_factor,
+                                            env.device)
+        self.train_loader = build_train_loader(self.data.train_set, self.batches,
+                                               seed=cfg.train.seed, **self.loader_options)
+        log.info("data: %d train samples in %d classes, %d validation samples; %d batches/epoch/"
+                 "rank", len(train), len(train.classes), len(self.data.val) if self.data.val else 0,
+                 sampler.batches_per_epoch)
+
+        net = build_net(cfg, len(train.classes))
+        log.info("model %s: %s trainable parameters", cfg.model.name, f"{count_parameters(net):,}")
+        self.model = distributed.wrap(net, env, sync_bn=cfg.model.sync_bn,
+                                      find_unused_parameters=cfg.dist.find_unused_parameters)
+        self.loss_fn = TripletLoss(cfg.loss)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device)
+        self.schedule = LRSchedule(self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size),
+                                   cfg.train.epochs)
+        self.precision = resolve_precision(cfg.train, env.device)
+        log.info("effective lr %.4g = optim.lr %.4g × %.4g (%s scaling, %d ranks, reference %d); "
+                 "precision %s", self.schedule.base, cfg.optim.lr, self.schedule.base / cfg.optim.lr,
+                 cfg.optim.lr_scaling, env.world_size, cfg.optim.ref_world_size,
+                 self.precision.name)
+
+        self.state = TrainState()
+        self.guard = NonFiniteGuard(cfg.train.nonfinite_patience)
+        self.metrics = MetricsWriter(self.run_dir, enabled=env.is_primary)
+        saver = checkpoint.CheckpointSaver(self.run_dir, keep_last=cfg.checkpoint.keep_last)
+        self.checkpointer = checkpoint.Checkpointer(
+            saver,
+            states={
+                "model": distributed.unwrap(self.model),
+                "optimizer": self.optimizer,
+                "lr_schedule": self.schedule,
+                "scaler": self.precision.scaler,
+                "sampler": _SamplerAtPosition(self.batches, self.state),
+                "rng": checkpoint.RankRNG(env.rank, env.world_size),
+            },
+            flat=[self.state, saver],
+            meta=lambda: {"config": to_dict(cfg), "classes": train.classes,
+                          "world_size": env.world_size, "versions": checkpoint.library_versions()},
+            primary=env.is_primary,
+        )
+        if ckpt is not None:
+            self.checkpointer.restore(ckpt)
+            log.info("resumed from %s at epoch %d, batch %d, step %d", resume_path,
+                     self.state.epoch, self.state.position, self.state.step)
+
+    # ----------------------------------------------------------------------------- set-up
+
+    def _resume_checkpoint(self) -> tuple[Path | None, dict | None]:
+        """The checkpoint to resume from (checkpoint.resume), with the architecture it fixes."""
+        cfg = self.cfg
+        path = checkpoint.resolve_resume(cfg.checkpoint.resume, self.run_dir)
+        if path is None and (self.run_dir / checkpoint.LAST).exists():
+            raise ValueError(
+                f"{self.run_dir} already holds a run ({checkpoint.LAST}); continue it with "
+                "checkpoint.resume=auto, or start a new one with another train.name (or delete "
+                "the folder)"
+            )
+        if path is None:
+            return None, None
+        ckpt = checkpoint.load(path)
+        saved = config_from_dict(ckpt["config"])  # the architecture comes from the checkpoint
         if (saved.model, saved.features) != (cfg.model, cfg.features):
-            log.warning("resuming: model and features settings taken from %s", resume_path)
+            log.warning("resuming: model and features settings taken from %s", path)
         cfg.model, cfg.features = saved.model, saved.features
-    seed_everything(cfg.train.seed + env.rank, cfg.train.deterministic)
-    data = build_data(cfg)  # validates the index: a bad sheet fails before anything is written
+        return path, ckpt
 
-    if env.is_primary:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-    distributed.barrier()
-    setup_logging(run_dir, env.rank)
-    log.info("run directory %s (rank 0 of %d, %s, device %s)", run_dir, env.world_size,
-             env.strategy, env.device)
-    sampler = MPerClassSampler(
-        data.train.table["cls"].to_numpy(), data.train.table["item"].to_numpy(),
-        batch_size=cfg.sampler.batch_size, m=cfg.sampler.m, rank=env.rank,
-        world_size=env.world_size, seed=cfg.train.seed, split=cfg.sampler.split,
-        small_classes=cfg.sampler.small_classes,
-    )
-    batches = SeededBatches(sampler, cfg.train.seed)
-    kwargs = loader_kwargs(cfg.data.num_workers, cfg.data.pin_memory, cfg.data.persistent_workers,
-                           cfg.data.prefetch_factor, env.device)
-    train_loader = build_train_loader(data.train_set, batches, seed=cfg.train.seed, **kwargs)
-    log.info("data: %d train samples in %d classes, %d validation samples; %d batches/epoch/rank",
-             len(data.train), len(data.train.classes), len(data.val) if data.val else 0,
-             sampler.batches_per_epoch)
-
-    net = build_net(cfg, len(data.train.classes))
-    if ckpt is not None:
-        net.load_state_dict(ckpt["model"])
-    if env.is_primary:
-        log.info("model %s: %s trainable parameters\n%s", cfg.model.name,
-                 f"{count_parameters(net):,}", net)
-    model = distributed.wrap(net, env, sync_bn=cfg.model.sync_bn,
-                             find_unused_parameters=cfg.dist.find_unused_parameters)
-    loss_fn_core = TripletLoss(cfg.loss)
-
-    def loss_fn(output, labels):
-        embeddings, logits = output
-        return loss_fn_core(embeddings, labels, logits)
-
-    scale = lr_scale(env.world_size, cfg.optim.ref_world_size, cfg.optim.lr_scaling)
-    lr = cfg.optim.lr * scale
-    optimizer = build_optimizer(model.parameters(), cfg.optim, lr, env.device)
-    schedule = LRSchedule(optimizer, cfg.optim, lr, cfg.train.epochs)
-    precision = resolve_precision(cfg.train, env.device)
-    log.info("effective lr %.4g = optim.lr %.4g × %.4g (%s scaling, %d ranks, reference %d); "
-             "precision %s", lr, cfg.optim.lr, scale, cfg.optim.lr_scaling, env.world_size,
-             cfg.optim.ref_world_size, precision.name)
-
-    saver = checkpoint.CheckpointSaver(run_dir, keep_last=cfg.checkpoint.keep_last)
-    history: list[dict] = []
-    start_epoch, start_position, global_step = 0, 0, 0
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        schedule.load_state_dict(ckpt["lr_schedule"])
-        precision.scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, start_position = ckpt["epoch"], ckpt["position"]
-        global_step = ckpt["step"]
-        history = list(ckpt.get("metrics", []))
-        saver.best_metric = ckpt.get("best_metric")
-        rng = ckpt.get("rng") or []
-        if len(rng) == env.world_size:
-            checkpoint.set_rng_state(rng[env.rank])
-        else:
-            log.warning("resuming with %d ranks from a %d-rank checkpoint: random streams are "
-                        "reseeded, so the run is not bit-identical", env.world_size, len(rng))
-        log.info("resumed from %s at epoch %d, batch %d, step %d", resume_path, start_epoch,
-                 start_position, global_step)
-
-    metrics_writer = MetricsWriter(run_dir, enabled=env.is_primary)
-    guard = NonFiniteGuard(cfg.train.nonfinite_patience)
-    crash_at = int(os.environ.get(CRASH_ENV, "0"))
-    stop_at = int(os.environ.get(STOP_ENV, "0"))
-    first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    classes = data.train.classes
-
-    def make_state(epoch: int, position: int, step: int, last_metrics: dict) -> dict:
-        rng_states = distributed.gather_objects(checkpoint.rng_state())
-        return {
-            "model": distributed.unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "lr_schedule": schedule.state_dict(),
-            "scaler": precision.scaler.state_dict(),
-            "epoch": epoch,
-            "position": position,
-            "step": step,
-            "sampler": batches.state_dict(position),
-            "rng": rng_states,
-            "config": to_dict(cfg),
-            "metrics": history,
-            "last_metrics": last_metrics,
-            "best_metric": saver.best_metric,
-            "classes": classes,
-            "world_size": env.world_size,
-            "versions": checkpoint.library_versions(),
-        }
-
-    def save_mid_epoch(epoch: int, position: int, step: int) -> None:
-        state = make_state(epoch, position, step, {})
-        if env.is_primary:
-            saver.save_last(state)
-            log.info("saved %s (epoch %d, batch %d, step %d)", run_dir / checkpoint.LAST, epoch,
-                     position, step)
+    def _prepare_run_dir(self) -> None:
+        if self.env.is_primary:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.run_dir / "config.yaml")
         distributed.barrier()
+        setup_logging(self.run_dir, self.env.rank)
+        log.info("run directory %s (rank 0 of %d, %s, device %s)", self.run_dir,
+                 self.env.world_size, self.env.strategy, self.env.device)
 
-    last_metrics: dict = {}
-    stopped = False
-    for epoch in range(start_epoch, cfg.train.epochs):
-        batches.set_epoch(epoch)
-        if epoch == start_epoch and start_position:
-            batches.load_state_dict(ckpt["sampler"])
+    # ----------------------------------------------------------------------------- the loop
 
-        def on_step(step: int, position: int, epoch=epoch) -> bool:
-            if crash_at and step == crash_at and first_launch and env.rank == 0:
-                log.error("test fault injection: crashing at step %d", step)
-                os._exit(17)
-            if stop_at and step == stop_at:
-                stop.flag = True
-            if cfg.train.consistency_every_steps and step % cfg.train.consistency_every_steps == 0:
-                distributed.check_parameter_consistency(model, action=cfg.train.consistency_action,
-                                                        device=env.device)
-            if cfg.train.log_every_steps and step % cfg.train.log_every_steps == 0:
-                metrics_writer.scalar("step/lr", optimizer.param_groups[0]["lr"], step)
-            halt = distributed.any_rank(stop.flag, device=env.device)
-            if halt or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0):
-                save_mid_epoch(epoch, position, step)
-            return halt
+    def fit(self) -> dict:
+        """Run the remaining epochs; every rank calls it."""
+        stopped = False
+        for epoch in range(self.state.epoch, self.cfg.train.epochs):
+            result = self.train_epoch(epoch)
+            if result.stopped:
+                stopped = True
+                log.info("stopped on request at epoch %d, step %d; resume with "
+                         "checkpoint.resume=auto", epoch + 1, self.state.step)
+                break
+            self.end_epoch(epoch, result)
+        return self.finish(stopped)
 
-        result = train_one_epoch(
-            model, train_loader, loss_fn, optimizer, precision,
-            schedule=schedule, accumulate=cfg.train.accumulate,
-            max_grad_norm=cfg.optim.max_grad_norm, guard=guard,
-            start_batch=start_position if epoch == start_epoch else 0,
-            limit_batches=cfg.train.limit_batches, global_step=global_step, on_step=on_step,
-            progress=env.is_primary, description=f"epoch {epoch + 1}/{cfg.train.epochs}",
+    def train_epoch(self, epoch: int) -> EpochResult:
+        cfg = self.cfg
+        self.batches.set_epoch(epoch)
+        return train_one_epoch(
+            self.model, self.train_loader, self._loss, self.optimizer, self.precision,
+            set_lr=lambda step: self.schedule.apply(step, epoch), accumulate=cfg.train.accumulate,
+            max_grad_norm=cfg.optim.max_grad_norm, guard=self.guard,
+            start_batch=self.state.position, limit_batches=cfg.train.limit_batches,
+            global_step=self.state.step, on_step=self._after_step, progress=self.env.is_primary,
+            log_every=cfg.train.log_every_steps,
+            description=f"epoch {epoch + 1}/{cfg.train.epochs}",
         )
-        global_step += result.steps
-        if result.stopped:
-            stopped = True
-            log.info("stopped on request at epoch %d, step %d; resume with checkpoint.resume=auto",
-                     epoch + 1, global_step)
-            break
-        distributed.check_parameter_consistency(model, action=cfg.train.consistency_action,
-                                                device=env.device)
-        eval_due = cfg.eval.every > 0 and ((epoch + 1) % cfg.eval.every == 0
-                                           or epoch + 1 == cfg.train.epochs)
-        last_metrics = evaluate_on_ranks(model, data, cfg, env, precision, kwargs) if eval_due else {}
-        schedule.epoch_end(result.loss)
+
+    def _loss(self, output, labels):
+        embeddings, logits = output
+        return self.loss_fn(embeddings, labels, logits)
+
+    def _after_step(self, step: int, position: int) -> bool:
+        """After every optimizer step (every rank): hooks, checks, logging, stop vote, saving."""
+        cfg = self.cfg
+        self.state.step, self.state.position = step, position
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(self)
+        if _due(step, cfg.train.consistency_every_steps):
+            distributed.check_parameter_consistency(self.model, action=cfg.train.consistency_action,
+                                                    device=self.env.device)
+        if _due(step, cfg.train.log_every_steps):
+            self.metrics.scalar("step/lr", self.optimizer.param_groups[0]["lr"], step)
+        halt = distributed.any_rank(self.stop.flag, device=self.env.device)
+        if halt or _due(step, cfg.checkpoint.every_steps):
+            self.save_mid_epoch()
+        return halt
+
+    def request_stop(self) -> None:
+        """Finish the current step, save last.pt and end fit() (as SIGTERM does)."""
+        self.stop.flag = True
+
+    def end_epoch(self, epoch: int, result: EpochResult) -> None:
+        """Consistency check, validation, schedule, metrics row, checkpoints (every rank)."""
+        cfg, state = self.cfg, self.state
+        distributed.check_parameter_consistency(self.model, action=cfg.train.consistency_action,
+                                                device=self.env.device)
+        state.last_metrics = self.validate() if self._eval_due(epoch) else {}
+        self.schedule.epoch_end(result.loss)
+        state.epoch, state.position = epoch + 1, 0
         row = {
-            "epoch": epoch + 1, "step": global_step, "train_loss": result.loss,
-            "lr": optimizer.param_groups[0]["lr"],
-            "samples_per_s": result.samples / max(result.seconds, 1e-9),
-            "epoch_seconds": result.seconds, "nonfinite_steps": guard.total, **last_metrics,
+            "epoch": epoch + 1, "step": state.step, "train_loss": result.loss,
+            "lr": self.schedule.apply(state.step, state.epoch),
+            "samples_per_s": result.samples_per_second, "epoch_seconds": result.seconds,
+            "nonfinite_steps": self.guard.total, **state.last_metrics,
         }
-        history.append(row)
-        metric = last_metrics.get(cfg.eval.metric)
-        state = make_state(epoch + 1, 0, global_step, last_metrics)
-        if env.is_primary:
-            written = saver.save_epoch(state, epoch + 1, metric)
-            metrics_writer.epoch_row(row)
-            shown = " ".join(f"{k}={v:.4f}" for k, v in last_metrics.items())
-            log.info("epoch %d/%d: loss %.4f, %.1f samples/s (global), %.1f s %s%s",
-                     epoch + 1, cfg.train.epochs, result.loss, row["samples_per_s"],
-                     result.seconds, shown, " (new best)" if run_dir / "best.pt" in written
-                     and metric is not None else "")
+        state.history.append(row)
+        metric = state.last_metrics.get(cfg.eval.metric)
+        written = self.checkpointer.save_epoch(epoch + 1, metric)
+        if self.env.is_primary:
+            self.metrics.epoch_row(row)
+            shown = " ".join(f"{k}={v:.4f}" for k, v in state.last_metrics.items())
+            best = self.run_dir / checkpoint.BEST in written and metric is not None
+            log.info("epoch %d/%d: loss %.4f, %.1f samples/s (global), %.1f s %s%s", epoch + 1,
+                     cfg.train.epochs, result.loss, row["samples_per_s"], result.seconds, shown,
+                     " (new best)" if best else "")
         distributed.barrier()
-    if env.is_primary and not stopped and not (run_dir / checkpoint.BEST).exists() \
-            and (run_dir / checkpoint.LAST).exists():
-        log.info("no validation metric was computed: best.pt is the final epoch")
-        atomic_copy(run_dir / checkpoint.LAST, run_dir / checkpoint.BEST)
-    metrics_writer.close()
-    distributed.barrier()
-    return {"run_dir": str(run_dir), "metrics": last_metrics, "history": history,
-            "stopped": stopped, "step": global_step, "world_size": env.world_size,
-            "parameters_sha256": parameters_digest(model)}
+
+    def _eval_due(self, epoch: int) -> bool:
+        every = self.cfg.eval.every
+        return every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == self.cfg.train.epochs)
+
+    def save_mid_epoch(self) -> None:
+        """last.pt at the current position (every rank calls it; rank 0 writes)."""
+        state = self.state
+        if self.checkpointer.save_last() is not None:
+            log.info("saved %s (epoch %d, batch %d, step %d)", self.run_dir / checkpoint.LAST,
+                     state.epoch, state.position, state.step)
+        distributed.barrier()
+
+    def validate(self) -> dict[str, float]:
+        """Retrieval metrics on the validation split, on rank 0 ({} elsewhere).
+
+        Every rank must call it: rank 0 embeds alone while the others wait at a barrier
+        (dist.timeout_minutes must cover it), or with eval.distributed every rank embeds a
+        shard and the shards are gathered.
+        """
+        val_set, env = self.data.val_set, self.env
+        if val_set is None:
+            return {}
+        sharded = self.cfg.eval.distributed and env.distributed
+        if not sharded and not env.is_primary:
+            distributed.barrier()
+            return {}
+        positions = range(env.rank, len(val_set), env.world_size) if sharded else None
+        emb, labels, _ = extract_embeddings(
+            self.model, val_set, batch_size=self.cfg.eval.batch_size, device=env.device,
+            positions=positions, loader_options=self.loader_options, precision=self.precision,
+            progress=env.is_primary, description="validate")
+        if sharded:
+            parts = distributed.gather_objects((emb, labels))
+            if not env.is_primary:
+                return {}
+            emb = np.concatenate([e for e, lab in parts if len(lab)])
+            labels = np.concatenate([lab for _, lab in parts])
+        metrics = retrieval_summary(emb, labels, env.device)
+        if not sharded:
+            distributed.barrier()  # the other ranks wait here
+        return metrics
+
+    def finish(self, stopped: bool) -> dict:
+        run_dir, state = self.run_dir, self.state
+        if self.env.is_primary and not stopped and not (run_dir / checkpoint.BEST).exists() \
+                and (run_dir / checkpoint.LAST).exists():
+            log.info("no validation metric was computed: best.pt is the final epoch")
+            atomic_copy(run_dir / checkpoint.LAST, run_dir / checkpoint.BEST)
+        self.metrics.close()
+        distributed.barrier()
+        summary = {"run_dir": str(run_dir), "metrics": state.last_metrics,
+                   "history": state.history, "stopped": stopped, "step": state.step,
+                   "world_size": self.env.world_size}
+        if self.hooks.on_end is not None:
+            self.hooks.on_end(self, summary)
+        return summary
 
 
-def parameters_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every parameter's bytes: equal digests mean bit-identical parameters."""
-    import hashlib
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
 
-    digest = hashlib.sha256()
-    for name, p in distributed.unwrap(model).named_parameters():
-        digest.update(name.encode())
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
+def retrieval_summary(embeddings: np.ndarray, labels: np.ndarray,
+                      device: torch.device | None = None) -> dict[str, float]:
+    """P@1, MAP@R and R-precision as plain floats ({} with fewer than 2 samples)."""
+    if len(labels) < 2:
+        return {}
+    metrics = retrieval_metrics(embeddings, labels, device=device)
+    return {k: float(metrics[k]) for k in RETRIEVAL_KEYS}

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from audioclf.features import read_npy_crop  # noqa: E402
+from audioclf.data.readers import read_npy_crop  # noqa: E402
 
 TARGET_RATIO = 10.0
 

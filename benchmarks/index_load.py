@@ -98,7 +98,7 @@ def bench_file_check(workdir: Path, count: int) -> None:
         (folder / "complete").touch()
         print(f"created {count} empty files in 400 folders in {time.perf_counter() - start:.1f} s")
     series = pd.Series(paths, dtype=str)
-    listing, _ = timed(lambda: index_module._missing_files(series), 3)
+    listing, _ = timed(lambda: index_module.validate._missing_files(series), 3)
     stats, _ = timed(lambda: [os.path.exists(p) for p in paths], 3)
     print(f"file check, {count} files   scandir per folder: {listing:.3f} s   "
           f"os.path.exists per file: {stats:.3f} s   ({stats / listing:.1f}x)")

@@ -24,15 +24,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from audioclf.config import load_config  # noqa: E402
-from audioclf.engine import (  # noqa: E402
-    LRSchedule,
-    NonFiniteGuard,
-    build_optimizer,
-    resolve_precision,
-    train_one_epoch,
-)
+from audioclf.engine import NonFiniteGuard, train_one_epoch  # noqa: E402
 from audioclf.losses import TripletLoss  # noqa: E402
-from audioclf.trainer import build_net  # noqa: E402
+from audioclf.models import build_net  # noqa: E402
+from audioclf.optim import LRSchedule, build_optimizer  # noqa: E402
+from audioclf.precision import resolve_precision  # noqa: E402
 
 
 def make_config(model: str):
@@ -54,8 +50,8 @@ def make_batches(cfg, steps: int, seed: int = 0):
 
 def fresh(cfg):
     torch.manual_seed(0)
-    net = build_net(cfg, num_train_classes=0)
-    opt = build_optimizer(net.parameters(), cfg.optim, cfg.optim.lr, torch.device("cpu"))
+    net = build_net(cfg, num_classes=0)
+    opt = build_optimizer(net.parameters(), cfg.optim, torch.device("cpu"))
     return net, opt, TripletLoss(cfg.loss)
 
 
@@ -65,7 +61,7 @@ def time_bare(cfg, batches) -> float:
     start = time.perf_counter()
     for x, lengths, labels, _ in batches:
         embeddings, logits = net(x, lengths)
-        loss, _ = loss_core(embeddings, labels, logits)
+        loss = loss_core(embeddings, labels, logits)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -82,7 +78,8 @@ def time_audioclf(cfg, batches, model=None) -> float:
         return loss_core(output[0], labels, output[1])
 
     start = time.perf_counter()
-    train_one_epoch(model, batches, loss_fn, opt, precision, schedule=schedule,
+    train_one_epoch(model, batches, loss_fn, opt, precision,
+                    set_lr=lambda step: schedule.apply(step, epoch=0),
                     guard=NonFiniteGuard(10), max_grad_norm=cfg.optim.max_grad_norm)
     return time.perf_counter() - start
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from audioclf.config import FeaturesConfig
 from audioclf.data.dataset import AudioDataset, collate_padded
-from audioclf.features import AudioReadError, FeatureFileError
+from audioclf.data.readers import AudioReadError, FeatureFileError
 
 RATE = 8000
 

@@ -14,7 +14,7 @@ from audioclf.config import DataConfig, FeaturesConfig
 from audioclf.data import demo
 from audioclf.data.demo import generate_demo
 from audioclf.data.index import load_index
-from audioclf.features import frames_for_samples, log_mel
+from audioclf.models.frontend import frames_for_samples, log_mel
 
 SMALL = {"classes": 4, "items": 3, "ids": 2}
 

@@ -56,7 +56,8 @@ def _accumulation_worker(rank, world):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from audioclf.config import TrainConfig
-    from audioclf.engine import resolve_precision, train_one_epoch
+    from audioclf.engine import train_one_epoch
+    from audioclf.precision import resolve_precision
 
     out = {}
     for accumulate in (1, 2, 4):
@@ -75,7 +76,7 @@ def _accumulation_worker(rank, world):
                    torch.arange(8)) for _ in range(4)]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         result = train_one_epoch(
-            model, loader, lambda o, y: (nn.functional.cross_entropy(o, y), {}), opt,
+            model, loader, nn.functional.cross_entropy, opt,
             resolve_precision(TrainConfig(), torch.device("cpu")), accumulate=accumulate)
         drift = distributed.check_parameter_consistency(model, action="warn")
         out[accumulate] = (len(calls), result.steps, drift)
@@ -125,7 +126,8 @@ def test_primary_first_and_reductions(tmp_path):
 
 def _global_loss_worker(rank, world):
     from audioclf.config import TrainConfig
-    from audioclf.engine import resolve_precision, train_one_epoch
+    from audioclf.engine import train_one_epoch
+    from audioclf.precision import resolve_precision
 
     torch.manual_seed(0)
     env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")
@@ -137,7 +139,7 @@ def _global_loss_worker(rank, world):
                torch.arange(size)) for _ in range(2)]
 
     def loss_fn(out, labels):
-        return nn.functional.cross_entropy(out, labels), {}
+        return nn.functional.cross_entropy(out, labels)
 
     result = train_one_epoch(model, loader, loss_fn, opt,
                              resolve_precision(TrainConfig(), torch.device("cpu")))
@@ -156,7 +158,7 @@ def test_epoch_loss_is_the_exact_global_mean(tmp_path):
 
 def test_checkpoints_load_across_syncbn_and_batchnorm():
     from audioclf.config import load_config
-    from audioclf.trainer import build_net
+    from audioclf.models import build_net
 
     cfg = load_config(None, ["model.name=conformer", "model.conformer.d_model=32",
                              "model.conformer.num_heads=2", "model.conformer.num_layers=1"])

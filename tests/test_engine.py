@@ -1,4 +1,4 @@
-"""Engine: precision, LR scaling and schedule, accumulation, non-finite handling."""
+"""Engine, precision, optimizer and LR: scaling, schedule, accumulation, non-finite handling."""
 
 import math
 
@@ -7,15 +7,9 @@ import torch
 from torch import nn
 
 from audioclf.config import OptimConfig, TrainConfig
-from audioclf.engine import (
-    LRSchedule,
-    NonFiniteGuard,
-    NonFiniteLossError,
-    build_optimizer,
-    lr_scale,
-    resolve_precision,
-    train_one_epoch,
-)
+from audioclf.engine import NonFiniteGuard, NonFiniteLossError, train_one_epoch
+from audioclf.optim import LRSchedule, build_optimizer, learning_rate, lr_scale
+from audioclf.precision import resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -34,7 +28,7 @@ class Linear(nn.Module):
 
 def mse(output, labels):
     target = nn.functional.one_hot(labels, 3).float()
-    return nn.functional.mse_loss(output.float(), target), {}
+    return nn.functional.mse_loss(output.float(), target)
 
 
 def batches(n_batches, size, seed=0):
@@ -83,35 +77,35 @@ def test_bf16_autocast_context_is_active():
 
 def test_fused_adam_without_apex_is_a_clear_error():
     with pytest.raises(ValueError, match="needs NVIDIA apex.*use optim.name=adamw"):
-        build_optimizer(nn.Linear(2, 2).parameters(), OptimConfig(name="fused_adam"), 1e-3, CPU)
+        build_optimizer(nn.Linear(2, 2).parameters(), OptimConfig(name="fused_adam"), CPU)
 
 
 def test_warmup_then_cosine():
-    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
-    sched = LRSchedule(opt, OptimConfig(warmup_steps=4, scheduler="cosine"), base_lr=1.0, epochs=4)
-    lrs = [opt.param_groups[0]["lr"]]
-    for _ in range(5):
-        sched.step()
-        lrs.append(opt.param_groups[0]["lr"])
+    cfg = OptimConfig(warmup_steps=4, scheduler="cosine")
+    lrs = [learning_rate(cfg, 1.0, 4, step=step, epoch=0) for step in range(6)]
     assert lrs[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
+    sched = LRSchedule(opt, cfg, base=1.0, epochs=4)
     sched.epoch_end(1.0)
+    sched.apply(step=5, epoch=1)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
     state = sched.state_dict()
     opt2 = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
-    sched2 = LRSchedule(opt2, OptimConfig(warmup_steps=4, scheduler="cosine"), 1.0, 4)
+    sched2 = LRSchedule(opt2, cfg, 1.0, 4)
     sched2.load_state_dict(state)
+    sched2.apply(step=5, epoch=1)
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
 def test_step_and_plateau_schedules():
     opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
     step = LRSchedule(opt, OptimConfig(scheduler="step", step_size=2, gamma=0.1), 1.0, 10)
-    for _ in range(2):
-        step.epoch_end(1.0)
+    step.apply(step=0, epoch=2)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
     plateau = LRSchedule(opt, OptimConfig(scheduler="plateau", plateau_patience=1, gamma=0.5), 1.0, 10)
     for loss in [1.0, 0.9, 0.95, 0.95]:  # best 0.9, then two bad epochs > patience 1
         plateau.epoch_end(loss)
+    plateau.apply(step=0, epoch=4)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
 
 
@@ -137,7 +131,7 @@ def test_exact_mean_loss_and_sample_count():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = batches(3, 5)
     r = train_one_epoch(model, loader, mse, opt, resolve_precision(TrainConfig(), CPU))
-    expected = sum(mse(model(x, lengths), y)[0].item() * len(y) for x, lengths, y, _ in loader) / 15
+    expected = sum(mse(model(x, lengths), y).item() * len(y) for x, lengths, y, _ in loader) / 15
     assert r.samples == 15 and r.loss == pytest.approx(expected)
 
 

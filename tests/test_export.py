@@ -13,8 +13,8 @@ import torch
 from audioclf import export
 from audioclf.config import config_from_dict, to_dict
 from audioclf.export import main
-from audioclf.features import log_mel
 from audioclf.inference import load_trained
+from audioclf.models.frontend import log_mel
 
 TOL = 1e-4
 TINY_MODELS = {
@@ -29,7 +29,7 @@ def make_checkpoint(path: Path, name: str = "cnn", classes: tuple[str, ...] = ()
                     ) -> Path:
     """A checkpoint as the trainer writes it (model, config, classes), of an untrained model
     with non-trivial BatchNorm statistics."""
-    from audioclf.trainer import build_net
+    from audioclf.models import build_net
 
     cfg = config_from_dict({
         "features": {"sample_rate": 8000, "n_fft": 256, "win_length": 200, "hop_length": 80,
@@ -60,7 +60,7 @@ def waves(seconds: float, fractions: list[float], seed: int) -> tuple[torch.Tens
 
 
 def log_mel_batch(x: torch.Tensor, lengths: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each clip's log-mel on its own (audioclf.features.log_mel), zero-padded to a batch."""
+    """Each clip's log-mel on its own (audioclf.models.frontend.log_mel), zero-padded to a batch."""
     feats = [torch.from_numpy(log_mel(row[:n], cfg.features)) for row, n in
              zip(x, lengths.tolist(), strict=True)]
     frames = torch.tensor([f.shape[0] for f in feats])

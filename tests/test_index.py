@@ -85,7 +85,7 @@ def expected_table(frame: pd.DataFrame, root: Path) -> pd.DataFrame:
                                            (".csv", None), (".parquet", None)])
 def test_every_format_reads_the_same_table(tmp_path, monkeypatch, suffix, engine):
     if engine:
-        monkeypatch.setattr(index_module, "_excel_engine", lambda: engine)
+        monkeypatch.setattr(index_module.reader, "_excel_engine", lambda: engine)
     frame = sample_rows()
     make_files(frame, tmp_path)
     sheet = write_sheet(frame, tmp_path / f"index{suffix}")
@@ -101,7 +101,7 @@ def test_excel_cells_read_as_text_like_pandas(tmp_path, monkeypatch, engine):
     """Numbers typed into Excel come back as the text a user sees; text ids keep their zeros."""
     import openpyxl
 
-    monkeypatch.setattr(index_module, "_excel_engine", lambda: engine)
+    monkeypatch.setattr(index_module.reader, "_excel_engine", lambda: engine)
     book = openpyxl.Workbook()
     book.active.append(["a_cls", "a_item", "a_id", "path"])
     book.active.append([3, 4.0, "007", "x.wav"])
@@ -156,7 +156,7 @@ def test_unsupported_format(tmp_path):
 
 @pytest.mark.parametrize("engine", ["calamine", "openpyxl"])
 def test_unreadable_file(tmp_path, monkeypatch, engine):
-    monkeypatch.setattr(index_module, "_excel_engine", lambda: engine)
+    monkeypatch.setattr(index_module.reader, "_excel_engine", lambda: engine)
     (tmp_path / "index.xlsx").write_bytes(b"this is not a spreadsheet")
     with pytest.raises(IndexValidationError, match=r"index\.xlsx could not be read as \.xlsx"):
         load_index(DataConfig(index=str(tmp_path / "index.xlsx")))
@@ -170,7 +170,7 @@ def test_missing_index_file(tmp_path):
 
 @pytest.mark.parametrize("engine", ["calamine", "openpyxl"])
 def test_sheet_by_name(dataset, monkeypatch, engine):
-    monkeypatch.setattr(index_module, "_excel_engine", lambda: engine)
+    monkeypatch.setattr(index_module.reader, "_excel_engine", lambda: engine)
     _, sheet = dataset
     assert len(load_index(DataConfig(index=str(sheet), sheet="Sheet1"))) == 12
     with pytest.raises(IndexValidationError, match=r"index\.xlsx.*'nope'"):
@@ -403,7 +403,7 @@ def test_file_check_is_recorded_in_the_cache(dataset, tmp_path, monkeypatch):
     _, sheet = dataset
     load_index(DataConfig(index=str(sheet), check_files=False))
     load_index(DataConfig(index=str(sheet), check_files=True))  # checks, records it
-    monkeypatch.setattr(index_module, "_missing_files", lambda paths: pytest.fail("re-checked"))
+    monkeypatch.setattr(index_module.validate, "_missing_files", lambda paths: pytest.fail("re-checked"))
     forbid_parsing(monkeypatch)
     assert len(load_index(DataConfig(index=str(sheet), check_files=True))) == 12
 

@@ -32,7 +32,7 @@ def reference_loss(emb, labels, margin, keep):
 
 def test_all_miner_matches_the_definition():
     emb = embeddings()
-    loss, stats = TripletLoss(LossConfig(margin=0.3, miner="all"))(emb, LABELS)
+    loss, stats = TripletLoss(LossConfig(margin=0.3, miner="all")).with_stats(emb, LABELS)
     expected, count = reference_loss(emb.detach(), LABELS, 0.3, lambda s, a, p, n: s[a, n] - s[a, p] + 0.3 > 0)
     torch.testing.assert_close(loss, expected)
     assert stats["triplets"] == count and stats["triplet_loss"] == pytest.approx(expected.item())
@@ -40,7 +40,7 @@ def test_all_miner_matches_the_definition():
 
 def test_semi_hard_miner_keeps_only_semi_hard_triplets():
     emb = embeddings(1)
-    loss, stats = TripletLoss(LossConfig(margin=0.3, miner="semi_hard"))(emb, LABELS)
+    loss, stats = TripletLoss(LossConfig(margin=0.3, miner="semi_hard")).with_stats(emb, LABELS)
     # semi-hard: the negative is farther than the positive, but within the margin.
     expected, count = reference_loss(
         emb.detach(), LABELS, 0.3, lambda s, a, p, n: s[a, p] > s[a, n] > s[a, p] - 0.3
@@ -51,7 +51,7 @@ def test_semi_hard_miner_keeps_only_semi_hard_triplets():
 
 def test_batch_hard_miner_one_triplet_per_anchor():
     emb = embeddings(2)
-    loss, stats = TripletLoss(LossConfig(margin=0.2, miner="batch_hard"))(emb, LABELS)
+    loss, stats = TripletLoss(LossConfig(margin=0.2, miner="batch_hard")).with_stats(emb, LABELS)
     sim = (emb @ emb.T).detach()
     same = LABELS[:, None] == LABELS[None, :]
     hardest_pos = sim.masked_fill(~same | torch.eye(8, dtype=torch.bool), 2).min(dim=1).values
@@ -68,9 +68,9 @@ def test_loss_is_fp32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         emb = layer(x)
         assert emb.dtype == torch.bfloat16
-        loss, _ = TripletLoss(LossConfig(miner="all"))(emb, LABELS)
+        loss = TripletLoss(LossConfig(miner="all"))(emb, LABELS)
     assert loss.dtype == torch.float32
-    reference, _ = TripletLoss(LossConfig(miner="all"))(emb.float(), LABELS)
+    reference = TripletLoss(LossConfig(miner="all"))(emb.float(), LABELS)
     assert loss.item() == reference.item()  # same fp32 computation from the same inputs
     loss.backward()
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
@@ -79,9 +79,9 @@ def test_loss_is_fp32_under_bf16_autocast():
 def test_ce_weight_adds_cross_entropy():
     emb = embeddings(3)
     logits = torch.randn(8, 4, requires_grad=True)
-    plain, plain_stats = TripletLoss(LossConfig(miner="all"))(emb, LABELS, logits)
+    plain, plain_stats = TripletLoss(LossConfig(miner="all")).with_stats(emb, LABELS, logits)
     assert plain_stats["ce_loss"] == 0.0  # logits are ignored at ce_weight=0
-    loss, stats = TripletLoss(LossConfig(miner="all", ce_weight=0.5))(emb, LABELS, logits)
+    loss, stats = TripletLoss(LossConfig(miner="all", ce_weight=0.5)).with_stats(emb, LABELS, logits)
     ce = F.cross_entropy(logits, LABELS)
     torch.testing.assert_close(loss, plain + 0.5 * ce)
     assert stats["ce_loss"] == pytest.approx(ce.item())
@@ -94,7 +94,7 @@ def test_ce_weight_adds_cross_entropy():
                          ids=["one-class", "all-singletons"])
 def test_batch_without_triplets_gives_zero_loss_with_a_grad_path(miner, labels):
     layer = torch.nn.Linear(3, 5)
-    loss, stats = TripletLoss(LossConfig(miner=miner))(F.normalize(layer(torch.randn(4, 3))), labels)
+    loss, stats = TripletLoss(LossConfig(miner=miner)).with_stats(F.normalize(layer(torch.randn(4, 3))), labels)
     assert stats["triplets"] == 0 and loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
@@ -120,6 +120,6 @@ def test_input_errors_are_explicit():
 
 def test_cross_rank_without_a_process_group_is_the_local_loss():
     emb = embeddings(4)
-    local, _ = TripletLoss(LossConfig(miner="all"))(emb, LABELS)
-    crossed, _ = TripletLoss(LossConfig(miner="all", cross_rank=True))(emb, LABELS)
+    local = TripletLoss(LossConfig(miner="all"))(emb, LABELS)
+    crossed = TripletLoss(LossConfig(miner="all", cross_rank=True))(emb, LABELS)
     torch.testing.assert_close(local, crossed)

@@ -32,7 +32,7 @@ def fresh_model():
 
 
 def loss_and_grads(model, x, labels, miner, cross_rank):
-    loss, stats = TripletLoss(LossConfig(margin=0.3, miner=miner, cross_rank=cross_rank))(
+    loss, stats = TripletLoss(LossConfig(margin=0.3, miner=miner, cross_rank=cross_rank)).with_stats(
         F.normalize(model(x), dim=1), labels
     )
     loss.backward()

@@ -7,6 +7,7 @@ from pytorch_metric_learning.utils.inference import CustomKNN
 
 from audioclf.metrics import (
     centroid_accuracy,
+    class_centroids,
     clustering_metrics,
     knn_accuracy,
     retrieval_metrics,
@@ -136,6 +137,168 @@ def test_retrieval_all_singletons_is_nan():
 
 
 # --------------------------------------------------------------------------------------------
+# retrieval_metrics with items (cross-item retrieval)
+# --------------------------------------------------------------------------------------------
+
+
+def clustered_items(items_per_class, clips_per_item=(1, 5), dim=12, seed=0):
+    """Classes made of items (class centre + item offset + clip noise), in shuffled order.
+
+    Item ids restart at 0 in every class, so equal ids under different classes must still be
+    told apart. The item offset is as large as the class spread: an item's own clips are the
+    easy neighbours that cross-item retrieval has to do without.
+    """
+    rng = np.random.default_rng(seed)
+    labels, items, points = [], [], []
+    for cls, n_items in enumerate(items_per_class):
+        centre = rng.normal(size=dim)
+        for item in range(n_items):
+            item_centre = centre + 0.8 * rng.normal(size=dim)
+            n_clips = int(rng.integers(clips_per_item[0], clips_per_item[1] + 1))
+            points.append(item_centre + 0.4 * rng.normal(size=(n_clips, dim)))
+            labels += [cls] * n_clips
+            items += [item] * n_clips
+    order = rng.permutation(len(labels))
+    embeddings = np.concatenate(points)[order].astype(np.float32)
+    return embeddings, np.array(labels)[order], np.array(items)[order]
+
+
+def brute_force_cross_item(embeddings, labels, items):
+    """Plain O(N^2) reference: per query, rank every sample of another (class, item) pair."""
+    normed = embeddings.astype(np.float64)
+    normed /= np.linalg.norm(normed, axis=1, keepdims=True)
+    similarity = normed @ normed.T
+    correct, average_precision, r_precision = [], [], []
+    per_sample = np.zeros(len(labels), dtype=bool)
+    for query in range(len(labels)):
+        own_item = (labels == labels[query]) & (items == items[query])
+        candidates = np.flatnonzero(~own_item)
+        relevant = int((labels[candidates] == labels[query]).sum())
+        if relevant == 0:
+            continue
+        ranked = candidates[np.argsort(-similarity[query, candidates], kind="stable")]
+        hits = labels[ranked[:relevant]] == labels[query]
+        precision_at_i = np.cumsum(hits) / np.arange(1, relevant + 1)
+        per_sample[query] = hits[0]
+        correct.append(float(hits[0]))
+        r_precision.append(hits.sum() / relevant)
+        average_precision.append((precision_at_i * hits).sum() / relevant)
+    return {
+        "precision_at_1": float(np.mean(correct)) if correct else float("nan"),
+        "map_at_r": float(np.mean(average_precision)) if correct else float("nan"),
+        "r_precision": float(np.mean(r_precision)) if correct else float("nan"),
+        "n_queries": len(correct),
+        "n_queries_without_other_item": len(labels) - len(correct),
+    }, per_sample
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cross_item_matches_brute_force(seed):
+    # Classes with 1 item (left out), 2 items and up to 6 items of 1-5 clips each.
+    embeddings, labels, items = clustered_items([1, 2, 3, 6, 4, 2, 1, 5, 3], seed=seed)
+    n_samples = len(labels)
+    uneven = next(size for size in range(7, n_samples) if n_samples % size)  # last chunk shorter
+    expected, expected_per_sample = brute_force_cross_item(embeddings, labels, items)
+    for chunk_size in (1, uneven, n_samples + 5):
+        result = retrieval_metrics(
+            embeddings, labels, items=items, chunk_size=chunk_size, return_per_sample=True
+        )
+        np.testing.assert_array_equal(result.pop("per_sample_correct_at_1"), expected_per_sample)
+        assert result == pytest.approx(expected, abs=1e-9), chunk_size
+    assert 0 < result["n_queries_without_other_item"] < len(labels)
+    assert 0.0 < result["map_at_r"] < 1.0 and 0.0 < result["precision_at_1"] < 1.0
+    # Clips of one item are each other's easiest neighbours: leaving them in scores higher.
+    assert retrieval_metrics(embeddings, labels)["precision_at_1"] > result["precision_at_1"]
+
+
+def test_cross_item_hand_computed_case():
+    # Points on the unit circle at various norms; (class, item) pairs:
+    #   class 0: item "a" = a0 at 0 deg, a1 at 10;  item "b" = b0 at 30, b1 at 200
+    #   class 1: item "a" = c0 at 14 (same item id as class 0's, but another item); "d" = d0 at 65
+    #   class 2: item "a" = e0 at 270;  item "f" = f0 at 280
+    # Each query ranks the samples of other items (angular distance), R = other-item class mates:
+    #   a0 (R=2: b0 b1): c0 14, b0 30 (hit) ...          P@1 0, R-prec 1/2, AP@R (1/2)/2 = 1/4
+    #   a1 (R=2):        c0 4, b0 20 (hit) ...           0, 1/2, 1/4
+    #   b0 (R=2: a0 a1): c0 16, a1 20 (hit), a0 30 ...   0, 1/2, 1/4
+    #   b1 (R=2):        e0 70, f0 80, d0 135 ...        0, 0, 0
+    #   c0 (R=1: d0):    a1 4 ...                        0, 0, 0
+    #   d0 (R=1: c0):    b0 35, c0 51 ...                0, 0, 0
+    #   e0 (R=1: f0):    f0 10 (hit)                     1, 1, 1
+    #   f0 (R=1: e0):    e0 10 (hit)                     1, 1, 1
+    # Means over 8 queries: P@1 2/8, R-precision 3.5/8, MAP@R 2.75/8. (Taking items without
+    # their class would hide c0 from a0 and a1 and give them P@1 1.)
+    embeddings = on_circle([0, 10, 30, 200, 14, 65, 270, 280], scales=[1, 2, 0.5, 3, 1, 4, 1, 2])
+    labels = np.array([0, 0, 0, 0, 1, 1, 2, 2])
+    items = np.array(["a", "a", "b", "b", "a", "d", "a", "f"])
+    result = retrieval_metrics(embeddings, labels, items=items, return_per_sample=True, chunk_size=3)
+    assert result["precision_at_1"] == pytest.approx(2 / 8, abs=1e-12)
+    assert result["r_precision"] == pytest.approx(3.5 / 8, abs=1e-12)
+    assert result["map_at_r"] == pytest.approx(2.75 / 8, abs=1e-12)
+    assert result["n_queries"] == 8 and result["n_queries_without_other_item"] == 0
+    np.testing.assert_array_equal(
+        result["per_sample_correct_at_1"], [False] * 6 + [True, True]
+    )
+
+
+def test_cross_item_leaves_out_classes_with_one_item():
+    # Class 0 has one item of three tight clips: leave-one-out finds them perfectly, but they
+    # have nothing to find in another item, so they leave the averages and are counted.
+    embeddings = on_circle([0, 1, 2, 90, 95, 180, 185, 270])
+    labels = np.array([0, 0, 0, 1, 1, 2, 2, 2])
+    items = np.array([7, 7, 7, 0, 1, 0, 1, 2])
+    result = retrieval_metrics(embeddings, labels, items=items, return_per_sample=True)
+    assert result["n_queries"] == 5 and result["n_queries_without_other_item"] == 3
+    # The other five find a class mate of another item first (90 <-> 95, 180 <-> 185, 270 -> 185).
+    assert result["precision_at_1"] == 1.0
+    np.testing.assert_array_equal(result["per_sample_correct_at_1"], [False] * 3 + [True] * 5)
+    loo = retrieval_metrics(embeddings, labels, return_per_sample=True)
+    assert loo["n_queries"] == 8 and loo["per_sample_correct_at_1"][:3].all()
+
+    every_class_one_item = retrieval_metrics(embeddings, labels, items=labels)
+    assert every_class_one_item["n_queries"] == 0
+    assert every_class_one_item["n_queries_without_other_item"] == 8
+    assert np.isnan(every_class_one_item["precision_at_1"]) and np.isnan(every_class_one_item["map_at_r"])
+
+
+@pytest.mark.parametrize("chunk_size", [5, 10_000])
+def test_items_none_is_leave_one_out_and_one_item_per_sample_equals_it(chunk_size):
+    embeddings, labels = clustered([3, 8, 15, 1, 30, 6], seed=5)
+    loo = retrieval_metrics(embeddings, labels, chunk_size=chunk_size, return_per_sample=True)
+    # The leave-one-out result keeps its keys and its PML-equal values.
+    assert sorted(loo) == ["map_at_r", "n_queries", "per_sample_correct_at_1", "precision_at_1", "r_precision"]
+    for name, value in pml_retrieval(embeddings, labels).items():
+        assert loo[name] == pytest.approx(value, abs=1e-6), name
+    # Leave-one-out is cross-item retrieval where every sample is its own item.
+    one_per_sample = retrieval_metrics(
+        embeddings, labels, items=np.arange(len(labels)), chunk_size=chunk_size, return_per_sample=True
+    )
+    np.testing.assert_array_equal(
+        one_per_sample.pop("per_sample_correct_at_1"), loo.pop("per_sample_correct_at_1")
+    )
+    assert one_per_sample.pop("n_queries_without_other_item") == 1  # the singleton class
+    assert one_per_sample == pytest.approx(loo, abs=1e-12)
+
+
+def test_cross_item_accepts_torch_and_string_items():
+    embeddings, labels, items = clustered_items([3, 4, 2], seed=7)
+    from_numpy = retrieval_metrics(embeddings, labels, items=items)
+    from_torch = retrieval_metrics(torch.from_numpy(embeddings), torch.from_numpy(labels),
+                                   items=torch.from_numpy(items))
+    as_strings = retrieval_metrics(embeddings, labels, items=[f"rec{i}" for i in items])
+    assert from_torch == pytest.approx(from_numpy, abs=1e-12)
+    assert as_strings == pytest.approx(from_numpy, abs=1e-12)
+
+
+def test_error_bad_items():
+    embeddings, labels = np.eye(4), np.array([0, 0, 1, 1])
+    for bad in (np.zeros(3), np.zeros((4, 1)), 5):
+        with pytest.raises(ValueError, match=r"items must be 1-D .* \(4 rows\), got shape"):
+            retrieval_metrics(embeddings, labels, items=bad)
+    with pytest.raises(ValueError, match="mixed types"):
+        retrieval_metrics(embeddings, labels, items=np.array(["a", None, "b", "b"], dtype=object))
+
+
+# --------------------------------------------------------------------------------------------
 # knn_accuracy / centroid_accuracy
 # --------------------------------------------------------------------------------------------
 
@@ -186,6 +349,16 @@ def test_centroid_uses_normalised_members():
     query = on_circle([40, 190])
     result = centroid_accuracy(query, [0, 1], np.concatenate([gallery, on_circle([180])]), [0, 0, 1])
     assert result["predictions"].tolist() == [0, 1]
+
+
+def test_class_centroids_are_normalised_means_of_normalised_members():
+    # Class 3: 0 and 90 deg (one ten times longer) -> 45 deg; class 1: 180 deg alone.
+    embeddings = on_circle([0, 90, 180], scales=[1.0, 10.0, 2.0])
+    classes, centroids = class_centroids(embeddings, np.array([3, 3, 1]))
+    np.testing.assert_array_equal(classes, [1, 3])
+    assert isinstance(centroids, torch.Tensor) and centroids.shape == (2, 2)
+    expected = np.array([[-1.0, 0.0], [np.sqrt(0.5), np.sqrt(0.5)]])
+    np.testing.assert_allclose(centroids.numpy(), expected, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from audioclf.config import CNNConfig, ConformerConfig, FeaturesConfig, LossConfig, ModelConfig
-from audioclf.features import FeatureFrontend
 from audioclf.losses import TripletLoss
 from audioclf.models import (
     MODELS,
@@ -16,6 +15,7 @@ from audioclf.models import (
     build_model,
     count_parameters,
 )
+from audioclf.models.frontend import FeatureFrontend
 from audioclf.models.pooling import AttentiveStatsPooling, lengths_to_mask, masked_mean
 
 N_MELS = 32
@@ -205,7 +205,7 @@ def test_triplet_loss_falls_on_separable_patterns(name):
     model.train()
     for _ in range(60):
         feats, lengths, labels = pattern_batch(generator)
-        loss, _ = loss_fn(model(feats, lengths), labels)
+        loss = loss_fn(model(feats, lengths), labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -218,7 +218,7 @@ def test_triplet_loss_falls_on_separable_patterns(name):
 def test_waveform_embedding_does_not_depend_on_the_batch(name):
     """A clip embedded alone equals the same clip zero-padded next to a longer one."""
     from audioclf.config import load_config
-    from audioclf.trainer import build_net
+    from audioclf.models import build_net
 
     cfg = load_config(None, [
         f"model.name={name}", "features.n_mels=32", "model.cnn.width=8", "model.cnn.depth=2",

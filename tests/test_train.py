@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from audioclf import checkpoint
 from audioclf.config import Config
 from tests.conftest import tiny_config
 from tests.distributed_utils import free_port, run_in_group
+from tests.train_hooks import digest_hooks, stop_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,22 +24,20 @@ ROOT = Path(__file__).resolve().parents[1]
 def _fit_worker(rank, world, cfg: Config):
     from audioclf.trainer import fit
 
-    return fit(cfg)
+    return fit(cfg, hooks=digest_hooks())
 
 
 def untrained_metrics(cfg: Config) -> dict:
     """Validation metrics of the freshly initialised network, built as the trainer builds it."""
-    from audioclf.data.loader import build_eval_loader, loader_kwargs
-    from audioclf.engine import resolve_precision, validate
-    from audioclf.trainer import build_data, build_net, seed_everything
+    from audioclf.inference import extract_embeddings
+    from audioclf.models import build_net
+    from audioclf.trainer import build_data, retrieval_summary, seed_everything
 
     seed_everything(cfg.train.seed, False)
     data = build_data(cfg)
     net = build_net(cfg, len(data.train.classes))
-    cpu = torch.device("cpu")
-    loader = build_eval_loader(data.val_set, batch_size=cfg.eval.batch_size,
-                               **loader_kwargs(0, False, False, 2, cpu))
-    return validate(net, loader, resolve_precision(cfg.train, cpu))
+    emb, labels, _ = extract_embeddings(net, data.val_set, batch_size=cfg.eval.batch_size)
+    return retrieval_summary(emb, labels)
 
 
 @pytest.mark.parametrize("model", ["cnn", "conformer"])
@@ -68,10 +67,10 @@ def test_ddp_training_learns_and_ranks_stay_identical(tmp_path, tiny_demo, model
     assert {"optimizer", "lr_schedule", "scaler", "sampler", "versions", "config"} <= set(ckpt)
 
 
-def _fit_single(cfg: Config) -> dict:
+def _fit_single(cfg: Config, hooks=None) -> dict:
     from audioclf.trainer import fit
 
-    return fit(cfg)
+    return fit(cfg, hooks=hooks or digest_hooks())
 
 
 def test_resume_after_two_epochs_is_bit_exact(tmp_path, tiny_demo):
@@ -86,13 +85,10 @@ def test_resume_after_two_epochs_is_bit_exact(tmp_path, tiny_demo):
     assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in straight["history"]]
 
 
-def test_mid_epoch_stop_and_resume_continues_the_same_batches(tmp_path, tiny_demo, monkeypatch):
-    from audioclf.trainer import STOP_ENV
-
+def test_mid_epoch_stop_and_resume_continues_the_same_batches(tmp_path, tiny_demo):
     straight = _fit_single(tiny_config(tiny_demo, tmp_path / "a", "cnn", "train.epochs=2"))
-    monkeypatch.setenv(STOP_ENV, "3")
-    stopped = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2"))
-    monkeypatch.delenv(STOP_ENV)
+    stopped = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2"),
+                          hooks=stop_at(3))
     assert stopped["stopped"] and stopped["step"] == 3
     ckpt = checkpoint.load(tmp_path / "b" / "t" / "last.pt")
     assert (ckpt["epoch"], ckpt["position"], ckpt["step"]) == (0, 3, 3)
@@ -107,13 +103,18 @@ def _cli(config: Config) -> list[str]:
     """The config as command-line overrides for `python -m audioclf.train`."""
     from audioclf.config import to_dict
 
+    def text(value) -> str:
+        if isinstance(value, (list, tuple)):
+            return json.dumps(list(value))
+        return "null" if value is None else str(value)
+
     out = []
     for section, values in to_dict(config).items():
         for key, value in values.items():
             if isinstance(value, dict):
-                out += [f"{section}.{key}.{k}={v}" for k, v in value.items()]
+                out += [f"{section}.{key}.{k}={text(v)}" for k, v in value.items()]
             else:
-                out.append(f"{section}.{key}={'null' if value is None else value}")
+                out.append(f"{section}.{key}={text(value)}")
     return [o for o in out if not o.endswith("=")]
 
 
@@ -155,16 +156,14 @@ def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, ti
 
 
 def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
-    from audioclf.trainer import CRASH_ENV
-
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=2", "eval.every=0",
                       "checkpoint.every_steps=2", "checkpoint.resume=auto")
     # The c10d rendezvous of the README's multi-node command, on one node.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
            "--max-restarts=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-           "--rdzv_id=restart-test", "-m", "audioclf.train", *_cli(cfg)]
-    env = dict(_env(), **{CRASH_ENV: "3"})
-    returncode, output = run_group(cmd, env, timeout=300)
+           "--rdzv_id=restart-test", "-m", "tests.train_hooks", "--crash-at-step=3", "--",
+           *_cli(cfg)]
+    returncode, output = run_group(cmd, _env(), timeout=300)
     assert returncode == 0, output[-4000:]
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "test fault injection: crashing at step 3" in log

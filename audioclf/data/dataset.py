@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 
 from audioclf.config import FeaturesConfig
-from audioclf.features import (
+from audioclf.data.readers import (
     AudioReadError,
     FeatureFileError,
     crop_or_pad,
-    eval_max_frames,
     load_audio,
     read_npy_crop,
 )
+from audioclf.models.frontend import eval_max_frames
 
 log = logging.getLogger("audioclf")
 
@@ -63,8 +63,6 @@ class AudioDataset(torch.utils.data.Dataset):
             raise ValueError(f"AudioDataset labels must be integers, got dtype {labels.dtype}")
         if rows is not None and len(rows) != len(paths):
             raise ValueError(f"AudioDataset got {len(rows)} rows for {len(paths)} paths")
-        if cfg.kind not in ("audio", "npy"):
-            raise ValueError(f"features.kind={cfg.kind!r} is invalid: use 'audio' or 'npy'")
         self.paths = [str(p) for p in paths]
         self.labels = labels.astype(np.int64)
         self.rows = None if rows is None else [int(r) for r in rows]

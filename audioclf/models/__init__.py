@@ -10,15 +10,16 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from audioclf.config import ModelConfig
-from audioclf.features import FeatureFrontend
+from audioclf.config import Config, ModelConfig
 from audioclf.models.cnn import CNNEmbedder
 from audioclf.models.conformer import ConformerEmbedder
+from audioclf.models.frontend import FeatureFrontend
 from audioclf.models.heads import ClassifierHead
 
 __all__ = [
     "MODELS",
     "build_model",
+    "build_net",
     "count_parameters",
     "EmbeddingNet",
     "CNNEmbedder",
@@ -38,6 +39,13 @@ def build_model(cfg: ModelConfig, n_mels: int) -> nn.Module:
     if cfg.name not in MODELS:
         raise ValueError(f"model.name={cfg.name!r} is unknown; valid names: {', '.join(MODELS)}")
     return MODELS[cfg.name](cfg, n_mels)
+
+
+def build_net(cfg: Config, num_classes: int) -> EmbeddingNet:
+    """Front end + embedder (+ a classifier head over `num_classes` when loss.ce_weight > 0)."""
+    embedder = build_model(cfg.model, cfg.features.n_mels)
+    head_classes = num_classes if cfg.loss.ce_weight > 0 else 0
+    return EmbeddingNet(FeatureFrontend(cfg.features), embedder, num_classes=head_classes)
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

@@ -43,15 +43,11 @@ class CNNEmbedder(nn.Module):
 
     def __init__(self, n_mels: int, cfg: CNNConfig, embedding_dim: int):
         super().__init__()
-        if cfg.width < 1 or cfg.depth < 1:
-            raise ValueError(f"model.cnn needs width >= 1 and depth >= 1, got {cfg.width}, {cfg.depth}")
         if n_mels < 2**cfg.depth:
             raise ValueError(
                 f"model.cnn.depth={cfg.depth} halves the {n_mels} mel bins {cfg.depth} times: "
                 f"use features.n_mels >= {2**cfg.depth} or a smaller depth"
             )
-        if embedding_dim < 1:
-            raise ValueError(f"model.embedding_dim must be >= 1, got {embedding_dim}")
         channels = [1] + [cfg.width * 2**i for i in range(cfg.depth)]
         self.blocks = nn.ModuleList(
             [ConvBlock(channels[i], channels[i + 1]) for i in range(cfg.depth)]

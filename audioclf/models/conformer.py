@@ -61,12 +61,6 @@ class ConformerEmbedder(nn.Module):
 
     def __init__(self, n_mels: int, cfg: ConformerConfig, embedding_dim: int):
         super().__init__()
-        if embedding_dim < 1:
-            raise ValueError(f"model.embedding_dim must be >= 1, got {embedding_dim}")
-        if cfg.d_model % cfg.num_heads != 0:
-            raise ValueError(
-                f"model.conformer.d_model={cfg.d_model} must be a multiple of num_heads={cfg.num_heads}"
-            )
         self.subsampling = ConvSubsampling(n_mels, cfg.d_model)
         self.conformer = torchaudio.models.Conformer(
             input_dim=cfg.d_model,
@@ -79,13 +73,9 @@ class ConformerEmbedder(nn.Module):
         if cfg.pooling == "attentive_stats":
             self.attentive_pooling: AttentiveStatsPooling | None = AttentiveStatsPooling(cfg.d_model)
             pooled_dim = 2 * cfg.d_model
-        elif cfg.pooling == "mean":
+        else:  # "mean"
             self.attentive_pooling = None
             pooled_dim = cfg.d_model
-        else:
-            raise ValueError(
-                f"model.conformer.pooling={cfg.pooling!r} is invalid: use 'attentive_stats' or 'mean'"
-            )
         self.embedding = nn.Linear(pooled_dim, embedding_dim)
         self.embedding_dim = embedding_dim
 

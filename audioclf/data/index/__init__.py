@@ -1,0 +1,91 @@
+"""The validated sample index: a sheet (.xlsx, .csv, .parquet) → one checked, cached table.
+
+A sheet has a class column, an item column (a source/recording inside the class), an id column
+(one sample), a path column or a `data.path_template`, and optionally a train/val/test column.
+`load_index` reads it, validates it (one `IndexValidationError` naming the file, the rows and
+the fix) and caches the validated table next to it, so the next run re-reads it in milliseconds.
+
+    index = load_index(cfg.data)          # or load_index_distributed(cfg.data) under DDP
+    splits = split_index(index, cfg.data)  # {"train": Index, "val": Index[, "test": Index]}
+
+Cache. The table is stored as an uncompressed Arrow IPC (feather) file in `data.cache_dir` or
+`<sheet folder>/.audioclf_cache/` (for 383k rows: 43 MB, re-read in ~4 ms; lz4 feather 11 ms,
+parquet 19 ms, npz 110 ms), named by the sheet's path and the column/root/template config,
+and stamped with the sheet's size, mtime_ns and blake2b content hash; any change to the sheet or
+that config makes it stale, and it is rebuilt. A file-existence check that passed is recorded in
+the cache and not repeated on a hit (re-checking 400k files would defeat the cache): a file
+deleted after the first run is reported when it is read, not here. Delete the cache folder to
+force a full check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+from audioclf import distributed
+from audioclf.config import DataConfig
+from audioclf.data.index.cache import _cache_file, _read_cache, _root, _stamp, _write_cache
+from audioclf.data.index.reader import read_table
+from audioclf.data.index.splits import split_index
+from audioclf.data.index.table import (
+    SPLITS,
+    SUPPORTED_FORMATS,
+    TABLE_COLUMNS,
+    Codes,
+    Index,
+    IndexValidationError,
+    table_codes,
+)
+from audioclf.data.index.validate import _check_files, _validate
+
+log = logging.getLogger("audioclf")
+
+__all__ = ["SPLITS", "SUPPORTED_FORMATS", "TABLE_COLUMNS", "Codes", "Index", "IndexValidationError",
+           "load_index", "load_index_distributed", "read_table", "split_index", "table_codes"]
+
+
+def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:
+    """Read, validate and cache the sheet `cfg.index` (use_cache=None follows `cfg.cache`).
+
+    Raises IndexValidationError (and writes no cache) when the sheet cannot be used. Classes
+    with fewer than 2 items are reported with warnings.warn, on every load.
+    """
+    use_cache = cfg.cache if use_cache is None else use_cache
+    source = Path(os.path.abspath(cfg.index))
+    root = _root(cfg, source)
+    cache_file = stamp = None
+    if use_cache and source.is_file():
+        cache_file, stamp = _cache_file(cfg, source, root), _stamp(source)
+        cached = _read_cache(cache_file, stamp)
+        if cached is not None:
+            table, meta = cached
+            if cfg.check_files and not meta["files_checked"]:
+                _check_files(table, source, root)
+                _write_cache(cache_file, table, {**meta, "files_checked": True})
+            _warn(meta["warnings"])
+            return Index(table, source)
+
+    table, messages = _validate(read_table(source, cfg), cfg, source, root)
+    if cfg.check_files:
+        _check_files(table, source, root)
+    if cache_file is not None:
+        meta = {"stamp": stamp, "files_checked": cfg.check_files, "warnings": messages}
+        _write_cache(cache_file, table, meta)
+    _warn(messages)
+    return Index(table, source)
+
+
+def _warn(messages: list[str]) -> None:
+    for message in messages:
+        warnings.warn(message, stacklevel=3)
+
+
+def load_index_distributed(cfg: DataConfig) -> Index:
+    """load_index on rank 0 first (it builds the cache), then on the other ranks (they read it).
+
+    A validation error on rank 0 is raised on every rank at once, not after a timeout.
+    """
+    return distributed.primary_first(load_index, cfg)

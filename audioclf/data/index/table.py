@@ -1,0 +1,110 @@
+"""The index table's layout, its error type, and helpers that quote rows and names."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+log = logging.getLogger("audioclf")
+
+
+TABLE_COLUMNS = ("cls", "item", "id", "path", "row", "split")
+SPLITS = ("train", "val", "test")
+SUPPORTED_FORMATS = ".xlsx, .xlsm, .csv, .parquet"
+FIRST_DATA_ROW = 2  # the header is row 1 in Excel (line 1 in a csv)
+SHOW = 5  # rows/values quoted in a message before "and N more"
+
+
+class IndexValidationError(ValueError):
+    """An index sheet that cannot be used; the message names the file, the rows and the fix."""
+
+
+
+@dataclass
+class Index:
+    """The validated table, one row per sample.
+
+    Columns: cls, item, id, path (absolute), split ("" without a split column) as str, and
+    row (int64): the row a user sees in Excel (header = row 1), a csv's line number, or
+    position + 2 in a parquet file.
+    """
+
+    table: pd.DataFrame
+    source: Path  # the sheet it came from
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @cached_property
+    def codes(self) -> Codes:
+        return table_codes(self.table)
+
+    @property
+    def classes(self) -> list[str]:
+        """Sorted unique class names; a class's code is its position in this list."""
+        return self.codes.classes
+
+    def labels(self) -> np.ndarray:
+        """int64 class code of every row, by `classes`."""
+        return self.codes.class_codes
+
+    def subset(self, mask) -> Index:
+        """The rows where `mask` is True (its class list is recomputed from those rows)."""
+        mask = np.asarray(mask, dtype=bool)
+        if mask.shape != (len(self),):
+            raise ValueError(f"subset mask has shape {mask.shape}, expected ({len(self)},)")
+        return Index(self.table[mask].reset_index(drop=True), self.source)
+
+
+
+@dataclass(frozen=True)
+class Codes:
+    """Dense integer codes of a table's classes and items (computed once per table)."""
+
+    class_codes: np.ndarray  # int64 per row: position of its class in `classes`
+    classes: list[str]  # sorted class names
+    item_codes: np.ndarray  # int64 per row: its (class, item) pair, ordered by class then item
+
+
+def table_codes(table: pd.DataFrame) -> Codes:
+    """Class and item codes of an index table (an item is a recording inside its class, so the
+    same item name under two classes is two items)."""
+    class_codes, classes = pd.factorize(table["cls"], sort=True)
+    item_names, item_name_codes = np.unique(table["item"].to_numpy(dtype=str), return_inverse=True)
+    pairs = class_codes.astype(np.int64) * len(item_names) + item_name_codes.reshape(-1)
+    _, item_codes = np.unique(pairs, return_inverse=True)
+    return Codes(class_codes.astype(np.int64), classes.tolist(), item_codes.reshape(-1).astype(np.int64))
+
+
+def rows_text(rows, limit: int = SHOW) -> str:
+    """'rows 4, 9, 12 and 37 more' — the first row numbers a user can find in the sheet."""
+    rows = [int(r) for r in rows]
+    shown = ", ".join(str(r) for r in rows[:limit])
+    more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
+    return f"row{'s' if len(rows) != 1 else ''} {shown}{more}"
+
+
+def names_text(names, limit: int = SHOW) -> str:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+@contextmanager
+def gc_paused():
+    """The cyclic GC off while a parser builds a million cell objects (which hold no cycles):
+    otherwise it rescans them again and again, and python-calamine's to_python is 4x slower."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

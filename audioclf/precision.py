@@ -1,0 +1,52 @@
+"""Mixed precision, decided once per run.
+
+The loop always enters the same autocast context and calls the same GradScaler; both are no-ops
+in fp32, so the loop has no precision branches (nanoGPT's pattern).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from audioclf.config import TrainConfig
+
+_AUTOCAST_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Precision:
+    """The autocast context and GradScaler for one run (fp32: both are no-ops)."""
+
+    name: str
+    device: torch.device
+    dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler
+
+    def autocast(self):
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
+    """precision: fp32 | fp16 | bf16; the apex alias opt_level O0..O3 overrides it."""
+    name = cfg.precision
+    if cfg.opt_level is not None:
+        if cfg.opt_level in ("O2", "O3"):
+            warnings.warn(
+                f"train.opt_level={cfg.opt_level} (apex) has no torch.amp equivalent; using O1 "
+                "(fp16 autocast with dynamic loss scaling). Set train.precision=bf16 on Ampere+ GPUs",
+                stacklevel=2,
+            )
+        name = "fp32" if cfg.opt_level == "O0" else "fp16"
+    scaler = torch.amp.GradScaler(device.type, enabled=(name == "fp16"))
+    return Precision(name, device, _AUTOCAST_DTYPES[name], scaler)
+
+
+def full_precision(device: torch.device) -> Precision:
+    """fp32 on `device`, as inference runs."""
+    return resolve_precision(TrainConfig(precision="fp32"), device)
