@@ -1,0 +1,315 @@
+"""Augmentation of training crops (audioclf.data.augment): seeded, shape-keeping, in range."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+import torchaudio
+
+from audioclf.config import AugmentConfig, Config, ConfigError, FeaturesConfig, load_config
+from audioclf.data.augment import Augmenter, room_impulse_response
+
+SR = 16000
+FEATURES = FeaturesConfig(sample_rate=SR, crop_seconds=0.5)  # 8000-sample crops
+ROOT = Path(__file__).resolve().parents[1]
+PIECES = ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "gain_prob")
+
+
+def only(**fields) -> Augmenter:
+    """An enabled Augmenter with every piece off except the probabilities/fields given."""
+    cfg = AugmentConfig(enabled=True, **({name: 0.0 for name in PIECES} | fields))
+    return Augmenter(cfg, FEATURES)
+
+
+def all_on() -> Augmenter:
+    """Every piece at probability 1; speed never 1.0, so it always changes the clip."""
+    cfg = AugmentConfig(enabled=True, speed_factors=(0.9, 1.1), noise_colors=("pink",),
+                        **{name: 1.0 for name in PIECES})
+    return Augmenter(cfg, FEATURES)
+
+
+def signal(n: int = 8000, seed: int = 0) -> torch.Tensor:
+    """Three tones plus a little noise, peak about 0.3 (no piece needs to limit its peak)."""
+    t = np.arange(n) / SR
+    rng = np.random.default_rng(seed)
+    x = sum(0.08 * np.sin(2 * np.pi * f * t + rng.uniform(0, 6)) for f in (220.0, 1300.0, 4100.0))
+    return torch.from_numpy((x + 0.01 * rng.standard_normal(n)).astype(np.float32))
+
+
+def tone(hz: float, samples: int, amplitude: float = 1.0) -> torch.Tensor:
+    wave = amplitude * np.sin(2 * np.pi * hz * np.arange(samples) / SR)
+    return torch.from_numpy(wave.astype(np.float32))
+
+
+def power(x) -> float:
+    return float(np.mean(np.square(np.asarray(x, dtype=np.float64))))
+
+
+def peak_hz(x) -> float:
+    spectrum = np.abs(np.fft.rfft(np.asarray(x, dtype=np.float64) * np.hanning(len(x))))
+    return float(np.fft.rfftfreq(len(x), 1.0 / SR)[np.argmax(spectrum)])
+
+
+def augment_item(augment: Augmenter, wave: torch.Tensor, seed: int) -> torch.Tensor:
+    """What the dataset does with a training clip: speed, crop, the rest."""
+    rng = np.random.default_rng(seed)
+    wave = augment.before_crop(wave, rng)
+    start = int(rng.integers(0, max(1, wave.shape[0] - FEATURES.crop_samples + 1)))
+    return augment.after_crop(wave[start : start + FEATURES.crop_samples], rng)
+
+
+def test_off_by_default_returns_input_and_draws_nothing():
+    augment = Augmenter(Config().augment, FEATURES)
+    assert not AugmentConfig().enabled and not augment.enabled
+    rng = np.random.default_rng(0)
+    state = rng.bit_generator.state
+    wave, feats = signal(12000), np.ones((20, FEATURES.n_mels), np.float32)
+    assert augment.before_crop(wave, rng) is wave
+    crop = wave[:8000]
+    assert augment.after_crop(crop, rng) is crop
+    assert augment.log_mel(feats, rng) is feats
+    assert rng.bit_generator.state == state  # so crops stay those of a run without augmentation
+
+
+def test_same_seed_same_output_other_seed_differs():
+    augment, wave = all_on(), signal(12000)
+    before = wave.clone()
+    first, again, other = (augment_item(augment, wave, seed) for seed in (7, 7, 8))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert torch.equal(wave, before)  # the input is never modified in place
+    feats = np.random.default_rng(1).standard_normal((30, FEATURES.n_mels)).astype(np.float32)
+    assert np.array_equal(augment.log_mel(feats, np.random.default_rng(7)),
+                          augment.log_mel(feats, np.random.default_rng(7)))
+    assert not np.array_equal(augment.log_mel(feats, np.random.default_rng(7)),
+                              augment.log_mel(feats, np.random.default_rng(8)))
+
+
+def test_pickled_copy_in_another_process_gives_identical_output():
+    # Another process with other thread counts (as the main process and a worker can differ).
+    augment, wave = all_on(), signal(12000)
+    script = (
+        "import pickle, sys\n"
+        "import numpy as np, torch\n"
+        "torch.set_num_threads(3)\n"
+        "augment, wave = pickle.load(sys.stdin.buffer)\n"
+        "rng = np.random.default_rng(11)\n"
+        "wave = augment.before_crop(wave, rng)\n"
+        "start = int(rng.integers(0, max(1, wave.shape[0] - 8000 + 1)))\n"
+        "out = augment.after_crop(wave[start : start + 8000], rng)\n"
+        "sys.stdout.buffer.write(pickle.dumps(out.numpy()))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3"}
+    child = subprocess.run([sys.executable, "-c", script], input=pickle.dumps((augment, wave)),
+                           capture_output=True, cwd=ROOT, env=env, timeout=120, check=True)
+    assert np.array_equal(pickle.loads(child.stdout), augment_item(augment, wave, 11).numpy())
+
+
+@pytest.mark.parametrize("length", [1, 300, 8000, 12345])
+def test_after_crop_keeps_length_and_stays_finite(length):
+    augment = all_on()
+    for seed in range(4):
+        out = augment.after_crop(signal(length, seed), np.random.default_rng(seed))
+        assert out.shape == (length,) and out.dtype == torch.float32
+        assert torch.isfinite(out).all() and float(out.abs().max()) <= 1.0
+
+
+@pytest.mark.parametrize("factor", [0.9, 1.1])
+def test_speed_changes_length_and_pitch_by_the_factor(factor):
+    augment = only(speed_prob=1.0, speed_factors=(factor,))
+    out = augment.before_crop(tone(1000.0, 4000), np.random.default_rng(0))
+    assert abs(out.shape[0] - 4000 / factor) <= 1
+    assert abs(peak_hz(out) - 1000.0 * factor) <= 10.0  # faster is higher, as in Kaldi
+    # A clip longer than a crop needs: one crop of speed-changed audio, whatever the clip length.
+    out = augment.before_crop(tone(1000.0, 5 * SR), np.random.default_rng(0))
+    assert out.shape[0] == FEATURES.crop_samples
+    assert abs(peak_hz(out) - 1000.0 * factor) <= 10.0
+    assert float(out[:50].abs().max()) > 0.9 and float(out[-50:].abs().max()) > 0.9  # edges kept
+
+
+def test_speed_factor_one_returns_the_clip():
+    wave = signal(4000)
+    augment = only(speed_prob=1.0, speed_factors=(1.0,))
+    assert augment.before_crop(wave, np.random.default_rng(0)) is wave
+
+
+@pytest.mark.parametrize("color", ["white", "pink", "brown"])
+def test_generated_noise_snr_within_range(color):
+    augment, wave = only(noise_prob=1.0, noise_snr_db=(3.0, 9.0), noise_colors=(color,)), signal()
+    snrs = []
+    for seed in range(12):
+        out = augment.after_crop(wave, np.random.default_rng(seed))
+        snrs.append(10 * np.log10(power(wave) / power(out - wave)))
+    assert 2.5 <= min(snrs) and max(snrs) <= 9.5, snrs
+    assert max(snrs) - min(snrs) > 1.0  # drawn per crop, not fixed
+
+
+def test_noise_colours_have_their_spectral_slope():
+    slopes = {}
+    for color in ("white", "pink", "brown"):
+        augment = only(noise_prob=1.0, noise_snr_db=(0.0, 0.0), noise_colors=(color,))
+        wave = torch.from_numpy(1e-3 * np.random.default_rng(0).random(32000, dtype=np.float32))
+        noise = (augment.after_crop(wave, np.random.default_rng(3)) - wave).numpy()
+        spectrum = np.abs(np.fft.rfft(noise)) ** 2
+        hz = np.fft.rfftfreq(32000, 1.0 / SR)
+        low = spectrum[(hz > 200) & (hz < 400)].mean()
+        high = spectrum[(hz > 3200) & (hz < 6400)].mean()
+        slopes[color] = 10 * np.log10(high / low) / 4  # dB per octave over 4 octaves
+    assert abs(slopes["white"]) < 1.0
+    assert abs(slopes["pink"] + 3.0) < 1.0
+    assert abs(slopes["brown"] + 6.0) < 1.0
+
+
+def test_gain_within_range_and_peak_limited():
+    augment, wave = only(gain_prob=1.0, gain_db=(-4.0, 2.0)), signal()
+    gains = [10 * np.log10(power(augment.after_crop(wave, np.random.default_rng(s))) / power(wave))
+             for s in range(20)]
+    assert -4.001 <= min(gains) and max(gains) <= 2.001
+    assert max(gains) - min(gains) > 1.0
+    # A gain past full scale is scaled back to peak 1.0, not clipped: the waveform keeps its shape.
+    loud = only(gain_prob=1.0, gain_db=(20.0, 20.0)).after_crop(wave, np.random.default_rng(0))
+    assert float(loud.abs().max()) == pytest.approx(1.0, abs=1e-6)
+    assert torch.allclose(loud, wave / wave.abs().max(), atol=1e-6)
+
+
+def test_reverb_keeps_length_and_level_and_smears_a_click():
+    augment = only(reverb_prob=1.0, reverb_rt60=(0.3, 0.3), reverb_drr_db=(0.0, 0.0))
+    wave = signal()
+    out = augment.after_crop(wave, np.random.default_rng(0))
+    assert out.shape == wave.shape and torch.isfinite(out).all()
+    assert power(out) == pytest.approx(power(wave), rel=1e-4)  # level-matched
+    click = torch.zeros(8000)
+    click[1000] = 1.0
+    tail = augment.after_crop(click, np.random.default_rng(0)).numpy()
+    assert np.abs(tail[:1000]).max() < 1e-5 * np.abs(tail).max()  # causal: nothing before the click
+    assert np.abs(tail[1100:3000]).max() > 0.01 * np.abs(tail).max()  # energy 6-125 ms later
+
+
+def test_room_impulse_response_has_its_rt60_and_drr():
+    rt60, drr_db = 0.5, 6.0
+    h = room_impulse_response(np.random.default_rng(0), SR, rt60, drr_db, early_reflections=0)
+    assert h.dtype == np.float32 and h.shape == (int(rt60 * SR),)
+    assert np.sum(h.astype(np.float64) ** 2) == pytest.approx(1.0, rel=1e-5)
+    energy = h.astype(np.float64) ** 2
+    assert 10 * np.log10(energy[0] / energy[1:].sum()) == pytest.approx(drr_db, abs=0.01)
+
+    def energy_db(start: float, stop: float) -> float:
+        return 10 * np.log10(energy[int(start * rt60 * SR) : int(stop * rt60 * SR)].sum())
+
+    # The envelope falls 60 dB per rt60: windows 0.4 rt60 apart differ by 24 dB.
+    assert energy_db(0.5, 0.6) - energy_db(0.1, 0.2) == pytest.approx(-24.0, abs=2.0)
+
+
+def test_eq_changes_the_spectrum_not_the_length_or_level():
+    augment = only(eq_prob=1.0, eq_gain_db=(-10.0, 10.0))
+    wave = torch.from_numpy(0.1 * np.random.default_rng(0).standard_normal(8000).astype(np.float32))
+    out = augment.after_crop(wave, np.random.default_rng(2))
+    assert out.shape == wave.shape
+    assert power(out) == pytest.approx(power(wave), rel=1e-4)
+    hz = np.fft.rfftfreq(8000, 1.0 / SR)
+    edges = np.geomspace(100, 7000, 9)
+    bands_in, bands_out = ([np.sum(np.abs(np.fft.rfft(x.numpy()))[(hz >= lo) & (hz < hi)] ** 2)
+                            for lo, hi in zip(edges[:-1], edges[1:])] for x in (wave, out))
+    change_db = 10 * np.log10(np.array(bands_out) / np.array(bands_in))
+    assert change_db.max() - change_db.min() > 3.0
+
+
+def test_log_mel_eq_matches_the_waveform_eq():
+    # The same seed draws the same curve in both domains (EQ is the only piece on).
+    augment = only(eq_prob=1.0)
+    mel = torchaudio.transforms.MelSpectrogram(
+        SR, n_fft=FEATURES.n_fft, win_length=FEATURES.win_length, hop_length=FEATURES.hop_length,
+        f_min=FEATURES.f_min, n_mels=FEATURES.n_mels)
+    wave = torch.from_numpy(0.1 * np.random.default_rng(0).standard_normal(4 * SR, np.float32))
+    # Below ~200 Hz a mel band is as wide as the curve's features, and log(mean) != mean(log).
+    compared = augment.mel_centres_hz >= 200.0
+    for seed in range(5):
+        eq_wave = augment.after_crop(wave, np.random.default_rng(seed))
+        measured = (torch.log(mel(eq_wave)).mean(1) - torch.log(mel(wave)).mean(1)).numpy()
+        zeros = np.zeros((10, FEATURES.n_mels), np.float32)
+        predicted = augment.log_mel(zeros, np.random.default_rng(seed))[0]
+        assert np.ptp(predicted) > 1.0
+        # The waveform is level-matched afterwards, which shifts every band alike.
+        error = (measured - measured.mean()) - (predicted - predicted.mean())
+        assert np.abs(error[compared]).max() < 0.15, error  # natural-log units (0.15 ≈ 0.65 dB)
+
+
+def test_log_mel_keeps_shape_and_dtype_and_offsets_every_frame_alike():
+    augment = only(eq_prob=1.0, gain_prob=1.0)
+    feats = np.random.default_rng(0).standard_normal((50, FEATURES.n_mels)).astype(np.float32)
+    out = augment.log_mel(feats, np.random.default_rng(0))
+    assert out.shape == feats.shape and out.dtype == np.float32
+    offset = out - feats
+    assert np.abs(offset).max() > 0.05
+    assert np.allclose(offset, offset[0], atol=1e-5)  # a per-bin offset, the same in every frame
+    with pytest.raises(ValueError, match="features.n_mels"):
+        augment.log_mel(feats[:, :10], np.random.default_rng(0))
+
+
+def write_tone(path: Path, hz: float, samples: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    soundfile.write(path, tone(hz, samples, amplitude=0.5).numpy(), SR)
+
+
+def test_noise_files_are_used(tmp_path):
+    write_tone(tmp_path / "a.wav", 3000.0, 1000)  # shorter than a crop: tiled
+    write_tone(tmp_path / "sub" / "b.flac", 5000.0, 20000)  # found recursively
+    (tmp_path / "notes.txt").write_text("not audio")
+    augment = only(noise_prob=1.0, noise_file_prob=1.0, noise_dir=str(tmp_path),
+                   noise_snr_db=(10.0, 10.0))
+    assert [Path(p).name for p in augment.noise_files] == ["a.wav", "b.flac"]
+    wave = tone(200.0, 8000, amplitude=0.3)
+    picked = set()
+    for seed in range(12):
+        out = augment.after_crop(wave, np.random.default_rng(seed))
+        picked.add(round(peak_hz(out - wave), -2))
+        assert 10 * np.log10(power(wave) / power(out - wave)) == pytest.approx(10.0, abs=0.01)
+    assert picked == {3000.0, 5000.0}
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_missing_or_empty_noise_dir_is_one_clear_error(tmp_path, make):
+    folder = tmp_path / "noise"
+    if make == "empty":
+        folder.mkdir()
+        (folder / "readme.txt").write_text("no audio here")
+    cfg = AugmentConfig(enabled=True, noise_dir=str(folder))
+    with pytest.raises(ConfigError, match="augment.noise_dir") as raised:
+        Augmenter(cfg, FEATURES)
+    assert str(folder) in str(raised.value)
+    # Not checked while augmentation is off (e.g. evaluating the run on another machine).
+    Augmenter(AugmentConfig(enabled=False, noise_dir=str(folder)), FEATURES)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("augment.gain_db=[3, -3]", "augment.gain_db"),
+    ("augment.noise_snr_db=[20, 5]", "augment.noise_snr_db"),
+    ("augment.reverb_rt60=[0.5]", "augment.reverb_rt60"),
+    ("augment.reverb_rt60=[0.0, 0.5]", "augment.reverb_rt60"),
+    ("augment.noise_prob=1.5", "augment.noise_prob"),
+    ("augment.speed_prob=-0.1", "augment.speed_prob"),
+    ("augment.speed_factors=[]", "augment.speed_factors"),
+    ("augment.speed_factors=[0.9, 3.0]", "augment.speed_factors"),
+    ("augment.eq_bands=1", "augment.eq_bands"),
+    ("augment.noise_colors=[red]", "augment.noise_colors"),
+    ("augment.noise_colors=[]", "augment.noise_colors"),
+])
+def test_invalid_settings_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_settings_load_from_overrides():
+    overrides = ["augment.enabled=true", "augment.gain_db=[-3, 3]", "augment.noise_colors=[pink]",
+                 "augment.speed_factors=[0.95, 1.05]"]
+    cfg = load_config(None, overrides).augment
+    assert cfg.enabled and cfg.gain_db == (-3.0, 3.0) and cfg.noise_colors == ("pink",)
+    assert Augmenter(cfg, FEATURES).speed_ratios == [(19, 20), (21, 20)]
