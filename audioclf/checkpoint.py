@@ -49,24 +49,34 @@ def library_versions() -> dict[str, str]:
     }
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states (python, numpy, torch CPU, CUDA when present)."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states: python, numpy, torch CPU, and `device`'s when it is a GPU.
+
+    Only the process's own GPU: a checkpoint then resumes on a machine with fewer GPUs.
+    """
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or device is None or device.type != "cuda":
+        return
+    if isinstance(cuda, (list, tuple)):  # older checkpoints: one state per visible GPU
+        index = device.index or 0
+        if index >= len(cuda):
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 class Stateful(Protocol):
@@ -82,19 +92,37 @@ class RankRNG:
     rank takes its own entry; with another world size the streams stay as seeded, which is said.
     """
 
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int, world_size: int, device: torch.device | None = None):
+        self.rank, self.world_size, self.device = rank, world_size, device
 
     def state_dict(self) -> list[dict[str, Any]]:
-        return distributed.gather_objects(rng_state())
+        return distributed.gather_objects(rng_state(self.device))
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         states = states or []
         if len(states) == self.world_size:
-            set_rng_state(states[self.rank])
+            set_rng_state(states[self.rank], self.device)
         else:
             log.warning("resuming with %d ranks from a %d-rank checkpoint: random streams are "
                         "reseeded, so the run is not bit-identical", self.world_size, len(states))
+
+
+class ScalerState:
+    """The fp16 GradScaler as a checkpoint entry. A bf16 / fp32 checkpoint holds no scale: an
+    fp16 run resumed from it starts a fresh one (said in the log), and an fp16 checkpoint
+    resumed in bf16 / fp32 drops it."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler.is_enabled() and not state:
+            log.info("resuming fp16 from a checkpoint without a loss scale: starting a fresh one")
+            return
+        self.scaler.load_state_dict(state)
 
 
 class Checkpointer:

@@ -241,15 +241,36 @@ def barrier() -> None:
 # Model wrapping
 
 
+class AutocastReplica(nn.Module):
+    """Runs the wrapped module's forward under autocast with a fixed dtype.
+
+    DataParallel calls each replica's forward in a worker thread and re-enters autocast there
+    with the caller's enabled flag but not its dtype, so bf16 would silently run as fp16 without
+    loss scaling; inside the replica the dtype is set again.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+
+    def forward(self, *args, **kwargs):
+        device_type = next(self.module.parameters()).device.type
+        with torch.autocast(device_type=device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The bare module inside a DDP / DataParallel wrapper (for saving, evaluation, export)."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+    """The bare module inside DDP / DataParallel wrappers (for saving, evaluation, export)."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel, AutocastReplica)):
         model = model.module
     return model
 
 
-def wrap(model: nn.Module, env: DistEnv, *, sync_bn: bool, find_unused_parameters: bool) -> nn.Module:
-    """Move to the device and wrap for the strategy; SyncBN only where torch supports it (CUDA)."""
+def wrap(model: nn.Module, env: DistEnv, *, sync_bn: bool, find_unused_parameters: bool,
+         autocast_dtype: torch.dtype | None = None) -> nn.Module:
+    """Move to the device and wrap for the strategy; SyncBN only where torch supports it (CUDA,
+    DDP). `autocast_dtype` is the run's mixed-precision dtype (needed by DataParallel)."""
     model = model.to(env.device)
     if env.strategy == "ddp":
         if sync_bn and env.device.type == "cuda":
@@ -262,6 +283,11 @@ def wrap(model: nn.Module, env: DistEnv, *, sync_bn: bool, find_unused_parameter
             model, device_ids=device_ids, find_unused_parameters=find_unused_parameters
         )
     if env.strategy == "dp":
+        if sync_bn:
+            log.warning("model.sync_bn has no effect with dist.strategy=dp: BatchNorm statistics "
+                        "stay per GPU replica; launch with torchrun (DDP) to synchronise them")
+        if autocast_dtype is not None:
+            model = AutocastReplica(model, autocast_dtype)
         return nn.DataParallel(model)
     return model
 
@@ -283,6 +309,13 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device | No
     if is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of a small tensor over ranks, in place (identity without a group)."""
+    if is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
 
 
 class _GatherWithGrad(torch.autograd.Function):

@@ -7,6 +7,7 @@ train.log holds rank 0's story plus every rank's problems.
 from __future__ import annotations
 
 import csv
+import faulthandler
 import logging
 import sys
 from pathlib import Path
@@ -15,13 +16,16 @@ log = logging.getLogger("audioclf")
 
 METRIC_COLUMNS = [
     "epoch", "step", "train_loss", "lr", "samples_per_s", "epoch_seconds", "nonfinite_steps",
-    "precision_at_1", "map_at_r", "r_precision",
+    "overflow_steps", "skipped_files", "skipped_batches", "precision_at_1", "map_at_r",
+    "r_precision",
 ]
 
 
 def setup_logging(run_dir: Path | None, rank: int) -> None:
     """Console + train.log handlers on the 'audioclf' logger (idempotent)."""
     for handler in list(log.handlers):
+        if isinstance(handler, logging.FileHandler):
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)  # off the file closed next
         log.removeHandler(handler)
         handler.close()
     log.setLevel(logging.INFO)
@@ -39,6 +43,10 @@ def setup_logging(run_dir: Path | None, rank: int) -> None:
         file_handler.setFormatter(fmt)
         file_handler.setLevel(level)
         log.addHandler(file_handler)
+        # A process killed by a signal, e.g. NCCL's watchdog aborting a collective that ran
+        # past dist.timeout_minutes, runs no Python handler: faulthandler still writes "Fatal
+        # Python error" and every thread's stack (where the rank was waiting) into train.log.
+        faulthandler.enable(file=file_handler.stream, all_threads=True)
     logging.captureWarnings(True)
     warn_logger = logging.getLogger("py.warnings")
     warn_logger.handlers = [h for h in log.handlers]

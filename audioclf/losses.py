@@ -82,18 +82,19 @@ class TripletLoss(nn.Module):
             embeddings = embeddings.float()
             if self.cross_rank:
                 embeddings, labels = _gather_global(embeddings, labels)
-            anchors, positives, negatives = self.miner(embeddings, labels)
-            n_triplets = int(anchors.shape[0])
+            triplets = self.miner(embeddings, labels) if len(labels) else ()
+            n_triplets = int(triplets[0].shape[0]) if triplets else 0
             if n_triplets == 0:
                 # Zero, yet connected to every embedding (and so every parameter and rank);
                 # "+ 0.0" turns a -0.0 into 0.0.
                 triplet_loss = embeddings.sum() * 0.0 + 0.0
             else:
-                triplet_loss = self.triplet(embeddings, labels, (anchors, positives, negatives))
+                triplet_loss = self.triplet(embeddings, labels, triplets)
             loss = triplet_loss
             ce_loss = torch.zeros((), device=embeddings.device)
             if logits is not None and self.ce_weight > 0:
-                ce_loss = F.cross_entropy(logits.float(), local_labels)
+                ce_loss = (F.cross_entropy(logits.float(), local_labels) if len(local_labels)
+                           else logits.sum() * 0.0)  # no rows here (a dropped batch)
                 loss = loss + self.ce_weight * ce_loss
         return loss, triplet_loss, ce_loss, n_triplets
 

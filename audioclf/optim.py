@@ -34,24 +34,74 @@ def base_lr(cfg: OptimConfig, world_size: int) -> float:
 
 def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig,
                     device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer named by optim.name; its learning rate is set by LRSchedule.apply."""
+    """The optimizer named by optim.name; its learning rate is set by LRSchedule.apply.
+
+    torch's Adam, AdamW and SGD run their fused kernels (CUDA and CPU): one kernel per step,
+    and a step with non-finite gradients is skipped on the device (see engine.py).
+    """
     params = list(params)
     lr = cfg.lr  # a placeholder: LRSchedule.apply writes the scheduled rate before every step
     if cfg.name == "adamw":
-        fused = {"fused": True} if device.type == "cuda" else {}
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **fused)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, fused=True)
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, fused=True)
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                               fused=True)
     try:
         from apex.optimizers import FusedAdam  # optional NVIDIA apex
     except ImportError:
         raise ValueError(
             "optim.name=fused_adam needs NVIDIA apex (apex.optimizers), which is not importable "
-            "here; use optim.name=adamw (torch's AdamW runs fused on CUDA)"
+            "here; use optim.name=adamw (torch's AdamW runs fused)"
         ) from None
     return FusedAdam(params, lr=lr, weight_decay=cfg.weight_decay, adam_w_mode=True)
+
+
+# Param-group keys that describe how an optimizer runs, not what it learned: a checkpoint
+# written elsewhere (CPU, another torch) must not switch them off.
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+class OptimizerState:
+    """The optimizer as a checkpoint entry; restoring also accepts a state written by another
+    Adam implementation (apex FusedAdam keeps the step count per group, torch per parameter)
+    and keeps this run's implementation settings (a CPU-written state has fused=None)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        state = _convert_step_counts(state, per_parameter=not _is_apex(self.optimizer))
+        kept = [{k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state)
+        for group, implementation in zip(self.optimizer.param_groups, kept, strict=True):
+            group.update(implementation)
+
+
+def _is_apex(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__module__.startswith("apex")
+
+
+def _convert_step_counts(state: dict, *, per_parameter: bool) -> dict:
+    """Move Adam's step count to where this optimizer keeps it (per parameter or per group)."""
+    groups = [dict(g) for g in state["param_groups"]]
+    per_param = {k: dict(v) for k, v in state["state"].items()}
+    for group in groups:
+        ids = group["params"]
+        if per_parameter and "step" in group:
+            for i in ids:
+                if i in per_param and "step" not in per_param[i]:
+                    per_param[i]["step"] = torch.tensor(float(group["step"]))
+            del group["step"]
+        elif not per_parameter and "step" not in group:
+            steps = [float(per_param[i]["step"]) for i in ids if "step" in per_param.get(i, {})]
+            if steps:
+                group["step"] = int(max(steps))
+    return {"state": per_param, "param_groups": groups}
 
 
 def learning_rate(cfg: OptimConfig, base: float, epochs: int, *, step: int, epoch: int,

@@ -43,6 +43,12 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
                 stacklevel=2,
             )
         name = "fp32" if cfg.opt_level == "O0" else "fp16"
+    if name == "bf16" and device.type == "cuda" and not _native_bf16(device):
+        raise ValueError(
+            f"train.precision=bf16 needs a GPU with native bfloat16 (compute capability 8.0+, "
+            f"e.g. A100, H100); {torch.cuda.get_device_name(device)} only emulates it, much "
+            "slower than fp32: use train.precision=fp16 (with loss scaling) or fp32"
+        )
     scaler = torch.amp.GradScaler(device.type, enabled=(name == "fp16"))
     return Precision(name, device, _AUTOCAST_DTYPES[name], scaler)
 
@@ -50,3 +56,18 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
 def full_precision(device: torch.device) -> Precision:
     """fp32 on `device`, as inference runs."""
     return resolve_precision(TrainConfig(precision="fp32"), device)
+
+
+def _native_bf16(device: torch.device) -> bool:
+    """bfloat16 arithmetic in hardware: compute capability 8.0 (Ampere) or newer, or ROCm."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
+    """TF32 matmuls/convolutions (train.tf32) and cuDNN autotuning (train.cudnn_benchmark) on
+    CUDA; train.deterministic turns autotuning off."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic

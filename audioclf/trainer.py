@@ -25,6 +25,7 @@ import torch
 
 from audioclf import checkpoint, distributed
 from audioclf.config import Config, config_from_dict, save_config, to_dict
+from audioclf.data.augment import Augmenter
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index_distributed, split_index
 from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs
@@ -35,8 +36,8 @@ from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
 from audioclf.losses import TripletLoss
 from audioclf.metrics import retrieval_metrics
 from audioclf.models import build_net, count_parameters
-from audioclf.optim import LRSchedule, base_lr, build_optimizer
-from audioclf.precision import resolve_precision
+from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer
+from audioclf.precision import configure_backends, resolve_precision
 from audioclf.sampler import MPerClassSampler
 
 log = logging.getLogger("audioclf")
@@ -137,16 +138,18 @@ def build_data(cfg: Config) -> RunData:
     if len(train) == 0:
         raise ValueError(f"{index.source}: the train split is empty; check data.split_column / "
                          "data.val_ratio")
-    train_set = _dataset(train, cfg, train=True)
+    train_set = _dataset(train, cfg, train=True, augment=Augmenter(cfg.augment, cfg.features))
     if val is None or len(val) < 2:
         return RunData(train, None, train_set, None)
     return RunData(train, val, train_set, _dataset(val, cfg, train=False))
 
 
-def _dataset(index: Index, cfg: Config, *, train: bool) -> AudioDataset:
+def _dataset(index: Index, cfg: Config, *, train: bool, augment: Augmenter | None = None
+             ) -> AudioDataset:
     table = index.table
     return AudioDataset(table["path"].tolist(), index.labels(), cfg.features, train=train,
-                        rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files)
+                        rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files,
+                        augment=augment)
 
 
 def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | None = None) -> dict:
@@ -195,15 +198,17 @@ class Trainer:
                  "rank", len(train), len(train.classes), len(self.data.val) if self.data.val else 0,
                  sampler.batches_per_epoch)
 
+        self.precision = resolve_precision(cfg.train, env.device)
+        configure_backends(cfg.train, env.device)
         net = build_net(cfg, len(train.classes))
         log.info("model %s: %s trainable parameters", cfg.model.name, f"{count_parameters(net):,}")
         self.model = distributed.wrap(net, env, sync_bn=cfg.model.sync_bn,
-                                      find_unused_parameters=cfg.dist.find_unused_parameters)
+                                      find_unused_parameters=cfg.dist.find_unused_parameters,
+                                      autocast_dtype=self.precision.dtype)
         self.loss_fn = TripletLoss(cfg.loss)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device)
         self.schedule = LRSchedule(self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size),
                                    cfg.train.epochs)
-        self.precision = resolve_precision(cfg.train, env.device)
         log.info("effective lr %.4g = optim.lr %.4g × %.4g (%s scaling, %d ranks, reference %d); "
                  "precision %s", self.schedule.base, cfg.optim.lr, self.schedule.base / cfg.optim.lr,
                  cfg.optim.lr_scaling, env.world_size, cfg.optim.ref_world_size,
@@ -217,11 +222,11 @@ class Trainer:
             saver,
             states={
                 "model": distributed.unwrap(self.model),
-                "optimizer": self.optimizer,
+                "optimizer": OptimizerState(self.optimizer),
                 "lr_schedule": self.schedule,
-                "scaler": self.precision.scaler,
+                "scaler": checkpoint.ScalerState(self.precision.scaler),
                 "sampler": _SamplerAtPosition(self.batches, self.state),
-                "rng": checkpoint.RankRNG(env.rank, env.world_size),
+                "rng": checkpoint.RankRNG(env.rank, env.world_size, env.device),
             },
             flat=[self.state, saver],
             meta=lambda: {"config": to_dict(cfg), "classes": train.classes,
@@ -272,6 +277,7 @@ class Trainer:
             result = self.train_epoch(epoch)
             if result.stopped:
                 stopped = True
+                self.save_mid_epoch()
                 log.info("stopped on request at epoch %d, step %d; resume with "
                          "checkpoint.resume=auto", epoch + 1, self.state.step)
                 break
@@ -286,17 +292,18 @@ class Trainer:
             set_lr=lambda step: self.schedule.apply(step, epoch), accumulate=cfg.train.accumulate,
             max_grad_norm=cfg.optim.max_grad_norm, guard=self.guard,
             start_batch=self.state.position, limit_batches=cfg.train.limit_batches,
-            global_step=self.state.step, on_step=self._after_step, progress=self.env.is_primary,
-            log_every=cfg.train.log_every_steps,
-            description=f"epoch {epoch + 1}/{cfg.train.epochs}",
+            global_step=self.state.step, on_step=self._after_step,
+            should_stop=lambda: self.stop.flag, sync_every=cfg.train.log_every_steps,
+            batch_size=cfg.sampler.batch_size, placeholder=self.data.train_set.placeholder(),
+            progress=self.env.is_primary, description=f"epoch {epoch + 1}/{cfg.train.epochs}",
         )
 
     def _loss(self, output, labels):
         embeddings, logits = output
         return self.loss_fn(embeddings, labels, logits)
 
-    def _after_step(self, step: int, position: int) -> bool:
-        """After every optimizer step (every rank): hooks, checks, logging, stop vote, saving."""
+    def _after_step(self, step: int, position: int) -> None:
+        """After every optimizer step (every rank): hooks, and what is due at this step."""
         cfg = self.cfg
         self.state.step, self.state.position = step, position
         if self.hooks.on_step is not None:
@@ -306,10 +313,8 @@ class Trainer:
                                                     device=self.env.device)
         if _due(step, cfg.train.log_every_steps):
             self.metrics.scalar("step/lr", self.optimizer.param_groups[0]["lr"], step)
-        halt = distributed.any_rank(self.stop.flag, device=self.env.device)
-        if halt or _due(step, cfg.checkpoint.every_steps):
+        if _due(step, cfg.checkpoint.every_steps):
             self.save_mid_epoch()
-        return halt
 
     def request_stop(self) -> None:
         """Finish the current step, save last.pt and end fit() (as SIGTERM does)."""
@@ -327,7 +332,9 @@ class Trainer:
             "epoch": epoch + 1, "step": state.step, "train_loss": result.loss,
             "lr": self.schedule.apply(state.step, state.epoch),
             "samples_per_s": result.samples_per_second, "epoch_seconds": result.seconds,
-            "nonfinite_steps": self.guard.total, **state.last_metrics,
+            "nonfinite_steps": self.guard.total, "overflow_steps": self.guard.overflow,
+            "skipped_files": result.skipped_items, "skipped_batches": result.skipped_batches,
+            **state.last_metrics,
         }
         state.history.append(row)
         metric = state.last_metrics.get(cfg.eval.metric)
@@ -339,6 +346,10 @@ class Trainer:
             log.info("epoch %d/%d: loss %.4f, %.1f samples/s (global), %.1f s %s%s", epoch + 1,
                      cfg.train.epochs, result.loss, row["samples_per_s"], result.seconds, shown,
                      " (new best)" if best else "")
+            if result.skipped_items:
+                log.warning("epoch %d: %d unreadable file(s) skipped (data.skip_bad_files), %d "
+                            "batch(es) with nothing readable dropped", epoch + 1,
+                            result.skipped_items, result.skipped_batches)
         distributed.barrier()
 
     def _eval_due(self, epoch: int) -> bool:

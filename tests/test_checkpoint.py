@@ -87,3 +87,31 @@ def test_rng_state_round_trip():
 def test_versions_recorded():
     versions = checkpoint.library_versions()
     assert versions["torch"] == torch.__version__ and "audioclf" in versions
+
+
+def test_cuda_rng_is_saved_and_restored_for_the_rank_device_only(monkeypatch):
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.tensor([7, int(device.index)]))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: restored.append((state, device)))
+    gpu1 = torch.device("cuda", 1)
+    saved = checkpoint.rng_state(gpu1)
+    assert torch.equal(saved["cuda"], torch.tensor([7, 1])) and "cuda" not in checkpoint.rng_state()
+    checkpoint.set_rng_state(saved, gpu1)
+    assert torch.equal(restored[-1][0], torch.tensor([7, 1])) and restored[-1][1] == gpu1
+    # A checkpoint of an older version saved one state per visible GPU (8 here); resuming on a
+    # box with fewer GPUs must not raise IndexError.
+    older = dict(saved, cuda=[torch.tensor([i]) for i in range(8)])
+    checkpoint.set_rng_state(older, gpu1)
+    assert torch.equal(restored[-1][0], torch.tensor([1]))
+    checkpoint.set_rng_state(dict(saved, cuda=[torch.tensor([0])]), gpu1)  # fewer than needed
+    assert len(restored) == 2
+
+
+def test_fp16_resumes_from_a_checkpoint_without_a_loss_scale():
+    bf16_state = torch.amp.GradScaler("cpu", enabled=False).state_dict()
+    assert bf16_state == {}
+    fp16 = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    checkpoint.ScalerState(fp16).load_state_dict(bf16_state)  # GradScaler itself raises here
+    assert fp16.get_scale() == 1024.0
+    checkpoint.ScalerState(torch.amp.GradScaler("cpu", enabled=False)).load_state_dict(
+        fp16.state_dict())

@@ -169,3 +169,27 @@ def test_checkpoints_load_across_syncbn_and_batchnorm():
     synced.load_state_dict(plain.state_dict())  # and back, e.g. resuming on a GPU box
     for (name, a), (_, b) in zip(plain.state_dict().items(), synced.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_data_parallel_replicas_keep_the_autocast_dtype():
+    # DataParallel runs each replica in a worker thread that re-enters autocast without the
+    # dtype; AutocastReplica sets it again. A thread without autocast stands in for that.
+    import threading
+
+    dtypes = []
+    inner = nn.Linear(4, 4)
+    replica = distributed.AutocastReplica(inner, torch.bfloat16)
+    thread = threading.Thread(target=lambda: dtypes.append(replica(torch.randn(2, 4)).dtype))
+    thread.start()
+    thread.join()
+    assert dtypes == [torch.bfloat16]
+    assert distributed.unwrap(nn.DataParallel(replica)) is inner
+
+
+def test_dp_warns_that_sync_bn_has_no_effect(caplog):
+    env = distributed.DistEnv(strategy="dp")
+    with caplog.at_level("WARNING", logger="audioclf"):
+        model = distributed.wrap(nn.Linear(2, 2), env, sync_bn=True, find_unused_parameters=False,
+                                 autocast_dtype=torch.bfloat16)
+    assert "sync_bn has no effect with dist.strategy=dp" in caplog.text
+    assert isinstance(model.module, distributed.AutocastReplica)

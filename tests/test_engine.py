@@ -1,4 +1,4 @@
-"""Engine, precision, optimizer and LR: scaling, schedule, accumulation, non-finite handling."""
+"""The training loop: accumulation, exact loss, non-finite steps, host syncs, dropped batches."""
 
 import math
 
@@ -8,7 +8,7 @@ from torch import nn
 
 from audioclf.config import OptimConfig, TrainConfig
 from audioclf.engine import NonFiniteGuard, NonFiniteLossError, train_one_epoch
-from audioclf.optim import LRSchedule, build_optimizer, learning_rate, lr_scale
+from audioclf.optim import build_optimizer
 from audioclf.precision import resolve_precision
 
 CPU = torch.device("cpu")
@@ -39,74 +39,6 @@ def batches(n_batches, size, seed=0):
         labels = torch.randint(0, 3, (size,), generator=g)
         out.append((x, torch.full((size,), 4), labels, torch.arange(size)))
     return out
-
-
-@pytest.mark.parametrize("world, ref, mode, expected", [
-    (4, 1, "sqrt", 2.0), (2, 1, "sqrt", math.sqrt(2)), (8, 2, "sqrt", 2.0),
-    (4, 1, "linear", 4.0), (2, 4, "linear", 0.5), (4, 1, "none", 1.0), (1, 1, "sqrt", 1.0),
-])
-def test_lr_scaling(world, ref, mode, expected):
-    assert lr_scale(world, ref, mode) == pytest.approx(expected)
-
-
-@pytest.mark.parametrize("overrides, name, dtype, scaler", [
-    ({}, "fp32", None, False),
-    ({"precision": "bf16"}, "bf16", torch.bfloat16, False),
-    ({"precision": "fp16"}, "fp16", torch.float16, True),
-    ({"opt_level": "O0", "precision": "bf16"}, "fp32", None, False),
-    ({"opt_level": "O1"}, "fp16", torch.float16, True),
-])
-def test_precision_resolution(overrides, name, dtype, scaler):
-    p = resolve_precision(TrainConfig(**overrides), CPU)
-    assert (p.name, p.dtype, p.scaler.is_enabled()) == (name, dtype, scaler)
-
-
-@pytest.mark.parametrize("level", ["O2", "O3"])
-def test_apex_o2_o3_map_to_o1_with_warning(level):
-    with pytest.warns(UserWarning, match=f"opt_level={level}.*no torch.amp equivalent"):
-        p = resolve_precision(TrainConfig(opt_level=level), CPU)
-    assert p.name == "fp16"
-
-
-def test_bf16_autocast_context_is_active():
-    p = resolve_precision(TrainConfig(precision="bf16"), CPU)
-    with p.autocast():
-        y = nn.Linear(4, 4)(torch.randn(2, 4))
-    assert y.dtype == torch.bfloat16
-
-
-def test_fused_adam_without_apex_is_a_clear_error():
-    with pytest.raises(ValueError, match="needs NVIDIA apex.*use optim.name=adamw"):
-        build_optimizer(nn.Linear(2, 2).parameters(), OptimConfig(name="fused_adam"), CPU)
-
-
-def test_warmup_then_cosine():
-    cfg = OptimConfig(warmup_steps=4, scheduler="cosine")
-    lrs = [learning_rate(cfg, 1.0, 4, step=step, epoch=0) for step in range(6)]
-    assert lrs[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
-    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
-    sched = LRSchedule(opt, cfg, base=1.0, epochs=4)
-    sched.epoch_end(1.0)
-    sched.apply(step=5, epoch=1)
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
-    state = sched.state_dict()
-    opt2 = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
-    sched2 = LRSchedule(opt2, cfg, 1.0, 4)
-    sched2.load_state_dict(state)
-    sched2.apply(step=5, epoch=1)
-    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
-
-
-def test_step_and_plateau_schedules():
-    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
-    step = LRSchedule(opt, OptimConfig(scheduler="step", step_size=2, gamma=0.1), 1.0, 10)
-    step.apply(step=0, epoch=2)
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
-    plateau = LRSchedule(opt, OptimConfig(scheduler="plateau", plateau_patience=1, gamma=0.5), 1.0, 10)
-    for loss in [1.0, 0.9, 0.95, 0.95]:  # best 0.9, then two bad epochs > patience 1
-        plateau.epoch_end(loss)
-    plateau.apply(step=0, epoch=4)
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
 
 
 def test_accumulation_matches_one_update_on_the_union():
@@ -161,3 +93,114 @@ def test_on_step_can_stop_and_limit_batches():
     r = train_one_epoch(model, batches(6, 4), mse, opt, resolve_precision(TrainConfig(), CPU),
                         limit_batches=3)
     assert r.batches == 3 and r.steps == 3
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, lengths):
+        return self.fc(self.bn(x))
+
+
+def _state_of(model, optimizer, scaler):
+    """Everything a training step may change, as plain tensors."""
+    tensors = [t.detach().clone() for t in model.state_dict().values()]
+    for per_param in optimizer.state.values():
+        tensors += [v.detach().clone() for v in per_param.values() if torch.is_tensor(v)]
+    if scaler.is_enabled():
+        tensors += [scaler._scale.clone(), scaler._growth_tracker.clone()]
+    return tensors
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_nonfinite_step_changes_no_state(precision):
+    model = WithBatchNorm()
+    optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
+    settings = resolve_precision(TrainConfig(precision=precision), CPU)
+    good = batches(2, 8)
+    train_one_epoch(model, good, mse, optimizer, settings)  # optimizer state and scale exist
+    before = _state_of(model, optimizer, settings.scaler)
+    x, lengths, labels, positions = batches(1, 8, seed=5)[0]
+    x[3, 1] = float("nan")  # one NaN sample, as a corrupt file would give
+    guard = NonFiniteGuard(patience=5)
+    result = train_one_epoch(model, [(x, lengths, labels, positions)], mse, optimizer, settings,
+                             guard=guard)
+    assert result.steps == 1 and guard.total == 1 and guard.consecutive == 1
+    after = _state_of(model, optimizer, settings.scaler)
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)  # parameters, BatchNorm statistics, Adam moments, loss scale
+
+
+def test_fp16_overflow_steps_are_not_failures():
+    model = Linear()
+    optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
+    settings = resolve_precision(TrainConfig(precision="fp16"), CPU)
+    settings.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
+    guard = NonFiniteGuard(patience=1)
+    result = train_one_epoch(model, batches(6, 8), mse, optimizer, settings, guard=guard,
+                             sync_every=2)
+    assert guard.overflow >= 1 and guard.total == 0 and result.steps == 6
+    assert settings.scaler.get_scale() < 2.0**127  # GradScaler lowered the scale as designed
+
+
+def _count_host_syncs(run) -> int:
+    """Reads of device values by the host (`.item()`, `bool()`, `.tolist()`), per the profiler.
+
+    Reads inside the optimizer step are left out: torch's fused CPU kernels read their scalars
+    (lr, found_inf) on the host, where there is no device to stall; the CUDA kernels read them on
+    the GPU.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+
+    def in_optimizer_step(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("Optimizer.step"):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return sum(1 for e in prof.events()
+               if e.name == "aten::_local_scalar_dense" and not in_optimizer_step(e))
+
+
+def sync_free_mse(output, labels):
+    return nn.functional.mse_loss(output.float(), torch.eye(3)[labels])  # one_hot reads .max()
+
+
+def test_the_loop_reads_the_device_once_per_sync_interval():
+    model = Linear()
+    optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
+    settings = resolve_precision(TrainConfig(), CPU)
+    loader = batches(40, 4)
+    train_one_epoch(model, loader[:2], mse, optimizer, settings)  # warm-up
+    syncs = _count_host_syncs(lambda: train_one_epoch(
+        model, loader, sync_free_mse, optimizer, settings, sync_every=10, progress=True,
+        should_stop=lambda: False))
+    # 40 steps, a sync every 10, plus the epoch's all-reduced totals (and no per-step reads)
+    assert syncs <= 40 // 10 + 1, syncs
+
+
+def test_a_batch_with_no_readable_item_is_dropped_and_counted():
+    model = WithBatchNorm()
+    optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
+    empty = torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), \
+        torch.zeros(0, dtype=torch.int64)
+    loader = batches(2, 8)
+    short = tuple(t[:5] for t in batches(1, 8, seed=3)[0])
+    running = model.bn.running_mean.clone()
+    placeholder = (torch.zeros(2, 4), torch.tensor([4, 4]))
+    result = train_one_epoch(model, [empty], mse, optimizer, resolve_precision(TrainConfig(), CPU),
+                             batch_size=8, placeholder=placeholder)
+    assert torch.equal(model.bn.running_mean, running)  # the placeholder taught BatchNorm nothing
+    assert (result.skipped_batches, result.skipped_items, result.samples) == (1, 8, 0)
+    result = train_one_epoch(model, [loader[0], short, loader[1]], mse, optimizer,
+                             resolve_precision(TrainConfig(), CPU), batch_size=8,
+                             placeholder=placeholder)
+    assert (result.skipped_batches, result.skipped_items, result.samples) == (0, 3, 21)

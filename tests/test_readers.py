@@ -197,3 +197,26 @@ def test_corrupt_or_missing_npy_names_the_file(tmp_path):
         read_npy_crop(tmp_path / "text.npy", 4, None, "frames_bins", 8)
     with pytest.raises(FeatureFileError, match="absent.npy"):
         read_npy_crop(tmp_path / "absent.npy", 4, None, "frames_bins", 8)
+
+
+def test_nonfinite_samples_and_truncated_wavs_name_the_file(tmp_path):
+    wave = np.zeros(1600, dtype=np.float32)
+    wave[100] = np.nan
+    soundfile.write(tmp_path / "nan.wav", wave, 16000, subtype="FLOAT")
+    with pytest.raises(AudioReadError, match=r"nan\.wav has 1 non-finite samples"):
+        load_audio(tmp_path / "nan.wav", 16000)
+    soundfile.write(tmp_path / "full.wav", np.full(1600, 0.1, np.float32), 16000, subtype="PCM_16")
+    data = (tmp_path / "full.wav").read_bytes()
+    (tmp_path / "cut.wav").write_bytes(data[: len(data) // 2])
+    assert len(load_audio(tmp_path / "full.wav", 16000)) == 1600
+    with pytest.raises(AudioReadError, match=r"cut\.wav.*truncated"):
+        load_audio(tmp_path / "cut.wav", 16000)
+
+
+def test_nonfinite_feature_frames_name_the_file(tmp_path):
+    frames = np.zeros((50, 8), dtype=np.float32)
+    frames[20, 3] = np.inf
+    path = tmp_path / "bad.npy"
+    np.save(path, frames)
+    with pytest.raises(FeatureFileError, match=r"bad\.npy has non-finite values"):
+        read_npy_crop(path, None, None, "frames_bins", 8)

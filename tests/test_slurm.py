@@ -45,7 +45,12 @@ def launch_env(monkeypatch):
         for name, value in values.items():
             monkeypatch.setenv(name, value)
 
-    return set_env
+    before = dict(os.environ)
+    yield set_env
+    # env_ranks exports RANK, WORLD_SIZE, MASTER_ADDR, ... that monkeypatch never saw: without
+    # this, every later in-process fit() would wait for peers that never come.
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def srun_task(procid: int, ntasks: int, localid: int, **extra: str) -> dict:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from audioclf.config import FeaturesConfig
+from audioclf.data.augment import Augmenter
 from audioclf.data.readers import (
     AudioReadError,
     FeatureFileError,
@@ -52,6 +53,7 @@ class AudioDataset(torch.utils.data.Dataset):
         train: bool,
         rows: Sequence[int] | None = None,
         skip_bad_files: bool = False,
+        augment: Augmenter | None = None,
     ):
         labels = np.asarray(labels)
         if labels.ndim != 1 or len(labels) != len(paths):
@@ -69,10 +71,22 @@ class AudioDataset(torch.utils.data.Dataset):
         self.cfg = cfg
         self.train = train
         self.skip_bad_files = skip_bad_files
+        self.augment = augment if augment is not None and augment.enabled and train else None
         self.skipped = 0
 
     def __len__(self) -> int:
         return len(self.paths)
+
+    def placeholder(self) -> tuple[Tensor, Tensor]:
+        """(x [2, ...], lengths [2]): two silent training crops, what the loop feeds the model when
+        a batch has no readable item, so every rank still takes part in the step (two rows:
+        BatchNorm refuses a batch of one in training mode)."""
+        cfg = self.cfg
+        if cfg.kind == "audio":
+            x = torch.zeros(2, cfg.crop_samples)
+        else:
+            x = torch.zeros(2, cfg.crop_frames, cfg.n_mels)
+        return x, torch.full((2,), x.shape[1], dtype=torch.int64)
 
     def __getitem__(self, key: int | tuple[int, int]) -> Item | None:
         if isinstance(key, tuple):
@@ -99,17 +113,22 @@ class AudioDataset(torch.utils.data.Dataset):
         return x, int(self.labels[position]), position
 
     def _read(self, path: str, rng: np.random.Generator | None) -> Tensor:
-        cfg = self.cfg
+        cfg, augment = self.cfg, self.augment
         if cfg.kind == "audio":
             wave = load_audio(path, cfg.sample_rate)
+            if augment is not None:
+                wave = augment.before_crop(wave, rng)
             if self.train or cfg.eval_crop == "center":
-                return crop_or_pad(wave, cfg.crop_samples, rng, cfg.pad_mode)
+                crop = crop_or_pad(wave, cfg.crop_samples, rng, cfg.pad_mode)
+                return crop if augment is None else augment.after_crop(crop, rng)
             max_samples = int(round(cfg.eval_max_seconds * cfg.sample_rate))
             if wave.shape[0] > max_samples:
                 wave = crop_or_pad(wave, max_samples, None, cfg.pad_mode)
             return wave
         if self.train or cfg.eval_crop == "center":
             feats = read_npy_crop(path, cfg.crop_frames, rng, cfg.npy_layout, cfg.n_mels, cfg.pad_mode)
+            if augment is not None:
+                feats = augment.log_mel(feats, rng)
         else:
             feats = read_npy_crop(path, eval_max_frames(cfg), None, cfg.npy_layout, cfg.n_mels, "none")
         return torch.from_numpy(feats)

@@ -40,17 +40,46 @@ class FeatureFileError(ValueError):
 
 
 def load_audio(path: str | Path, sample_rate: int) -> Tensor:
-    """Read an audio file (wav/flac/ogg/...), mix down to mono, resample: float32 [samples]."""
+    """Read an audio file (wav/flac/ogg/...), mix down to mono, resample: float32 [samples].
+
+    A file whose samples are not all finite (float wavs can hold NaN / inf) or a wav cut short
+    behind an intact header raises AudioReadError naming it: both would otherwise go on silently.
+    """
     try:
         data, file_rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+        if str(path).lower().endswith(".wav"):
+            _check_wav_length(path)
     except (RuntimeError, OSError, ValueError, TypeError, EOFError) as exc:
         raise AudioReadError(f"cannot read audio file {path}: {exc}") from exc
     if data.shape[0] == 0:
         raise AudioReadError(f"audio file {path} contains no samples")
+    if not np.isfinite(data).all():
+        bad = int(np.count_nonzero(~np.isfinite(data)))
+        raise AudioReadError(f"audio file {path} has {bad} non-finite samples (NaN or inf)")
     wave = torch.from_numpy(data.mean(axis=1, dtype=np.float32))
     if file_rate != sample_rate:
         wave = torchaudio.functional.resample(wave, int(file_rate), int(sample_rate))
     return wave.contiguous()
+
+
+def _check_wav_length(path: str | Path) -> None:
+    """ValueError when a RIFF/WAVE file's data chunk promises more bytes than the file holds
+    (libsndfile then returns the samples that are there, without a word)."""
+    with open(path, "rb") as handle:
+        head = handle.read(12)
+        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            return  # RF64 / other containers: libsndfile's own checks
+        size = os.fstat(handle.fileno()).st_size
+        offset = 12
+        while offset + 8 <= size:
+            handle.seek(offset)
+            chunk, length = handle.read(4), int.from_bytes(handle.read(4), "little")
+            if chunk == b"data":
+                if length not in (0, 0xFFFFFFFF) and offset + 8 + length > size:
+                    raise ValueError(f"the wav file is truncated: its data chunk promises "
+                                     f"{length} bytes, {size - offset - 8} are there")
+                return
+            offset += 8 + length + (length & 1)
 
 
 def _crop_start(total: int, length: int, rng: np.random.Generator | None) -> int:
@@ -125,7 +154,7 @@ def read_npy_crop(
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past the window
-        shape, fortran_order, dtype, data_offset = _read_npy_header(fd)
+        shape, fortran_order, dtype, data_offset = read_npy_header(fd)
         _check_feature_array(path, shape, dtype, layout, n_bins)
         promised, actual = data_offset + int(np.prod(shape)) * dtype.itemsize, os.fstat(fd).st_size
         if actual < promised:
@@ -139,6 +168,9 @@ def read_npy_crop(
         # bins_frames files: the window is then one contiguous block.
         frames_outer = (layout == "frames_bins") != fortran_order
         window = _read_window(fd, data_offset, dtype, total, n_bins, start, length, frames_outer)
+        if not np.isfinite(window).all():
+            raise FeatureFileError(f"feature file {path} has non-finite values (NaN or inf) in "
+                                   f"frames {start}..{start + length - 1}")
     except FeatureFileError:
         raise
     except (OSError, ValueError, EOFError) as exc:
@@ -152,7 +184,7 @@ def read_npy_crop(
     return np.pad(window, ((0, n_frames - total), (0, 0)))
 
 
-def _read_npy_header(fd: int) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+def read_npy_header(fd: int) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """(shape, fortran_order, dtype, byte offset of the data) of an open .npy file."""
     head = os.pread(fd, 4096, 0)
     version = np.lib.format.read_magic(io.BytesIO(head))

@@ -1,0 +1,138 @@
+"""CUDA-only checks (marker `cuda`; skipped on machines without a GPU).
+
+Run them with `pytest -m cuda` (benchmarks/gpu_check.sh does). They cover what the CPU suite
+cannot: bf16/fp16 steps on the GPU, NCCL collectives, SyncBN under DDP, a GPU checkpoint
+resumed on the CPU and exported, and DataParallel under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from audioclf import checkpoint, distributed
+from audioclf.config import load_config
+from tests.conftest import TINY, tiny_config
+from tests.distributed_utils import run_in_group
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+CUDA = torch.device("cuda", 0)
+
+
+def tiny_net_config(model: str, *extra: str):
+    return load_config(None, ["features.kind=npy", "features.n_mels=32", "model.embedding_dim=16",
+                              "sampler.batch_size=16", "sampler.m=4", *TINY[model], *extra])
+
+
+def feature_batches(cfg, steps: int):
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(4).repeat_interleave(4)
+    return [(torch.randn(16, 120, 32, generator=g), torch.randint(60, 121, (16,), generator=g),
+             labels, torch.arange(16)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("model", ["cnn", "conformer"])
+def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
+    from audioclf.engine import NonFiniteGuard, train_one_epoch
+    from audioclf.losses import TripletLoss
+    from audioclf.models import build_net
+    from audioclf.optim import build_optimizer
+    from audioclf.precision import resolve_precision
+
+    cfg = tiny_net_config(model, f"train.precision={precision}", "loss.miner=all")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    torch.manual_seed(0)
+    net = build_net(cfg, 0).to(CUDA)
+    before = [p.detach().clone() for p in net.parameters()]
+    optimizer = build_optimizer(net.parameters(), cfg.optim, CUDA)
+    assert optimizer.param_groups[0]["fused"] is True
+    loss_core = TripletLoss(cfg.loss)
+    seen = []
+
+    def loss_fn(output, labels):
+        seen.append(output[0].dtype)
+        return loss_core(output[0], labels, output[1])
+
+    guard = NonFiniteGuard(5)
+    result = train_one_epoch(net, feature_batches(cfg, 6), loss_fn, optimizer,
+                             resolve_precision(cfg.train, CUDA), guard=guard, sync_every=3)
+    assert result.steps == 6 and torch.isfinite(torch.tensor(result.loss))
+    assert guard.consecutive == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    assert all(p.isfinite().all() for p in net.parameters())
+    assert set(seen) == {dtype}  # the embedding layer ran in reduced precision
+
+
+def _nccl_collectives(rank, world):
+    from audioclf.models import build_net
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    env = distributed.DistEnv(rank=rank, world_size=world, device=device, strategy="ddp",
+                              backend="nccl")
+    distributed.barrier()
+    total = distributed.all_reduce_sum([1.0, 2.0], device=device).tolist()
+    gathered = distributed.gather_objects({"rank": rank})
+    shared = distributed.broadcast_object("from 0" if rank == 0 else None)
+    first = distributed.primary_first(lambda: "built")
+    stop = distributed.any_rank(False, device=device)
+    x = torch.randn(4, 3, device=device, requires_grad=True)
+    everything = distributed.all_gather_with_grad(x)
+    everything.sum().backward()
+    nograd = distributed.all_gather_nograd(torch.arange(4, device=device))
+    cfg = tiny_net_config("cnn")
+    model = distributed.wrap(build_net(cfg, 0), env, sync_bn=True, find_unused_parameters=False)
+    synced = any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+    output, _ = model(torch.randn(8, 120, 32, device=device), torch.full((8,), 120, device=device))
+    output.sum().backward()
+    drift = distributed.check_parameter_consistency(model, device=device)
+    return (total, gathered, shared, first, stop, tuple(everything.shape), x.grad.sum().item(),
+            nograd.tolist(), synced, drift)
+
+
+def test_nccl_collectives_and_syncbn_at_world_size_1(tmp_path):
+    (result,) = run_in_group(_nccl_collectives, tmp_path, world_size=1, backend="nccl")
+    total, gathered, shared, first, stop, shape, grad_sum, nograd, synced, drift = result
+    assert total == [1.0, 2.0] and gathered == [{"rank": 0}] and shared == "from 0"
+    assert first == "built" and stop is False
+    assert shape == (4, 3) and grad_sum == pytest.approx(12.0)
+    assert nograd == [0, 1, 2, 3] and synced and drift is None
+
+
+def test_gpu_checkpoint_resumes_on_cpu_and_exports(tmp_path, tiny_demo):
+    from audioclf.export import export_model
+    from audioclf.trainer import fit
+
+    runs = tmp_path / "runs"
+    gpu = fit(tiny_config(tiny_demo, runs, "cnn", "train.epochs=1", "train.device=cuda",
+                          "train.precision=bf16", "eval.every=1"))
+    ckpt = checkpoint.load(Path(gpu["run_dir"]) / "last.pt")
+    assert ckpt["optimizer"]["param_groups"][0]["fused"] is True
+    cpu = fit(tiny_config(tiny_demo, runs, "cnn", "train.epochs=2", "train.device=cpu",
+                          "train.precision=fp32", "checkpoint.resume=auto"))
+    assert cpu["step"] == 2 * gpu["step"]
+    for fmt, name in (("torchscript", "model.pt"), ("onnx", "model.onnx")):
+        meta = export_model(Path(cpu["run_dir"]) / "best.pt", fmt, tmp_path / name)
+        assert meta.parity["max_abs_diff"] <= 1e-4
+
+
+def test_data_parallel_runs_bf16_inside_the_replicas():
+    from audioclf.models import build_net
+
+    cfg = tiny_net_config("conformer")
+    env = distributed.DistEnv(device=CUDA, strategy="dp")
+    model = distributed.wrap(build_net(cfg, 0), env, sync_bn=True, find_unused_parameters=False,
+                             autocast_dtype=torch.bfloat16)
+    dtypes = []
+    inner = distributed.unwrap(model)
+    inner.embedder.subsampling.proj.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(torch.randn(8, 120, 32, device=CUDA), torch.full((8,), 120, device=CUDA))
+    assert dtypes and set(dtypes) == {torch.bfloat16}

@@ -1,0 +1,65 @@
+"""Precision decided once: fp32 / bf16 / fp16, the apex alias, GPU capabilities, backends."""
+
+import pytest
+import torch
+from torch import nn
+
+from audioclf.config import TrainConfig
+from audioclf.precision import configure_backends, resolve_precision
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("overrides, name, dtype, scaler", [
+    ({}, "fp32", None, False),
+    ({"precision": "bf16"}, "bf16", torch.bfloat16, False),
+    ({"precision": "fp16"}, "fp16", torch.float16, True),
+    ({"opt_level": "O0", "precision": "bf16"}, "fp32", None, False),
+    ({"opt_level": "O1"}, "fp16", torch.float16, True),
+])
+def test_precision_resolution(overrides, name, dtype, scaler):
+    p = resolve_precision(TrainConfig(**overrides), CPU)
+    assert (p.name, p.dtype, p.scaler.is_enabled()) == (name, dtype, scaler)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_apex_o2_o3_map_to_o1_with_warning(level):
+    with pytest.warns(UserWarning, match=f"opt_level={level}.*no torch.amp equivalent"):
+        p = resolve_precision(TrainConfig(opt_level=level), CPU)
+    assert p.name == "fp16"
+
+
+def test_bf16_autocast_context_is_active():
+    p = resolve_precision(TrainConfig(precision="bf16"), CPU)
+    with p.autocast():
+        y = nn.Linear(4, 4)(torch.randn(2, 4))
+    assert y.dtype == torch.bfloat16
+
+
+def test_bf16_on_a_gpu_that_only_emulates_it_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(ValueError, match="bf16 needs a GPU with native bfloat16.*Tesla T4.*fp16"):
+        resolve_precision(TrainConfig(precision="bf16"), torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_precision(TrainConfig(precision="bf16"), torch.device("cuda", 0)).name == "bf16"
+
+
+def test_tf32_and_cudnn_benchmark_follow_the_config():
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.backends.cudnn.benchmark)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = False
+        configure_backends(TrainConfig(), CPU)  # nothing to set on the CPU
+        assert not torch.backends.cuda.matmul.allow_tf32
+        configure_backends(TrainConfig(), torch.device("cuda", 0))
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert torch.backends.cudnn.benchmark
+        configure_backends(TrainConfig(tf32=False, deterministic=True), torch.device("cuda", 0))
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.benchmark
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = flags
