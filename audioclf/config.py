@@ -160,10 +160,23 @@ class CNNConfig:
     width: int = 32  # channels of the first block; doubled every block
     depth: int = 4  # number of conv blocks (each: 2 conv3x3 + BN + ReLU, then 2x2 pooling)
     dropout: float = 0.1  # dropout before the embedding layer
+    pooling: Literal["mean_max", "attentive_stats"] = "mean_max"  # over time: masked mean + max (PANNs) or attentive mean + std
 
     def __post_init__(self) -> None:
         _check(self.width >= 1, "model.cnn.width", self.width, ">= 1")
         _check(self.depth >= 1, "model.cnn.depth", self.depth, ">= 1")
+
+
+@dataclass
+class ResNetConfig:
+    width: int = 32  # channels of the first stage; doubled in each later stage (32 = WeSpeaker's ResNet-34)
+    blocks: list[int] = field(default_factory=lambda: [3, 4, 6, 3])  # BasicBlocks per stage; stages after the first stride 2 in time and frequency
+    pooling: Literal["stats", "attentive_stats"] = "stats"  # over time, frequency flattened into channels: masked mean + std, or attentive mean + std
+
+    def __post_init__(self) -> None:
+        _check(self.width >= 1, "model.resnet.width", self.width, ">= 1")
+        _check(len(self.blocks) >= 1 and all(b >= 1 for b in self.blocks), "model.resnet.blocks",
+               self.blocks, "a non-empty list of block counts >= 1, e.g. [3, 4, 6, 3]")
 
 
 @dataclass
@@ -188,11 +201,12 @@ class ConformerConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["cnn", "conformer"] = "cnn"  # embedding network
+    name: Literal["cnn", "conformer", "resnet"] = "cnn"  # embedding network
     embedding_dim: int = 128  # size of the L2-normalised embedding
     sync_bn: bool = True  # SyncBatchNorm under multi-GPU DDP (plain BatchNorm on CPU)
     cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
     conformer: ConformerConfig = field(default_factory=ConformerConfig)  # settings of conformer
+    resnet: ResNetConfig = field(default_factory=ResNetConfig)  # settings of model.name=resnet
 
     def __post_init__(self) -> None:
         _check(self.embedding_dim >= 1, "model.embedding_dim", self.embedding_dim, ">= 1")
@@ -204,10 +218,36 @@ class LossConfig:
     miner: Literal["batch_hard", "semi_hard", "all"] = "semi_hard"  # which triplets are used
     ce_weight: float = 0.0  # weight of an added cross-entropy head; 0 = no head
     cross_rank: bool = False  # mine negatives from the global batch gathered from every rank
+    head: Literal["softmax", "arcface", "subcenter_arcface"] = "softmax"  # the ce_weight head: cosine softmax, or with an additive angular margin (ArcFace), with K sub-centers per class
+    head_margin: float = 0.2  # additive angular margin m of the arcface heads, in radians: target logit s·cos(θ + m)
+    head_scale: float | None = None  # logit scale s of the head; null = 16 for softmax, 30 for the arcface heads
+    subcenters: int = 3  # sub-centers per class (subcenter_arcface): a class's cosine is the largest of its K
+    margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly from 0 over this many epochs; 0 = full margins at once
 
     def __post_init__(self) -> None:
         _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")
         _check(self.ce_weight >= 0, "loss.ce_weight", self.ce_weight, ">= 0")
+        _check(self.head_margin >= 0, "loss.head_margin", self.head_margin, ">= 0 (radians)")
+        _check(self.head_scale is None or self.head_scale > 0, "loss.head_scale", self.head_scale,
+               "> 0, or null for the head's default")
+        _check(self.subcenters >= 1, "loss.subcenters", self.subcenters, ">= 1")
+        _check(self.margin_warmup_epochs >= 0, "loss.margin_warmup_epochs",
+               self.margin_warmup_epochs, ">= 0")
+        _check(self.head == "softmax" or self.ce_weight > 0, "loss.head", self.head,
+               "'softmax' while loss.ce_weight=0 (no head is trained); set loss.ce_weight > 0, "
+               "e.g. 1.0, to train the margin head")
+
+    @property
+    def effective_head_scale(self) -> float:
+        """The head's logit scale: loss.head_scale, or the head's default when it is null."""
+        if self.head_scale is not None:
+            return self.head_scale
+        return 16.0 if self.head == "softmax" else 30.0
+
+    @property
+    def head_subcenters(self) -> int:
+        """Weight vectors per class in the head (loss.subcenters for subcenter_arcface, else 1)."""
+        return self.subcenters if self.head == "subcenter_arcface" else 1
 
 
 @dataclass
@@ -272,8 +312,13 @@ class EvalConfig:
     every: int = 1  # evaluate every N epochs; 0 = never during training
     distributed: bool = False  # shard embedding extraction across ranks (else rank 0 alone)
     batch_size: int = 32  # clips per extraction batch
-    metric: Literal["precision_at_1", "map_at_r", "r_precision"] = "map_at_r"  # selects best.pt
+    metric: Literal["precision_at_1", "map_at_r", "r_precision"] = "map_at_r"  # selects best.pt (cross-item)
     split: str = "val"  # split evaluated during training
+    max_samples: int = 0  # validate on a fixed class-stratified subset of this size; 0 = all
+
+    def __post_init__(self) -> None:
+        _check(self.max_samples >= 0, "eval.max_samples", self.max_samples, ">= 0 (0 = all)")
+        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, ">= 1")
 
 
 @dataclass

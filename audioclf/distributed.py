@@ -402,6 +402,16 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     return bool(t.item() > 0)
 
 
+def gather_to_primary(obj) -> list | None:
+    """Every rank's `obj`, ordered by rank, on rank 0 only (None elsewhere). Collective: every
+    rank must call it. Unlike gather_objects, the other ranks receive nothing."""
+    if not is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def gather_objects(obj) -> list:
     """Every rank's `obj`, ordered by rank, on every rank (a one-element list without a group)."""
     if not is_initialized():

@@ -10,7 +10,10 @@ training (--index swaps the sheet, not the rules). Embeddings are extracted in b
 progress bar; similarities are computed in chunks, so memory stays bounded.
 
 Metrics:
-  retrieval       P@1, MAP@R, R-precision: leave-one-out inside the evaluated split
+  retrieval       P@1, MAP@R, R-precision inside the evaluated split, cross-item: a query never
+                  retrieves clips of its own item (a_item, e.g. the same recording), and R counts
+                  the other items' clips of its class; loo_* are the leave-one-out figures
+                  (own-item clips allowed), which flatter a model
   classification  kNN top-1 and nearest-centroid accuracy of the evaluated split
   verification    EER and minDCF (p_target 0.01) on same/different-class pairs (--max-pairs)
   clustering      NMI and AMI of k-means with one cluster per class
@@ -57,8 +60,9 @@ from audioclf.inference import describe_checkpoint, extract_embeddings, load_tra
 PROG = "python -m audioclf.evaluate"
 REPORT_FILES = ("report.json", "report.md", "det.png", "per_class_p1.png", "projection.png",
                 "confusion.png")
-SUMMARY_METRICS = ("precision_at_1", "map_at_r", "r_precision", "knn_accuracy",
-                   "centroid_accuracy", "eer", "min_dcf", "nmi", "ami")
+SUMMARY_METRICS = ("precision_at_1", "map_at_r", "r_precision", "loo_precision_at_1",
+                   "loo_map_at_r", "knn_accuracy", "centroid_accuracy", "eer", "min_dcf", "nmi",
+                   "ami")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -248,9 +252,24 @@ def compute_metrics(emb: np.ndarray, names: np.ndarray, *, classification: str =
     notes: list[str] = []
     setup: dict = {"n_samples": len(labels), "n_classes": n_classes}
 
-    results = retrieval_metrics(emb, labels, device=device, return_per_sample=True)
-    if results["n_queries"] == 0:
+    leave_one_out = retrieval_metrics(emb, labels, device=device, return_per_sample=True)
+    results = leave_one_out
+    if items is not None:
+        results = retrieval_metrics(emb, labels, items=items, device=device, return_per_sample=True)
+        setup["retrieval"] = ("cross-item: a query never retrieves clips of its own item "
+                              "(recording); R counts the other items' clips of its class")
+        setup["n_retrieval_queries"] = results["n_queries"]
+        if results["n_queries_without_other_item"]:
+            notes.append(f"{results['n_queries_without_other_item']} sample(s) have no clip of "
+                         "another item in their class: left out of the cross-item metrics")
+        if results["n_queries"] == 0:
+            notes.append("no class has clips of two items: cross-item retrieval is undefined "
+                         "(the loo_* figures are leave-one-out)")
+    if leave_one_out["n_queries"] == 0:
         notes.append("every class has a single sample: retrieval metrics are undefined")
+    results = {**{k: v for k, v in results.items() if k != "n_queries_without_other_item"},
+               **{f"loo_{k}": leave_one_out[k] for k in ("precision_at_1", "map_at_r",
+                                                          "r_precision")}}
 
     knn_predictions = None
     queries = gallery = None

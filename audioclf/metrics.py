@@ -228,6 +228,28 @@ def retrieval_metrics(
     return result
 
 
+RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
+
+
+def retrieval_summary(embeddings, labels, items=None, *, device=None) -> dict[str, float]:
+    """P@1, MAP@R and R-precision as plain floats: cross-item when `items` are given and some
+    query has a positive of another item, else leave-one-out ({} with fewer than 2 samples).
+
+    Also `n_queries`, and with items `cross_item` (1.0 when the figures are cross-item).
+    """
+    if len(labels) < 2:
+        return {}
+    result = retrieval_metrics(embeddings, labels, items=items, device=device) if items is not None else None
+    cross_item = result is not None and result["n_queries"] > 0
+    if not cross_item:
+        result = retrieval_metrics(embeddings, labels, device=device)
+    summary = {k: float(result[k]) for k in RETRIEVAL_KEYS}
+    summary["n_queries"] = float(result["n_queries"])
+    if items is not None:
+        summary["cross_item"] = float(cross_item)
+    return summary
+
+
 # --------------------------------------------------------------------------------------------
 # Classification against a gallery
 # --------------------------------------------------------------------------------------------

@@ -27,22 +27,20 @@ from audioclf import checkpoint, distributed
 from audioclf.config import Config, config_from_dict, save_config, to_dict
 from audioclf.data.augment import Augmenter
 from audioclf.data.dataset import AudioDataset
-from audioclf.data.index import Index, load_index_distributed, split_index
+from audioclf.data.index import Index, load_index_distributed, split_index, stratified_subset
 from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs
 from audioclf.engine import EpochResult, NonFiniteGuard, train_one_epoch
 from audioclf.fileio import atomic_copy
 from audioclf.inference import extract_embeddings
 from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
 from audioclf.losses import TripletLoss
-from audioclf.metrics import retrieval_metrics
+from audioclf.metrics import RETRIEVAL_KEYS, retrieval_summary
 from audioclf.models import build_net, count_parameters
 from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer
 from audioclf.precision import configure_backends, resolve_precision
 from audioclf.sampler import MPerClassSampler
 
 log = logging.getLogger("audioclf")
-
-RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
 
 
 class StopRequested:
@@ -214,6 +212,8 @@ class Trainer:
                  cfg.optim.lr_scaling, env.world_size, cfg.optim.ref_world_size,
                  self.precision.name)
 
+        self.val_positions = self._validation_positions()
+        self._said_leave_one_out = False
         self.state = TrainState()
         self.guard = NonFiniteGuard(cfg.train.nonfinite_patience)
         self.metrics = MetricsWriter(self.run_dir, enabled=env.is_primary)
@@ -365,11 +365,12 @@ class Trainer:
         distributed.barrier()
 
     def validate(self) -> dict[str, float]:
-        """Retrieval metrics on the validation split, on rank 0 ({} elsewhere).
+        """Cross-item retrieval metrics on the validation split, on rank 0 ({} elsewhere).
 
-        Every rank must call it: rank 0 embeds alone while the others wait at a barrier
-        (dist.timeout_minutes must cover it), or with eval.distributed every rank embeds a
-        shard and the shards are gathered.
+        A query may not retrieve clips of its own item (recording). Every rank must call it:
+        rank 0 embeds alone while the others wait at a barrier (dist.timeout_minutes must cover
+        it), or with eval.distributed every rank embeds a shard and rank 0 gathers them.
+        eval.max_samples restricts it to a fixed class-stratified subset.
         """
         val_set, env = self.data.val_set, self.env
         if val_set is None:
@@ -378,21 +379,40 @@ class Trainer:
         if not sharded and not env.is_primary:
             distributed.barrier()
             return {}
-        positions = range(env.rank, len(val_set), env.world_size) if sharded else None
-        emb, labels, _ = extract_embeddings(
+        positions = self.val_positions
+        if sharded:
+            positions = positions[env.rank::env.world_size]
+        emb, labels, seen = extract_embeddings(
             self.model, val_set, batch_size=self.cfg.eval.batch_size, device=env.device,
             positions=positions, loader_options=self.loader_options, precision=self.precision,
             progress=env.is_primary, description="validate")
         if sharded:
-            parts = distributed.gather_objects((emb, labels))
+            parts = distributed.gather_to_primary((emb, labels, seen))
             if not env.is_primary:
                 return {}
-            emb = np.concatenate([e for e, lab in parts if len(lab)])
-            labels = np.concatenate([lab for _, lab in parts])
-        metrics = retrieval_summary(emb, labels, env.device)
+            emb = np.concatenate([e for e, lab, _ in parts if len(lab)])
+            labels = np.concatenate([lab for _, lab, _ in parts])
+            seen = np.concatenate([s for _, _, s in parts])
+        items = self.data.val.codes.item_codes[seen]
+        summary = retrieval_summary(emb, labels, items, device=env.device)
         if not sharded:
             distributed.barrier()  # the other ranks wait here
-        return metrics
+        if summary and not summary["cross_item"] and not self._said_leave_one_out:
+            self._said_leave_one_out = True
+            log.warning("validation: no class has clips of two items (recordings), so the "
+                        "metrics are leave-one-out: a clip may retrieve clips of its own item")
+        return {k: summary[k] for k in RETRIEVAL_KEYS if k in summary}
+
+    def _validation_positions(self) -> np.ndarray:
+        """All validation rows, or a fixed class-stratified subset (eval.max_samples)."""
+        val, limit = self.data.val, self.cfg.eval.max_samples
+        if val is None:
+            return np.zeros(0, dtype=np.int64)
+        if not limit or limit >= len(val):
+            return np.arange(len(val))
+        log.info("validation on %d of %d samples (eval.max_samples, class-stratified)", limit,
+                 len(val))
+        return stratified_subset(val.codes.class_codes, limit, self.cfg.train.seed)
 
     def finish(self, stopped: bool) -> dict:
         run_dir, state = self.run_dir, self.state
@@ -412,12 +432,3 @@ class Trainer:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
-
-
-def retrieval_summary(embeddings: np.ndarray, labels: np.ndarray,
-                      device: torch.device | None = None) -> dict[str, float]:
-    """P@1, MAP@R and R-precision as plain floats ({} with fewer than 2 samples)."""
-    if len(labels) < 2:
-        return {}
-    metrics = retrieval_metrics(embeddings, labels, device=device)
-    return {k: float(metrics[k]) for k in RETRIEVAL_KEYS}

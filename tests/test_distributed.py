@@ -193,3 +193,13 @@ def test_dp_warns_that_sync_bn_has_no_effect(caplog):
                                  autocast_dtype=torch.bfloat16)
     assert "sync_bn has no effect with dist.strategy=dp" in caplog.text
     assert isinstance(model.module, distributed.AutocastReplica)
+
+
+def _gather_worker(rank, world):
+    return distributed.gather_to_primary({"rank": rank, "rows": list(range(rank + 1))})
+
+
+def test_gather_to_primary_reaches_rank_0_only(tmp_path):
+    r0, r1 = run_in_group(_gather_worker, tmp_path, timeout=60)
+    assert r0 == [{"rank": 0, "rows": [0]}, {"rank": 1, "rows": [0, 1]}]
+    assert r1 is None

@@ -525,3 +525,15 @@ def test_empty_split_column_means_generated_split(tmp_path):
     assert (index.table["split"] == "").all()
     classes = split_sets(split_index(index, DataConfig(val_ratio=0.34)), "cls")
     assert len(classes["val"]) == 1 and len(classes["train"]) == 2
+
+
+def test_stratified_subset_takes_every_class_round_by_round():
+    from audioclf.data.index import stratified_subset
+
+    classes = np.repeat(np.arange(5), [40, 3, 10, 1, 6])
+    chosen = stratified_subset(classes, 12, seed=0)
+    assert len(chosen) == 12 and len(set(chosen.tolist())) == 12
+    assert sorted(np.bincount(classes[chosen], minlength=5).tolist()) == [1, 2, 3, 3, 3]
+    assert np.array_equal(chosen, stratified_subset(classes, 12, seed=0))  # fixed per seed
+    assert not np.array_equal(chosen, stratified_subset(classes, 12, seed=1))
+    assert np.array_equal(stratified_subset(classes, 60, seed=0), np.arange(60))

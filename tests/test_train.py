@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from audioclf import checkpoint
 from audioclf.config import Config
@@ -233,3 +234,26 @@ def test_fresh_start_refuses_to_overwrite_a_run(tmp_path, tiny_demo):
     done = _fit_single(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1",
                                    "eval.every=0", "checkpoint.resume=auto"))
     assert done["step"] == first["step"] and done["history"] == first["history"]
+
+
+def test_validation_is_cross_item_and_matches_the_offline_evaluation(tmp_path, tiny_demo):
+    # Open-set validation: 3 held-out classes of 3 items x 4 clips. A clip may not retrieve clips
+    # of its own item, in training as offline.
+    from audioclf.evaluate import compute_metrics, embed_index, select_data
+    from audioclf.inference import load_trained
+    from audioclf.metrics import retrieval_summary
+
+    result = _fit_single(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1"))
+    net, cfg, _ = load_trained(Path(result["run_dir"]) / "last.pt")
+    data = select_data(cfg, split="val", gallery="none")
+    emb, rows = embed_index(net, data.evaluated, cfg, batch_size=16, device=torch.device("cpu"),
+                            num_workers=0, progress=False, description="val")
+    labels = data.evaluated.labels()
+    cross = retrieval_summary(emb, labels, rows["item"].to_numpy(dtype=str))
+    assert cross["cross_item"] == 1.0
+    for key in ("precision_at_1", "map_at_r", "r_precision"):
+        assert result["metrics"][key] == pytest.approx(cross[key], abs=1e-6)
+    offline = compute_metrics(emb, rows["cls"].to_numpy(dtype=object),
+                              items=rows["item"].to_numpy(dtype=object)).results
+    assert offline["map_at_r"] == pytest.approx(cross["map_at_r"], abs=1e-6)
+    assert offline["loo_map_at_r"] == pytest.approx(retrieval_summary(emb, labels)["map_at_r"])

@@ -29,7 +29,7 @@ from audioclf import distributed
 from audioclf.config import DataConfig
 from audioclf.data.index.cache import _cache_file, _read_cache, _root, _stamp, _write_cache
 from audioclf.data.index.reader import read_table
-from audioclf.data.index.splits import split_index
+from audioclf.data.index.splits import split_index, stratified_subset
 from audioclf.data.index.table import (
     SPLITS,
     SUPPORTED_FORMATS,
@@ -44,7 +44,8 @@ from audioclf.data.index.validate import _check_files, _validate
 log = logging.getLogger("audioclf")
 
 __all__ = ["SPLITS", "SUPPORTED_FORMATS", "TABLE_COLUMNS", "Codes", "Index", "IndexValidationError",
-           "load_index", "load_index_distributed", "read_table", "split_index", "table_codes"]
+           "load_index", "load_index_distributed", "read_table", "split_index", "stratified_subset",
+           "table_codes"]
 
 
 def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:

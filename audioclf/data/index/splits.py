@@ -61,3 +61,15 @@ def _held_out_items(table: pd.DataFrame, ratio: float, seed: int) -> np.ndarray:
     merged = table[["cls", "item"]].merge(pairs[["cls", "item", "held"]], on=["cls", "item"],
                                           how="left")
     return merged["held"].to_numpy(dtype=bool)
+
+
+def stratified_subset(class_codes: np.ndarray, limit: int, seed: int) -> np.ndarray:
+    """Sorted positions of `limit` rows spread over the classes: each class gives its rows in a
+    seeded random order, one round at a time, so every class is in the subset while it lasts."""
+    class_codes = np.asarray(class_codes)
+    draw = np.random.default_rng(seed).permutation(len(class_codes))
+    by_class = np.lexsort((draw, class_codes))  # class by class, random inside each
+    first = np.searchsorted(class_codes[by_class], class_codes[by_class], side="left")
+    rank_in_class = np.empty(len(class_codes), dtype=np.int64)
+    rank_in_class[by_class] = np.arange(len(class_codes)) - first
+    return np.sort(np.lexsort((draw, rank_in_class))[:limit])
