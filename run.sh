@@ -110,7 +110,7 @@ cmd_train() {
     local name run_dir
     IFS=$'\t' read -r name run_dir < <(run_location "$config" "$@") || exit 2
     mkdir -p "$run_dir"
-    if [[ -f "$run_dir/pid" ]] && kill -0 "$(cat "$run_dir/pid")" 2>/dev/null; then
+    if [[ -f "$run_dir/pid" ]] && alive "$(cat "$run_dir/pid")"; then
         die "run $name is already running (pid $(cat "$run_dir/pid")); ./run.sh stop $name first"
     fi
     # setsid: the job gets its own process group, so `stop` can signal torchrun and its workers.
@@ -121,13 +121,20 @@ cmd_train() {
     echo "  stop:    ./run.sh stop $name            (writes last.pt, then exits)"
 }
 
+alive() {
+    # kill -0 also succeeds on a zombie (a process that exited but whose parent has not reaped
+    # it, e.g. in a container without an init): that one has stopped.
+    kill -0 "$1" 2>/dev/null || return 1
+    [[ "$(ps -o stat= -p "$1" 2>/dev/null)" != Z* ]]
+}
+
 cmd_stop() {
     [[ $# -eq 1 ]] || die "stop: usage ./run.sh stop NAME [runs dir from RUNS_DIR, default runs]"
     local pidfile="${RUNS_DIR:-runs}/$1/pid"
     [[ -f "$pidfile" ]] || die "no pid file $pidfile: was $1 started with ./run.sh --bg?"
     local pid
     pid="$(cat "$pidfile")"
-    if ! kill -0 "$pid" 2>/dev/null; then
+    if ! alive "$pid"; then
         rm -f "$pidfile"
         echo "run $1 is not running"
         return 0
@@ -138,7 +145,7 @@ cmd_stop() {
         kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
     fi
     for _ in $(seq 1 120); do
-        kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; echo "stopped $1"; return 0; }
+        alive "$pid" || { rm -f "$pidfile"; echo "stopped $1"; return 0; }
         sleep 1
     done
     die "run $1 (pid $pid) still running after 120 s; kill -9 -- -$pid to force"

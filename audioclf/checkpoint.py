@@ -218,6 +218,16 @@ class CheckpointSaver:
         self.best_metric = state.get("best_metric")
 
     def save_last(self, state: dict) -> Path:
+        """last.pt; refused (CheckpointError, nothing written) when a model tensor is not finite."""
+        bad = [name for name, tensor in state.get("model", {}).items()
+               if torch.is_tensor(tensor) and tensor.is_floating_point()
+               and not bool(torch.isfinite(tensor).all())]
+        if bad:
+            raise CheckpointError(
+                f"refusing to write {self.run_dir / LAST}: {len(bad)} model tensor(s) hold NaN or "
+                f"inf (first {bad[0]!r}); the run diverged. Resume from the last good checkpoint "
+                "with a lower optim.lr or optim.max_grad_norm"
+            )
         return save_atomic(state, self.run_dir / LAST)
 
     def save_epoch(self, state: dict, epoch: int, metric: float | None) -> list[Path]:

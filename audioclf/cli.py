@@ -30,6 +30,10 @@ DEBUG_ENV = "AUDIOCLF_DEBUG"  # set to 1 to get tracebacks instead of one-line e
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
+class AlreadyReported(Exception):
+    """An error another process (rank 0, the failing rank) reports: exit 2 without a word."""
+
+
 class UsageError(ValueError):
     """Bad command-line input (flags, paths); the CLI prints it as one line and exits 2."""
 
@@ -58,10 +62,14 @@ def run_cli(prog: str, run: Callable[[], int]) -> int:
     """Run a CLI body under the error policy above; returns the exit status."""
     try:
         return run()
+    except AlreadyReported:
+        return 2
     except Exception as exc:
         if not is_user_error(exc) or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        # Under torchrun another rank's progress bar may hold the terminal's current line.
+        fresh_line = "\n" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"{fresh_line}{prog}: error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -9,6 +9,7 @@ types are rejected with one message naming the key and listing the valid keys of
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -218,7 +219,7 @@ class LossConfig:
     miner: Literal["batch_hard", "semi_hard", "all"] = "semi_hard"  # which triplets are used
     ce_weight: float = 0.0  # weight of an added cross-entropy head; 0 = no head
     cross_rank: bool = False  # mine negatives from the global batch gathered from every rank
-    head: Literal["softmax", "arcface", "subcenter_arcface"] = "softmax"  # the ce_weight head: cosine softmax, or with an additive angular margin (ArcFace), with K sub-centers per class
+    head: Literal["softmax", "arcface", "subcenter_arcface"] = "softmax"  # head of the ce_weight term: cosine softmax; arcface adds an angular margin to the target; subcenter_arcface also gives each class loss.subcenters weights
     head_margin: float = 0.2  # additive angular margin m of the arcface heads, in radians: target logit s·cos(θ + m)
     head_scale: float | None = None  # logit scale s of the head; null = 16 for softmax, 30 for the arcface heads
     subcenters: int = 3  # sub-centers per class (subcenter_arcface): a class's cosine is the largest of its K
@@ -326,6 +327,8 @@ class CheckpointConfig:
     keep_last: int = 2  # epoch checkpoints kept besides last.pt and best.pt
     every_steps: int = 0  # also write last.pt every N steps inside an epoch; 0 = off
     resume: str = ""  # "" = fresh start, "auto" = <run dir>/last.pt if present, or a path
+    resume_strict: bool = True  # refuse to resume with other model / features settings than the checkpoint's
+    restart_epoch: bool = False  # resume a mid-epoch checkpoint from the start of its epoch (e.g. on another world size)
 
 
 @dataclass
@@ -411,13 +414,18 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads 5e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads 5e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"config key {key}={value!r} is invalid: expected a finite number")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value

@@ -20,8 +20,9 @@ For each file the N classes with the highest cosine similarity to the class cent
 of the class's normalised gallery embeddings, renormalised) are printed, best first.
 --save PREFIX writes PREFIX.npy (embeddings float32 [files, D], in the printed order) and
 PREFIX.csv (file, top class, its score).
-Exit status: 0 done; 2 bad input (no audio files found, a gallery sheet without a class column,
-an unreadable file — named) with a one-line message.
+Exit status: 0 done; 1 done, but some files could not be read (each named on stderr, the rest
+embedded); 2 bad input (no audio files found, a gallery sheet without a class column, no file
+readable, a model that gives NaN) with a one-line message.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from audioclf.checkpoint import CheckpointError
 from audioclf.cli import ExportSidecar, UsageError, resolve_device, run_cli, sidecar_path
 from audioclf.config import DataConfig, FeaturesConfig, from_dict
 from audioclf.data.index import load_index
+from audioclf.data.readers import AudioReadError, FeatureFileError
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference import LOG_MEL, WAVEFORM, describe_checkpoint, embed_files, load_trained
 from audioclf.metrics import class_centroids
@@ -245,13 +247,13 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     model = load_model(args.model, resolve_device(args.device))
-    files = find_files(args.files, model.features)
-    embeddings = embed_files(model.embed_fn, model.features, files, batch_size=args.batch_size,
-                             device=model.device, input_kind=model.input_kind,
-                             progress=not args.quiet)
+    files, embeddings, skipped = embed_readable(model, find_files(args.files, model.features),
+                                                batch_size=args.batch_size, progress=not args.quiet)
     gallery, gallery_classes, cached = load_gallery(
         model, args.gallery, root=args.root, batch_size=args.batch_size,
         use_cache=not args.no_cache, progress=not args.quiet)
+    _check_finite(embeddings, [str(f) for f in files], "the files")
+    _check_finite(gallery, [str(c) for c in gallery_classes], f"the gallery {args.gallery}")
     names, scores = class_scores(embeddings, gallery, gallery_classes)
     top = min(args.top, len(names))
     order = np.argsort(-scores, axis=1, kind="stable")[:, :top]
@@ -275,7 +277,42 @@ def run(args: argparse.Namespace) -> int:
         csv = atomic_write_bytes(prefix.with_name(prefix.name + ".csv"),
                                  table.to_csv(index=False).encode())
         print(f"saved {npy} and {csv}")
-    return 0
+    for path, reason in skipped:
+        print(f"{PROG}: skipped {path}: {reason}", file=sys.stderr)
+    return 1 if skipped else 0
+
+
+def embed_readable(model: Model, files: list[Path], *, batch_size: int, progress: bool
+                   ) -> tuple[list[Path], np.ndarray, list[tuple[Path, str]]]:
+    """(files that could be read, their embeddings, [(file, reason)] of the others). One bad
+    file does not cost the call: after a failure the files are embedded one by one."""
+    def embed(paths: list[Path], show: bool) -> np.ndarray:
+        return embed_files(model.embed_fn, model.features, paths, batch_size=batch_size,
+                           device=model.device, input_kind=model.input_kind, progress=show)
+
+    try:
+        return files, embed(files, progress), []
+    except (AudioReadError, FeatureFileError):
+        pass
+    kept, rows, skipped = [], [], []
+    for path in files:
+        try:
+            rows.append(embed([path], False))
+            kept.append(path)
+        except (AudioReadError, FeatureFileError) as exc:
+            skipped.append((path, str(exc)))
+    if not kept:
+        raise UsageError(f"none of the {len(files)} file(s) could be read; the first: "
+                         f"{skipped[0][1]}")
+    return kept, np.concatenate(rows), skipped
+
+
+def _check_finite(embeddings: np.ndarray, names: list[str], what: str) -> None:
+    bad = np.flatnonzero(~np.isfinite(embeddings).all(axis=1))
+    if len(bad):
+        raise UsageError(f"the model gives NaN/inf embeddings for {len(bad)} of {len(names)} of "
+                         f"{what} (first: {names[bad[0]]}): the model is broken (did training "
+                         "diverge?); use another checkpoint or export")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from audioclf import checkpoint
+from audioclf.checkpoint import CheckpointError
 from audioclf.cli import ExportSidecar, UsageError, run_cli, sidecar_path
 from audioclf.config import Config, to_dict
 from audioclf.fileio import atomic_write_bytes
@@ -265,7 +266,8 @@ def reference(net: EmbeddingNet, module: ExportedEmbedder, frontend: bool) -> Ca
 
 @torch.no_grad()
 def parity_difference(expected_fn: Callable, loaded: Callable, inputs) -> float:
-    """Max abs difference over every output of every input (inf when shapes differ)."""
+    """Max abs difference over every output of every input; inf when shapes differ or either
+    side gives NaN / inf (a broken model must not pass as "difference 0")."""
     worst = 0.0
     for x, lengths in inputs:
         expected = _as_tuple(expected_fn(x, lengths))
@@ -274,6 +276,8 @@ def parity_difference(expected_fn: Callable, loaded: Callable, inputs) -> float:
             return float("inf")
         for a, e in zip(actual, expected, strict=True):
             if tuple(a.shape) != tuple(e.shape):
+                return float("inf")
+            if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
                 return float("inf")
             worst = max(worst, float((a.float() - e.float()).abs().max()))
     return worst
@@ -307,6 +311,11 @@ def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, fron
     kind = input_kind(cfg, frontend)
     module = exportable(net, cfg, frontend)
     inputs = random_inputs(cfg, kind)
+    with torch.no_grad():
+        if not all(torch.isfinite(o).all() for x, lengths in inputs
+                   for o in _as_tuple(reference(net, module, frontend)(x, lengths))):
+            raise CheckpointError(f"the model in {checkpoint_path} gives NaN/inf outputs (did "
+                                  "training diverge?); export another checkpoint")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_path(out)
@@ -325,7 +334,8 @@ def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, fron
         if not difference <= tolerance:
             raise ParityError(
                 f"the exported {fmt} model differs from the PyTorch model by {difference:.3g} "
-                f"(max abs, tolerance {tolerance:g}); nothing was written to {out}"
+                f"(max abs, tolerance {tolerance:g}; inf: an output is NaN/inf or of another "
+                f"shape); nothing was written to {out}"
             )
         os.replace(tmp, out)
     finally:

@@ -15,22 +15,76 @@ from pathlib import Path
 from typing import IO
 
 
+class DiskWriteError(OSError):
+    """A file that could not be written (full disk, read-only or forbidden folder); the message
+    names the path, the free space and says the previous file is unchanged."""
+
+
+# torch.save reports a full disk as a RuntimeError of its zip writer.
+_TORCH_WRITE_FAILURES = ("PytorchStreamWriter", "inline_container", "unexpected pos")
+
+
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None], *,
                  sync: bool = False) -> Path:
-    """Call write(handle) on a temporary file, fsync it when `sync`, then move it to `path`."""
+    """Call write(handle) on a temporary file, fsync it when `sync`, then move it to `path`.
+
+    A write that fails on the disk (ENOSPC, EROFS, EACCES, ...) raises DiskWriteError; the
+    temporary file is removed and any previous `path` stays as it was.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "xb") as handle:
             write(handle)
             if sync:
                 handle.flush()
                 os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        if isinstance(exc, DiskWriteError):
+            raise
+        raise DiskWriteError(exc.errno, write_failure_message(path, exc.strerror or str(exc))) from exc
+    except RuntimeError as exc:
+        if not any(marker in str(exc) for marker in _TORCH_WRITE_FAILURES):
+            raise
+        raise DiskWriteError(None, write_failure_message(path, "the write stopped short (is the disk full?)")) from exc
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_failure_message(path: Path, reason: str) -> str:
+    folder = next((p for p in (path.parent, *path.parents) if p.exists()), Path("/"))
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**30:.2f} GiB free on {folder}"
+    except OSError:
+        free = f"free space on {folder} unknown"
+    kept = "the previous file is unchanged" if path.exists() else "nothing was written"
+    return (f"cannot write {path}: {reason} ({free}); {kept}. Free some space or write to "
+            "another folder (train.runs_dir, --out)")
+
+
+def remove_stale_temps(folder: str | Path) -> list[Path]:
+    """Delete temporary files that atomic_write left in `folder` when its process was killed
+    (their process is gone); returns them."""
+    removed = []
+    for tmp in Path(folder).glob(".*.tmp"):
+        pid = tmp.name.rsplit(".", 3)[-3] if tmp.name.count(".") >= 4 else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:

@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from audioclf.fileio import DiskWriteError, atomic_write_bytes, write_failure_message
+
 log = logging.getLogger("audioclf")
 
 METRIC_COLUMNS = [
@@ -63,8 +65,7 @@ class MetricsWriter:
         if not enabled:
             return
         if not self.csv_path.exists():
-            with open(self.csv_path, "w", newline="") as fh:
-                csv.writer(fh).writerow(METRIC_COLUMNS)
+            atomic_write_bytes(self.csv_path, (",".join(METRIC_COLUMNS) + "\r\n").encode())
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -79,8 +80,12 @@ class MetricsWriter:
     def epoch_row(self, row: dict) -> None:
         if not self.enabled:
             return
-        with open(self.csv_path, "a", newline="") as fh:
-            csv.writer(fh).writerow([_fmt(row.get(c, "")) for c in METRIC_COLUMNS])
+        try:
+            with open(self.csv_path, "a", newline="") as fh:
+                csv.writer(fh).writerow([_fmt(row.get(c, "")) for c in METRIC_COLUMNS])
+        except OSError as exc:
+            raise DiskWriteError(exc.errno, write_failure_message(
+                self.csv_path, exc.strerror or str(exc))) from exc
         for key, value in row.items():
             if key not in ("epoch", "step") and isinstance(value, (int, float)):
                 self.scalar(f"epoch/{key}", value, row["epoch"])
@@ -98,13 +103,14 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def log_failure_to_file(exc: BaseException, rank: int) -> None:
-    """Append this rank's traceback to train.log (the console already shows the error)."""
+def log_failure_to_file(exc: BaseException, rank: int, *, traceback: bool = True) -> None:
+    """Append this rank's failure to train.log (the console shows it already): one line, plus
+    the traceback for errors that are not bad input."""
     files = [h for h in log.handlers if isinstance(h, logging.FileHandler)]
     if not files:
         return
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0,
                             "rank %d stopped with %s: %s", (rank, type(exc).__name__, exc),
-                            (type(exc), exc, exc.__traceback__))
+                            (type(exc), exc, exc.__traceback__) if traceback else None)
     for handler in files:
         handler.handle(record)

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from audioclf import checkpoint, distributed
+from audioclf.cli import AlreadyReported, is_user_error, one_line
 from audioclf.config import Config, config_from_dict, save_config, to_dict
 from audioclf.data.augment import Augmenter
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index_distributed, split_index, stratified_subset
 from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs
 from audioclf.engine import EpochResult, NonFiniteGuard, train_one_epoch
-from audioclf.fileio import atomic_copy
+from audioclf.fileio import atomic_copy, remove_stale_temps
 from audioclf.inference import extract_embeddings
 from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
 from audioclf.losses import TripletLoss
@@ -60,8 +61,8 @@ class StopRequested:
 
     def _handle(self, signum, frame):
         if not self.flag:
-            log.warning("received %s: finishing the current step, then saving last.pt",
-                        signal.Signals(signum).name)
+            log.warning("received %s: stopping at the next step boundary all ranks agree on, "
+                        "then saving last.pt", signal.Signals(signum).name)
         self.flag = True
 
     def __exit__(self, *exc):
@@ -98,17 +99,26 @@ class TrainState:
 
 
 class _SamplerAtPosition:
-    """The sampler's resume point at the trainer's position in the epoch."""
+    """The sampler's resume point at the trainer's position in the epoch; with `restart` a
+    mid-epoch checkpoint starts its epoch again (checkpoint.restart_epoch)."""
 
-    def __init__(self, batches: SeededBatches, state: TrainState):
-        self.batches, self.state = batches, state
+    def __init__(self, batches: SeededBatches, state: TrainState, restart: bool = False):
+        self.batches, self.state, self.restart = batches, state, restart
 
     def state_dict(self) -> dict:
         return self.batches.state_dict(self.state.position)
 
     def load_state_dict(self, state: dict) -> None:
-        if state["position"]:  # an end-of-epoch checkpoint starts the next epoch afresh
+        if not state["position"] or self.restart:  # from the start of an epoch: nothing to load
+            return
+        try:
             self.batches.load_state_dict(state)
+        except ValueError as exc:
+            raise checkpoint.CheckpointError(
+                f"the checkpoint was written in the middle of epoch {state['epoch'] + 1} (batch "
+                f"{state['position']}) and cannot continue that epoch here ({exc}); set "
+                "checkpoint.restart_epoch=true to resume from the start of the epoch"
+            ) from None
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -155,14 +165,40 @@ def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | N
     env = distributed.setup(strategy=cfg.dist.strategy, backend=cfg.dist.backend,
                             device=cfg.train.device, timeout_minutes=cfg.dist.timeout_minutes,
                             local_rank_arg=local_rank_arg)
+    trainer = None
+    stop = StopRequested()
     try:
-        with StopRequested() as stop:
-            return Trainer(cfg, env, stop, hooks or TrainHooks()).fit()
+        with stop:
+            trainer = Trainer(cfg, env, stop, hooks or TrainHooks())
+            return trainer.fit()
     except Exception as exc:
-        log_failure_to_file(exc, env.rank)  # every rank's traceback lands in train.log
-        raise
+        reported = _reported(exc, env, setting_up=trainer is None, stopping=stop.flag)
+        if reported is exc:
+            raise
+        raise reported from exc
     finally:
         distributed.teardown()
+
+
+def _reported(exc: Exception, env: distributed.DistEnv, *, setting_up: bool,
+              stopping: bool) -> Exception:
+    """Log a rank's failure once and decide what its console shows.
+
+    The rank that failed says why (and leaves its reason for the others, whose train.log lines
+    name it); the ranks that lost it say nothing more, unless it vanished without a word (rank
+    0 then says so). Set-up errors are the same on every rank (same config, same sheet): rank 0
+    alone prints them.
+    """
+    if distributed.is_peer_failure(exc):
+        exc = distributed.peer_failure(exc)
+    else:
+        distributed.announce_failure(one_line(exc))
+    log_failure_to_file(exc, env.rank, traceback=not is_user_error(exc))
+    if stopping:
+        log.error("last.pt was not updated by the stop request: %s", one_line(exc))
+    peer = isinstance(exc, distributed.PeerFailure)
+    quiet = (peer and exc.reported) or (not env.is_primary and (setting_up or peer))
+    return AlreadyReported() if quiet else exc
 
 
 class Trainer:
@@ -174,11 +210,10 @@ class Trainer:
         self.cfg, self.env, self.stop, self.hooks = cfg, env, stop, hooks
         self.run_dir = Path(cfg.train.runs_dir) / cfg.train.name
         setup_logging(None, env.rank)  # console only until the input is known to be valid
-        resume_path, ckpt = self._resume_checkpoint()
+        resume_path, ckpt, resume_notes = self._resume_checkpoint()
         seed_everything(cfg.train.seed + env.rank, cfg.train.deterministic)
-        self.data = build_data(cfg)  # validates the index: a bad sheet fails before any write
-        self._prepare_run_dir()
-
+        # Everything that can refuse the input comes before anything is written.
+        self.data = build_data(cfg)
         train = self.data.train
         sampler = MPerClassSampler(
             train.codes.class_codes, train.codes.item_codes,
@@ -186,6 +221,12 @@ class Trainer:
             world_size=env.world_size, seed=cfg.train.seed, split=cfg.sampler.split,
             small_classes=cfg.sampler.small_classes,
         )
+        self.precision = resolve_precision(cfg.train, env.device)
+        net = build_net(cfg, len(train.classes))
+
+        self._prepare_run_dir()
+        for note in resume_notes:
+            log.warning(note)
         self.batches = SeededBatches(sampler, cfg.train.seed)
         self.loader_options = loader_kwargs(cfg.data.num_workers, cfg.data.pin_memory,
                                             cfg.data.persistent_workers, cfg.data.prefetch_factor,
@@ -195,10 +236,7 @@ class Trainer:
         log.info("data: %d train samples in %d classes, %d validation samples; %d batches/epoch/"
                  "rank", len(train), len(train.classes), len(self.data.val) if self.data.val else 0,
                  sampler.batches_per_epoch)
-
-        self.precision = resolve_precision(cfg.train, env.device)
         configure_backends(cfg.train, env.device)
-        net = build_net(cfg, len(train.classes))
         log.info("model %s: %s trainable parameters", cfg.model.name, f"{count_parameters(net):,}")
         self.model = distributed.wrap(net, env, sync_bn=cfg.model.sync_bn,
                                       find_unused_parameters=cfg.dist.find_unused_parameters,
@@ -225,7 +263,8 @@ class Trainer:
                 "optimizer": OptimizerState(self.optimizer),
                 "lr_schedule": self.schedule,
                 "scaler": checkpoint.ScalerState(self.precision.scaler),
-                "sampler": _SamplerAtPosition(self.batches, self.state),
+                "sampler": _SamplerAtPosition(self.batches, self.state,
+                                              restart=cfg.checkpoint.restart_epoch),
                 "rng": checkpoint.RankRNG(env.rank, env.world_size, env.device),
             },
             flat=[self.state, saver],
@@ -235,13 +274,22 @@ class Trainer:
         )
         if ckpt is not None:
             self.checkpointer.restore(ckpt)
+            if cfg.checkpoint.restart_epoch and self.state.position:
+                log.info("checkpoint.restart_epoch: epoch %d starts again from its first batch "
+                         "(the checkpoint was at batch %d)", self.state.epoch + 1,
+                         self.state.position)
+                self.state.position = 0
             log.info("resumed from %s at epoch %d, batch %d, step %d", resume_path,
                      self.state.epoch, self.state.position, self.state.step)
 
     # ----------------------------------------------------------------------------- set-up
 
-    def _resume_checkpoint(self) -> tuple[Path | None, dict | None]:
-        """The checkpoint to resume from (checkpoint.resume), with the architecture it fixes."""
+    def _resume_checkpoint(self) -> tuple[Path | None, dict | None, list[str]]:
+        """The checkpoint to resume from (checkpoint.resume), and notes for train.log.
+
+        The model and features settings must be the checkpoint's: a difference is refused with
+        the keys named, unless checkpoint.resume_strict=false, which takes the checkpoint's.
+        """
         cfg = self.cfg
         path = checkpoint.resolve_resume(cfg.checkpoint.resume, self.run_dir)
         if path is None and (self.run_dir / checkpoint.LAST).exists():
@@ -251,22 +299,40 @@ class Trainer:
                 "the folder)"
             )
         if path is None:
-            return None, None
+            return None, None, []
         ckpt = checkpoint.load(path)
-        saved = config_from_dict(ckpt["config"])  # the architecture comes from the checkpoint
-        if (saved.model, saved.features) != (cfg.model, cfg.features):
-            log.warning("resuming: model and features settings taken from %s", path)
+        saved = config_from_dict(ckpt["config"])
+        changed = [f"{section}.{key} {old!r} (now {new!r})"
+                   for section in ("model", "features")
+                   for key, (old, new) in _differences(to_dict(getattr(saved, section)),
+                                                       to_dict(getattr(cfg, section))).items()]
+        notes = []
+        if changed and cfg.checkpoint.resume_strict:
+            raise checkpoint.CheckpointError(
+                f"{path} was trained with other settings: {'; '.join(changed[:6])}"
+                f"{' and more' if len(changed) > 6 else ''}. Resume with the run's own settings, "
+                "start a new run (another train.name), or set checkpoint.resume_strict=false to "
+                "continue with the checkpoint's"
+            )
+        if changed:
+            notes.append(f"resuming {path} with its own settings, not the requested "
+                         f"({'; '.join(changed)}): checkpoint.resume_strict=false")
         cfg.model, cfg.features = saved.model, saved.features
-        return path, ckpt
+        return path, ckpt, notes
 
     def _prepare_run_dir(self) -> None:
+        stale: list[Path] = []
         if self.env.is_primary:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            stale = remove_stale_temps(self.run_dir)  # left by a process killed mid-write
             save_config(self.cfg, self.run_dir / "config.yaml")
         distributed.barrier()
         setup_logging(self.run_dir, self.env.rank)
         log.info("run directory %s (rank 0 of %d, %s, device %s)", self.run_dir,
                  self.env.world_size, self.env.strategy, self.env.device)
+        if self.env.is_primary and stale:
+            log.info("removed %d temporary file(s) of an interrupted write: %s", len(stale),
+                     ", ".join(p.name for p in stale))
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -338,9 +404,9 @@ class Trainer:
         }
         state.history.append(row)
         metric = state.last_metrics.get(cfg.eval.metric)
+        self.metrics.epoch_row(row)  # first: the epoch's row survives a checkpoint that fails
         written = self.checkpointer.save_epoch(epoch + 1, metric)
         if self.env.is_primary:
-            self.metrics.epoch_row(row)
             shown = " ".join(f"{k}={v:.4f}" for k, v in state.last_metrics.items())
             best = self.run_dir / checkpoint.BEST in written and metric is not None
             log.info("epoch %d/%d: loss %.4f, %.1f samples/s (global), %.1f s %s%s", epoch + 1,
@@ -428,6 +494,18 @@ class Trainer:
         if self.hooks.on_end is not None:
             self.hooks.on_end(self, summary)
         return summary
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """Dotted keys whose values differ between two nested config dicts."""
+    out = {}
+    for key in old.keys() | new.keys():
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(_differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out[f"{prefix}{key}"] = (a, b)
+    return dict(sorted(out.items()))
 
 
 def _due(step: int, every: int) -> bool:

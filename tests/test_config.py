@@ -113,3 +113,11 @@ def test_readme_config_reference_is_current():
     text = readme.read_text()
     assert text == readme_with_reference(text), (
         "README.md config reference is stale: run python -m audioclf.config --update-readme")
+
+
+@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.lr=.nan", "optim.max_grad_norm=-.inf",
+                                      "optim.weight_decay=1e999"])
+def test_non_finite_numbers_are_refused(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}=.* is invalid: expected a finite number"):
+        load_config(None, [override])

@@ -178,7 +178,7 @@ def test_errors_exit_2_with_one_line(setup, capsys, tmp_path, case, message):
     elif case == "unreadable audio":
         broken = tmp_path / "broken.wav"
         broken.write_bytes(b"RIFF but not really a wav file")
-        inputs = [setup["queries"], broken]
+        inputs = [broken]
     else:
         model = tmp_path / "model.onnx"
         model.write_bytes(b"onnx")
@@ -196,3 +196,30 @@ def test_help_explains_inputs(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert "--gallery" in text and "centroid" in text and "sidecar" in text
+
+
+def test_one_unreadable_file_is_named_and_the_others_are_embedded(setup, capsys, tmp_path):
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"RIFF but not really a wav file")
+    code, out, err = run_cli(capsys, "--model", setup["model"], "--gallery", setup["gallery"],
+                             "--quiet", "--device", "cpu", setup["queries"], broken)
+    assert code == 1
+    rankings = parse_rankings(out)
+    assert set(rankings) == set(setup["expected"])  # every readable query was ranked
+    assert err.count("\n") == 1 and "skipped" in err and str(broken) in err
+    assert "cannot read audio file" in err
+
+
+def test_a_model_that_gives_nan_is_refused(setup, capsys, tmp_path):
+    import torch
+
+    from audioclf import checkpoint
+
+    ckpt = checkpoint.load(setup["model"])
+    ckpt["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+                     for k, v in ckpt["model"].items()}
+    (tmp_path / "nan").mkdir()
+    torch.save(ckpt, tmp_path / "nan" / "best.pt")
+    code, out, err = run_cli(capsys, "--model", tmp_path / "nan" / "best.pt", "--gallery",
+                             setup["gallery"], "--quiet", "--device", "cpu", setup["queries"])
+    assert code == 2 and out == "" and "NaN/inf embeddings" in err and err.count("\n") == 1

@@ -255,3 +255,22 @@ def test_corrupt_checkpoint_is_one_line(tmp_path, capsys):
         code, _, err = run_cli(capsys, "--checkpoint", bad, "--format", "torchscript", "--out",
                                tmp_path / "m.pt")
     assert code == 2 and "cannot be read" in err and err.count("\n") == 1
+
+
+def test_a_nan_model_fails_export_with_one_line(tmp_path, capsys):
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    state = torch.load(ckpt, weights_only=False)
+    state["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+                      for k, v in state["model"].items()}
+    torch.save(state, ckpt)
+    out = tmp_path / "out" / "model.pt"
+    code, stdout, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript",
+                                "--out", out)
+    assert code == 2 and stdout == "" and err.count("\n") == 1  # was "max abs difference 0"
+    assert "NaN/inf outputs" in err and not out.parent.exists()
+
+
+def test_parity_counts_nan_in_the_artefact_as_a_failure():
+    x = (torch.zeros(2, 4), torch.tensor([4, 4]))
+    assert export.parity_difference(lambda *_: torch.zeros(2, 3),
+                                    lambda *_: (torch.full((2, 3), float("nan")),), [x]) == float("inf")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,3 +56,23 @@ def test_background_run_and_stop(tmp_path, tiny_demo):
     assert ckpt["step"] > 0 and ckpt["world_size"] == 2
     assert "stopped on request" in (run_dir / "train.log").read_text()
     assert "Traceback" not in (run_dir / "nohup.log").read_text()
+
+
+def test_stop_treats_a_zombie_as_stopped(tmp_path):
+    # A process that exited but was never reaped (a container without an init) still answers
+    # kill -0; stop must not wait 120 s for it.
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+         "print(pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        zombie = int(parent.stdout.readline())
+        time.sleep(0.3)
+        (tmp_path / "z").mkdir()
+        (tmp_path / "z" / "pid").write_text(str(zombie))
+        started = time.time()
+        out = run_sh("stop", "z", env={"RUNS_DIR": str(tmp_path)}, timeout=30)
+        assert out.returncode == 0 and "not running" in out.stdout, out.stderr
+        assert time.time() - started < 10 and not (tmp_path / "z" / "pid").exists()
+    finally:
+        parent.kill()
+        parent.wait()

@@ -58,14 +58,28 @@ def crash_at(step: int) -> TrainHooks:
     return TrainHooks(on_step=on_step)
 
 
+def fail_at(step: int, rank: int) -> TrainHooks:
+    """Raise a ValueError (bad input, as a corrupt file gives) on `rank` at global step `step`."""
+    def on_step(trainer: Trainer) -> None:
+        if trainer.state.step == step and trainer.env.rank == rank:
+            raise ValueError(f"injected failure on rank {rank} at step {step}")
+
+    return TrainHooks(on_step=on_step)
+
+
 def main() -> int:
-    """`python -m tests.train_hooks --crash-at-step N -- <audioclf.train arguments>`"""
+    """`python -m tests.train_hooks (--crash-at-step N | --fail-at-step N --rank R) -- <audioclf.train
+    arguments>`"""
     from audioclf.train import main as train_main
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--crash-at-step", type=int, required=True)
+    parser.add_argument("--crash-at-step", type=int)
+    parser.add_argument("--fail-at-step", type=int)
+    parser.add_argument("--rank", type=int, default=1)
     args, rest = parser.parse_known_args()
-    return train_main([a for a in rest if a != "--"], hooks=crash_at(args.crash_at_step))
+    hooks = (crash_at(args.crash_at_step) if args.crash_at_step
+             else fail_at(args.fail_at_step, args.rank))
+    return train_main([a for a in rest if a != "--"], hooks=hooks)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:
             if cfg.check_files and not meta["files_checked"]:
                 _check_files(table, source, root)
                 _write_cache(cache_file, table, {**meta, "files_checked": True})
-            _warn(meta["warnings"])
+            _warn(meta["warnings"], source)
             return Index(table, source)
 
     table, messages = _validate(read_table(source, cfg), cfg, source, root)
@@ -75,13 +75,15 @@ def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:
     if cache_file is not None:
         meta = {"stamp": stamp, "files_checked": cfg.check_files, "warnings": messages}
         _write_cache(cache_file, table, meta)
-    _warn(messages)
+    _warn(messages, source)
     return Index(table, source)
 
 
-def _warn(messages: list[str]) -> None:
+def _warn(messages: list[str], source: Path) -> None:
+    """warnings.warn attributed to the sheet (not to whichever module called load_index)."""
     for message in messages:
-        warnings.warn(message, stacklevel=3)
+        warnings.warn_explicit(message, UserWarning, filename=str(source), lineno=1,
+                               module="audioclf.data.index")
 
 
 def load_index_distributed(cfg: DataConfig) -> Index:
