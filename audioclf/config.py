@@ -205,6 +205,7 @@ class ModelConfig:
     name: Literal["cnn", "conformer", "resnet"] = "cnn"  # embedding network
     embedding_dim: int = 128  # size of the L2-normalised embedding
     sync_bn: bool = True  # SyncBatchNorm under multi-GPU DDP (plain BatchNorm on CPU)
+    init_from: str = ""  # fine-tune: start a new run from this checkpoint's or state_dict export's weights
     cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
     conformer: ConformerConfig = field(default_factory=ConformerConfig)  # settings of conformer
     resnet: ResNetConfig = field(default_factory=ResNetConfig)  # settings of model.name=resnet
@@ -223,7 +224,7 @@ class LossConfig:
     head_margin: float = 0.2  # additive angular margin m of the arcface heads, in radians: target logit s·cos(θ + m)
     head_scale: float | None = None  # logit scale s of the head; null = 16 for softmax, 30 for the arcface heads
     subcenters: int = 3  # sub-centers per class (subcenter_arcface): a class's cosine is the largest of its K
-    margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly from 0 over this many epochs; 0 = full margins at once
+    margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly up to their values at this epoch (from 1/(N+1) of them at the first); 0 = full at once
 
     def __post_init__(self) -> None:
         _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")
@@ -266,11 +267,13 @@ class OptimConfig:
     plateau_patience: int = 3  # epochs without improvement before decaying (plateau)
     min_lr: float = 0.0  # floor of cosine and plateau schedules
     max_grad_norm: float = 0.0  # clip gradients to this norm; 0 = off
+    freeze_epochs: int = 0  # first train only the embedding layer (and head) for this many epochs
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")
         _check(self.ref_world_size >= 1, "optim.ref_world_size", self.ref_world_size, ">= 1")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.freeze_epochs >= 0, "optim.freeze_epochs", self.freeze_epochs, ">= 0")
 
 
 @dataclass

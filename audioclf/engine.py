@@ -244,8 +244,8 @@ def train_one_epoch(
             if steps % sync_every == 0:
                 halt, loss_value = _sync(guard, should_stop, shown_loss, global_step, device)
                 if progress:
-                    bar.set_postfix(loss=f"{loss_value:.4f}",
-                                    lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+                    lr = max(group["lr"] for group in optimizer.param_groups)
+                    bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
                 if halt:
                     stopped = True
                     break

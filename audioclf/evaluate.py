@@ -30,6 +30,9 @@ Classification gallery (--gallery):
 
 Writes report.json, report.md and PNG plots (DET curve, per-class P@1, PCA/t-SNE projection,
 kNN confusion matrix) into --out (default <checkpoint folder>/eval), and prints a summary.
+Beside them, to look at the embedding space: embeddings.tsv + metadata.tsv (class, item, id,
+path) for https://projector.tensorflow.org, and embeddings.html, an interactive 2-D PCA scatter
+(hover: class / item / id); class-stratified samples of at most 20,000 and 5,000 points.
 Exit status: 0 done; 2 bad input (missing or corrupt checkpoint, index errors, an empty split,
 a gallery without an evaluated class) with a one-line message and no report written.
 """
@@ -50,7 +53,7 @@ import pandas as pd
 import torch
 
 from audioclf.cli import UsageError, one_line, resolve_device, run_cli
-from audioclf.config import Config, DataConfig
+from audioclf.config import Config, DataConfig, ModelConfig, choices
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index, split_index
 from audioclf.data.loader import loader_kwargs
@@ -59,7 +62,7 @@ from audioclf.inference import describe_checkpoint, extract_embeddings, load_tra
 
 PROG = "python -m audioclf.evaluate"
 REPORT_FILES = ("report.json", "report.md", "det.png", "per_class_p1.png", "projection.png",
-                "confusion.png")
+                "confusion.png", "embeddings.tsv", "metadata.tsv", "embeddings.html")
 SUMMARY_METRICS = ("precision_at_1", "map_at_r", "r_precision", "loo_precision_at_1",
                    "loo_map_at_r", "knn_accuracy", "centroid_accuracy", "eer", "min_dcf", "nmi",
                    "ami")
@@ -87,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="verification pairs scored at most (default 1000000)")
     parser.add_argument("--projection", choices=("pca", "tsne"), default="pca",
                         help="2-D projection plot (default pca)")
-    parser.add_argument("--model-name", choices=("cnn", "conformer"),
+    parser.add_argument("--model-name", choices=choices(ModelConfig, "name"),
                         help="fail unless the checkpoint holds this model")
     parser.add_argument("--skip-bad-files", action="store_true",
                         help="skip unreadable files (counted in the log) instead of failing")
@@ -327,8 +330,9 @@ def compute_metrics(emb: np.ndarray, names: np.ndarray, *, classification: str =
 
 
 def write_evaluation(out_dir: Path, evaluation: Evaluation, *, projection: str, seed: int,
-                     setup: dict) -> Path:
-    """write_report into a staging folder, then move each file into out_dir."""
+                     setup: dict, rows: pd.DataFrame | None = None) -> Path:
+    """write_report into a staging folder, then move each file into out_dir. `rows`: the
+    index rows of the evaluated embeddings (their item, id and path go into metadata.tsv)."""
     from audioclf.report import write_report
 
     out_dir = Path(out_dir)
@@ -341,6 +345,7 @@ def write_evaluation(out_dir: Path, evaluation: Evaluation, *, projection: str, 
             labels=evaluation.labels, class_names=evaluation.class_names,
             knn_predictions=evaluation.knn_predictions, verification=evaluation.verification,
             projection=projection, seed=seed, setup=setup, notes=evaluation.notes,
+            metadata=None if rows is None else rows[["item", "id", "path"]],
         )
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in REPORT_FILES:  # a stale plot of an earlier run must not pass for this one
@@ -374,6 +379,8 @@ def print_summary(evaluation: Evaluation, setup: dict, out_dir: Path) -> None:
             print(f"{name:<18} {float(value):.4f}")
     print()
     print(f"report: {out_dir / 'report.md'}")
+    print(f"embeddings: {out_dir / 'embeddings.html'} (projector files: embeddings.tsv, "
+          "metadata.tsv)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +446,8 @@ def run(args: argparse.Namespace) -> int:
         "device": str(device),
         "seconds": round(time.perf_counter() - start, 2),
     }
-    write_evaluation(out_dir, evaluation, projection=args.projection, seed=args.seed, setup=setup)
+    write_evaluation(out_dir, evaluation, projection=args.projection, seed=args.seed, setup=setup,
+                     rows=rows)
     print_summary(evaluation, setup, out_dir)
     return 0
 

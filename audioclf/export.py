@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from audioclf import checkpoint
 from audioclf.checkpoint import CheckpointError
 from audioclf.cli import ExportSidecar, UsageError, run_cli, sidecar_path
-from audioclf.config import Config, to_dict
+from audioclf.config import Config, ModelConfig, choices, to_dict
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference import LOG_MEL, WAVEFORM, load_trained
 from audioclf.models import EmbeddingNet
@@ -414,7 +414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help=f"max abs difference allowed by the parity check (default "
                              f"{DEFAULT_TOLERANCE:g})")
-    parser.add_argument("--model-name", choices=("cnn", "conformer"),
+    parser.add_argument("--model-name", choices=choices(ModelConfig, "name"),
                         help="fail unless the checkpoint holds this model")
     return parser.parse_args(argv)
 

@@ -79,6 +79,44 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
     return net.to(device).eval(), cfg, ckpt
 
 
+def init_weights(net: EmbeddingNet, path: str | Path, classes: list[str]) -> list[str]:
+    """Fine-tuning: load the weights of a checkpoint or state_dict export into a new run's net.
+
+    The architecture must be the same; a classifier head trained for other classes (or absent
+    on one side) is left freshly initialised. Returns notes for the log; CheckpointError names
+    the first tensor that does not fit.
+    """
+    path = Path(path)
+    ckpt = checkpoint.load(path, map_location="cpu")
+    state = _strip_wrapper_prefixes(ckpt["model"])
+    notes = []
+    expected = net.state_dict()
+    saved_classes = list(ckpt.get("classes") or [])
+    head = [k for k in set(state) | set(expected) if k.startswith("head.")]
+    same_head = all(k in state and k in expected and state[k].shape == expected[k].shape
+                    for k in head) and saved_classes == list(classes)
+    if head and not same_head:
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
+        expected = {k: v for k, v in expected.items() if not k.startswith("head.")}
+        notes.append(f"model.init_from: the classifier head starts afresh ({len(saved_classes)} "
+                     f"classes in {path.name}, {len(classes)} here)")
+    for key, value in expected.items():
+        if key not in state:
+            raise CheckpointError(f"model.init_from={path}: it has no tensor {key!r}; it holds "
+                                  "another architecture (model.* settings must match it)")
+        if tuple(state[key].shape) != tuple(value.shape):
+            raise CheckpointError(
+                f"model.init_from={path}: tensor {key!r} is {list(state[key].shape)} there and "
+                f"{list(value.shape)} here; the model.* / features.n_mels settings must match it")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"model.init_from={path}: tensor {unexpected[0]!r} has no place in "
+                              "this model; it holds another architecture")
+    net.load_state_dict(state, strict=False)
+    notes.insert(0, f"model.init_from: weights of {path} ({describe_checkpoint(ckpt, checkpoint_config(ckpt, path))})")
+    return notes
+
+
 def checkpoint_config(ckpt: dict, path: str | Path) -> Config:
     """The Config stored in a checkpoint dict; CheckpointError when it cannot be read."""
     try:

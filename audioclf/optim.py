@@ -32,12 +32,13 @@ def base_lr(cfg: OptimConfig, world_size: int) -> float:
     return cfg.lr * lr_scale(world_size, cfg.ref_world_size, cfg.lr_scaling)
 
 
-def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig,
+def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: OptimConfig,
                     device: torch.device) -> torch.optim.Optimizer:
     """The optimizer named by optim.name; its learning rate is set by LRSchedule.apply.
 
-    torch's Adam, AdamW and SGD run their fused kernels (CUDA and CPU): one kernel per step,
-    and a step with non-finite gradients is skipped on the device (see engine.py).
+    `params` may be param groups; a group named "body" is frozen (lr 0) during the first
+    optim.freeze_epochs epochs. torch's Adam, AdamW and SGD run their fused kernels (CUDA and
+    CPU): one kernel per step, and a step with non-finite gradients is skipped on the device.
     """
     params = list(params)
     lr = cfg.lr  # a placeholder: LRSchedule.apply writes the scheduled rate before every step
@@ -149,10 +150,12 @@ class LRSchedule:
                              plateau_factor=self.plateau_factor)
 
     def apply(self, step: int, epoch: int) -> float:
-        """Set the rate of step `step` in epoch `epoch` on every param group; returns it."""
+        """Set the rate of step `step` in epoch `epoch` on every param group (0 on a "body"
+        group while optim.freeze_epochs lasts); returns it."""
         lr = self.lr(step, epoch)
+        frozen = epoch < self.cfg.freeze_epochs
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = 0.0 if frozen and group.get("name") == "body" else lr
         return lr
 
     def epoch_end(self, epoch_loss: float) -> None:

@@ -32,7 +32,7 @@ from audioclf.data.index import Index, load_index_distributed, split_index, stra
 from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs
 from audioclf.engine import EpochResult, NonFiniteGuard, train_one_epoch
 from audioclf.fileio import atomic_copy, remove_stale_temps
-from audioclf.inference import extract_embeddings
+from audioclf.inference import extract_embeddings, init_weights
 from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
 from audioclf.losses import TripletLoss
 from audioclf.metrics import RETRIEVAL_KEYS, retrieval_summary
@@ -223,10 +223,15 @@ class Trainer:
         )
         self.precision = resolve_precision(cfg.train, env.device)
         net = build_net(cfg, len(train.classes))
+        init_notes = []
+        if cfg.model.init_from and ckpt is None:  # a resume continues its own weights
+            init_notes = init_weights(net, cfg.model.init_from, train.classes)
 
         self._prepare_run_dir()
         for note in resume_notes:
             log.warning(note)
+        for note in init_notes:
+            log.info(note)
         self.batches = SeededBatches(sampler, cfg.train.seed)
         self.loader_options = loader_kwargs(cfg.data.num_workers, cfg.data.pin_memory,
                                             cfg.data.persistent_workers, cfg.data.prefetch_factor,
@@ -242,7 +247,7 @@ class Trainer:
                                       find_unused_parameters=cfg.dist.find_unused_parameters,
                                       autocast_dtype=self.precision.dtype)
         self.loss_fn = TripletLoss(cfg.loss)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device)
+        self.optimizer = build_optimizer(_param_groups(net, cfg), cfg.optim, env.device)
         self.schedule = LRSchedule(self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size),
                                    cfg.train.epochs)
         log.info("effective lr %.4g = optim.lr %.4g × %.4g (%s scaling, %d ranks, reference %d); "
@@ -302,10 +307,8 @@ class Trainer:
             return None, None, []
         ckpt = checkpoint.load(path)
         saved = config_from_dict(ckpt["config"])
-        changed = [f"{section}.{key} {old!r} (now {new!r})"
-                   for section in ("model", "features")
-                   for key, (old, new) in _differences(to_dict(getattr(saved, section)),
-                                                       to_dict(getattr(cfg, section))).items()]
+        changed = [f"{key} {old!r} (now {new!r})"
+                   for key, (old, new) in _differences(_architecture(saved), _architecture(cfg)).items()]
         notes = []
         if changed and cfg.checkpoint.resume_strict:
             raise checkpoint.CheckpointError(
@@ -318,6 +321,7 @@ class Trainer:
             notes.append(f"resuming {path} with its own settings, not the requested "
                          f"({'; '.join(changed)}): checkpoint.resume_strict=false")
         cfg.model, cfg.features = saved.model, saved.features
+        cfg.loss.head, cfg.loss.subcenters = saved.loss.head, saved.loss.subcenters
         return path, ckpt, notes
 
     def _prepare_run_dir(self) -> None:
@@ -353,6 +357,10 @@ class Trainer:
     def train_epoch(self, epoch: int) -> EpochResult:
         cfg = self.cfg
         self.batches.set_epoch(epoch)
+        self.loss_fn.set_epoch(epoch)
+        if epoch < cfg.optim.freeze_epochs:
+            log.info("epoch %d: only the embedding layer (and head) learns "
+                     "(optim.freeze_epochs=%d)", epoch + 1, cfg.optim.freeze_epochs)
         return train_one_epoch(
             self.model, self.train_loader, self._loss, self.optimizer, self.precision,
             set_lr=lambda step: self.schedule.apply(step, epoch), accumulate=cfg.train.accumulate,
@@ -467,6 +475,10 @@ class Trainer:
             self._said_leave_one_out = True
             log.warning("validation: no class has clips of two items (recordings), so the "
                         "metrics are leave-one-out: a clip may retrieve clips of its own item")
+        val = self.data.val  # a class-stratified sample for TensorBoard's projector (rank 0)
+        self.metrics.projector(emb, np.asarray(val.classes)[labels],
+                               val.table["item"].to_numpy()[seen], epoch=self.state.epoch + 1,
+                               step=self.state.step)
         return {k: summary[k] for k in RETRIEVAL_KEYS if k in summary}
 
     def _validation_positions(self) -> np.ndarray:
@@ -494,6 +506,26 @@ class Trainer:
         if self.hooks.on_end is not None:
             self.hooks.on_end(self, summary)
         return summary
+
+
+def _architecture(cfg: Config) -> dict:
+    """The settings a checkpoint's tensors depend on (model, features, the classifier head)."""
+    model = {k: v for k, v in to_dict(cfg.model).items() if k != "init_from"}
+    head = {"head": cfg.loss.head, "subcenters": cfg.loss.subcenters,
+            "classifier_head": cfg.loss.ce_weight > 0}
+    return {"model": model, "features": to_dict(cfg.features), "loss": head}
+
+
+def _param_groups(net: torch.nn.Module, cfg: Config) -> list:
+    """All parameters; with optim.freeze_epochs, in two groups: the embedding layer and head
+    ("output"), and the rest ("body"), which LRSchedule keeps at lr 0 while the freeze lasts."""
+    if not cfg.optim.freeze_epochs:
+        return list(net.parameters())
+    output = list(net.embedder.embedding.parameters())
+    output += list(net.head.parameters()) if net.head is not None else []
+    chosen = {id(p) for p in output}
+    body = [p for p in net.parameters() if id(p) not in chosen]
+    return [{"params": body, "name": "body"}, {"params": output, "name": "output"}]
 
 
 def _differences(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:

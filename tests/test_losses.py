@@ -1,11 +1,15 @@
-"""TripletLoss: miners, precision, cross-entropy, empty batches, input errors (one process)."""
+"""TripletLoss: miners, precision, cross-entropy and margin heads, the margin warm-up, empty
+batches, input and config errors (one process)."""
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from audioclf.config import LossConfig
+from audioclf.config import ConfigError, LossConfig, load_config
 from audioclf.losses import TripletLoss
+from audioclf.models.heads import ClassifierHead
 
 LABELS = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
 
@@ -123,3 +127,159 @@ def test_cross_rank_without_a_process_group_is_the_local_loss():
     local = TripletLoss(LossConfig(miner="all"))(emb, LABELS)
     crossed = TripletLoss(LossConfig(miner="all", cross_rank=True))(emb, LABELS)
     torch.testing.assert_close(local, crossed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Margin heads (the class weights live in the model's head; the loss adds the margin)
+
+
+@pytest.mark.parametrize("head, subcenters", [("arcface", 1), ("subcenter_arcface", 3)])
+def test_margin_head_loss_and_grads_equal_pml(head, subcenters):
+    """Our head + margin gives pytorch-metric-learning's (SubCenter)ArcFaceLoss, whose weight
+    W [D, C·K] is our head's weight transposed, in value and in gradient."""
+    from pytorch_metric_learning import losses as pml_losses
+
+    torch.manual_seed(0)
+    margin, scale, classes = 0.3, 20.0, 4
+    cfg = LossConfig(miner="all", ce_weight=1.0, head=head, head_margin=margin, head_scale=scale,
+                     subcenters=subcenters)
+    classifier = ClassifierHead(6, classes, scale=scale, subcenters=subcenters)
+    emb = embeddings(5)
+    _, stats = TripletLoss(cfg).with_stats(emb, LABELS, classifier(emb))
+    if head == "arcface":
+        pml = pml_losses.ArcFaceLoss(classes, 6, margin=math.degrees(margin), scale=scale)
+    else:
+        pml = pml_losses.SubCenterArcFaceLoss(num_classes=classes, embedding_size=6, sub_centers=subcenters,
+                                              margin=math.degrees(margin), scale=scale)
+    with torch.no_grad():
+        pml.W.copy_(classifier.linear.weight.T)
+    expected = pml(emb, LABELS)
+    assert stats["ce_loss"] == pytest.approx(expected.item(), abs=1e-5)
+
+    # only the cross-entropy term reaches the head's weight
+    TripletLoss(cfg)(emb, LABELS, classifier(emb)).backward()
+    expected.backward()
+    torch.testing.assert_close(classifier.linear.weight.grad, pml.W.grad.T, atol=1e-5, rtol=0)
+    assert classifier.linear.weight.grad.abs().sum() > 0
+
+
+def test_margin_raises_the_loss_and_softmax_head_is_unchanged():
+    emb = embeddings(6)
+    classifier = ClassifierHead(6, 4, scale=30.0)
+    logits = classifier(emb)
+
+    def ce(**kw):
+        return TripletLoss(LossConfig(miner="all", ce_weight=1.0, **kw)).with_stats(emb, LABELS, logits)[1]["ce_loss"]
+
+    plain = F.cross_entropy(logits, LABELS).item()
+    assert ce(head="softmax", head_margin=0.5) == pytest.approx(plain)  # the margin is arcface's
+    assert ce(head="arcface", head_margin=0.0) == pytest.approx(plain, abs=1e-5)
+    assert ce(head="arcface", head_margin=0.2) > plain + 0.1
+
+
+@pytest.mark.parametrize("head", ["softmax", "arcface", "subcenter_arcface"])
+def test_margin_head_on_a_rank_with_no_rows(head):
+    """A rank whose batch was unreadable feeds 0 rows: zero loss, a (zero) gradient for the head."""
+    cfg = LossConfig(miner="semi_hard", ce_weight=1.0, head=head)
+    classifier = ClassifierHead(6, 4, scale=cfg.effective_head_scale, subcenters=cfg.head_subcenters)
+    layer = torch.nn.Linear(3, 6)
+    emb = F.normalize(layer(torch.randn(0, 3)), dim=1)
+    loss, stats = TripletLoss(cfg).with_stats(emb, torch.zeros(0, dtype=torch.long), classifier(emb))
+    assert loss.item() == 0.0 and stats["triplets"] == 0
+    loss.backward()
+    assert classifier.linear.weight.grad is not None and not classifier.linear.weight.grad.any()
+
+
+def test_margin_head_loss_is_fp32_under_bf16_autocast():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(5, 6)
+    classifier = ClassifierHead(6, 4, scale=30.0, subcenters=2)
+    loss_fn = TripletLoss(LossConfig(miner="all", ce_weight=1.0, head="subcenter_arcface",
+                                     subcenters=2))
+    x = torch.randn(8, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        emb = layer(x)
+        logits = classifier(emb)
+        loss = loss_fn(emb, LABELS, logits)
+    assert emb.dtype == torch.bfloat16 and logits.dtype == loss.dtype == torch.float32
+    assert loss.item() == loss_fn(emb.float(), LABELS, classifier(emb.float())).item()
+    loss.backward()
+    assert torch.isfinite(classifier.linear.weight.grad).all() and classifier.linear.weight.grad.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Margin warm-up
+
+
+def test_margin_warmup_values():
+    cfg = LossConfig(margin=0.3, miner="semi_hard", ce_weight=1.0, head="arcface", head_margin=0.2,
+                     margin_warmup_epochs=4)
+    loss_fn = TripletLoss(cfg)
+    for epoch, factor in [(0, 0.2), (1, 0.4), (2, 0.6), (3, 0.8), (4, 1.0), (9, 1.0)]:
+        loss_fn.set_epoch(epoch)
+        assert loss_fn.margin == pytest.approx(0.3 * factor)
+        assert loss_fn.head_margin == pytest.approx(0.2 * factor)
+        assert loss_fn.triplet.margin == loss_fn.miner.margin == loss_fn.margin  # miner in step
+    no_warmup = TripletLoss(LossConfig(margin=0.3, ce_weight=1.0, head="arcface"))
+    assert (no_warmup.margin, no_warmup.head_margin) == (0.3, 0.2)
+    no_warmup.set_epoch(0)
+    assert (no_warmup.margin, no_warmup.head_margin) == (0.3, 0.2)
+    with pytest.raises(ValueError, match="epoch >= 0"):
+        loss_fn.set_epoch(-1)
+
+
+@pytest.mark.parametrize("miner", ["all", "semi_hard"])
+def test_margin_warmup_changes_the_mined_triplets_and_the_loss(miner):
+    emb = embeddings(1)
+    loss_fn = TripletLoss(LossConfig(margin=0.4, miner=miner, margin_warmup_epochs=2))
+    keep = {"all": lambda m: lambda s, a, p, n: s[a, n] - s[a, p] + m > 0,
+            "semi_hard": lambda m: lambda s, a, p, n: s[a, p] > s[a, n] > s[a, p] - m}[miner]
+    for epoch, margin in [(0, 0.4 / 3), (1, 0.8 / 3), (2, 0.4)]:
+        loss_fn.set_epoch(epoch)
+        loss, stats = loss_fn.with_stats(emb, LABELS)
+        expected, count = reference_loss(emb.detach(), LABELS, margin, keep(margin))
+        torch.testing.assert_close(loss, expected)
+        assert stats["triplets"] == count
+    assert count > 0
+
+
+def test_margin_warmup_needs_set_epoch():
+    loss_fn = TripletLoss(LossConfig(margin_warmup_epochs=3))
+    with pytest.raises(RuntimeError, match="call TripletLoss.set_epoch"):
+        loss_fn(embeddings(), LABELS)
+
+
+def test_softmax_head_has_no_margin_to_warm_up():
+    loss_fn = TripletLoss(LossConfig(ce_weight=1.0, head="softmax", margin_warmup_epochs=2))
+    loss_fn.set_epoch(1)
+    assert loss_fn.head_margin == 0.0 and loss_fn.margin == pytest.approx(0.2 * 2 / 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@pytest.mark.parametrize("override, message", [
+    ("loss.head_margin=-0.1", r"loss\.head_margin=-0\.1 is invalid: expected >= 0"),
+    ("loss.head_scale=0", r"loss\.head_scale=0\.0 is invalid: expected > 0"),
+    ("loss.subcenters=0", r"loss\.subcenters=0 is invalid: expected >= 1"),
+    ("loss.margin_warmup_epochs=-1", r"loss\.margin_warmup_epochs=-1 is invalid"),
+    ("loss.margin=-0.2", r"loss\.margin=-0\.2 is invalid"),
+    ("loss.head=cosface", r"loss\.head='cosface' is not a valid choice"),
+])
+def test_loss_config_validation(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["loss.ce_weight=1", override])
+
+
+def test_margin_head_needs_a_cross_entropy_weight():
+    with pytest.raises(ConfigError, match=r"loss\.head='arcface'.*set loss\.ce_weight > 0"):
+        load_config(None, ["loss.head=arcface"])
+
+
+def test_head_scale_defaults_by_head():
+    assert LossConfig().effective_head_scale == 16.0  # today's cosine softmax
+    assert LossConfig(ce_weight=1, head="arcface").effective_head_scale == 30.0
+    assert LossConfig(ce_weight=1, head="subcenter_arcface", head_scale=64).effective_head_scale == 64.0
+    assert LossConfig(ce_weight=1, head="arcface").head_subcenters == 1
+    assert LossConfig(ce_weight=1, head="subcenter_arcface", subcenters=5).head_subcenters == 5

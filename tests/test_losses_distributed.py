@@ -1,5 +1,7 @@
-"""Cross-rank triplet loss in a real 2-process gloo group: loss and DDP gradients equal the
-single-process loss and gradients on the concatenated batch."""
+"""In a real 2-process gloo group: the cross-rank triplet loss and its DDP gradients equal the
+single-process loss and gradients on the concatenated batch; a margin head's class weights
+(inside the DDP-wrapped model) get the all-reduced gradient and stay identical across ranks,
+also when one rank's batch has no rows."""
 
 import datetime
 import socket
@@ -99,3 +101,103 @@ def test_local_loss_differs_from_the_global_one():
     half_loss, _, half_grads = loss_and_grads(fresh_model(), x[:6], labels[:6], "all", cross_rank=False)
     assert abs(half_loss - global_loss) > 1e-3
     assert (half_grads[0] - global_grads[0]).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Margin heads under DDP: the class weights are the model's, so DDP all-reduces their gradient
+
+
+HEAD_CLASSES = 4
+
+
+def _margin_net(head):
+    from audioclf.config import load_config
+    from audioclf.models import build_net
+
+    cfg = load_config(None, [
+        "features.kind=npy", "features.n_mels=16", "features.spec_augment=false",
+        "model.cnn.width=4", "model.cnn.depth=2", "model.cnn.dropout=0", "model.embedding_dim=8",
+        "loss.ce_weight=1", f"loss.head={head}", "loss.miner=all", "loss.margin_warmup_epochs=2",
+    ])
+    torch.manual_seed(11)
+    return build_net(cfg, HEAD_CLASSES), cfg.loss
+
+
+def _margin_batch(rank, step):
+    """Each rank's own rows (8 on rank 0; on rank 1 6, then none: an unreadable batch)."""
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    rows = 8 if rank == 0 else (6 if step == 0 else 0)
+    labels = torch.arange(rows) % HEAD_CLASSES
+    return torch.randn(rows, 20, 16, generator=generator), torch.full((rows,), 20), labels
+
+
+def _local_head_grads(head, rank, step, weights):
+    """The head gradient one rank computes alone (no DDP) from the given weights."""
+    net, loss_cfg = _margin_net(head)
+    net.load_state_dict(weights)
+    loss_fn = TripletLoss(loss_cfg)
+    loss_fn.set_epoch(1)
+    x, lengths, labels = _margin_batch(rank, step)
+    if len(labels) == 0:
+        return torch.zeros_like(net.head.linear.weight)
+    embeddings, logits = net.train()(x, lengths)
+    loss_fn(embeddings, labels, logits).backward()
+    return net.head.linear.weight.grad.clone()
+
+
+def _margin_head_steps(rank, world_size, heads):
+    """{head: two SGD steps of a DDP-wrapped EmbeddingNet with that margin head} (each rank)."""
+    torch.set_num_threads(1)
+    return {head: _steps_with(head, rank) for head in heads}
+
+
+def _steps_with(head, rank):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from audioclf.engine import _empty_output  # the training loop's cut for a batch with no rows
+
+    net, loss_cfg = _margin_net(head)
+    model = DistributedDataParallel(net)
+    loss_fn = TripletLoss(loss_cfg)
+    loss_fn.set_epoch(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    steps = []
+    for step in range(2):
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        x, lengths, labels = _margin_batch(rank, step)
+        if len(labels):
+            output = model(x, lengths)
+        else:  # as train_one_epoch: run a placeholder, keep no rows
+            output = _empty_output(model(torch.randn(2, 20, 16), torch.tensor([20, 20])))
+        optimizer.zero_grad()
+        embeddings, logits = output
+        loss_fn(embeddings, labels, logits).backward()
+        grad = net.head.linear.weight.grad.clone()
+        optimizer.step()
+        steps.append({"before": before, "grad": grad, "weight": net.head.linear.weight.detach().clone()})
+    return steps
+
+
+MARGIN_HEADS = ["arcface", "subcenter_arcface"]
+
+
+@pytest.fixture(scope="module")
+def margin_rank_results(tmp_path_factory):
+    from tests.distributed_utils import run_in_group
+
+    return run_in_group(_margin_head_steps, tmp_path_factory.mktemp("margin"), MARGIN_HEADS)
+
+
+@pytest.mark.parametrize("head", MARGIN_HEADS)
+def test_margin_head_weights_are_all_reduced_and_stay_identical(margin_rank_results, head):
+    for step in range(2):
+        rank0, rank1 = (r[head][step] for r in margin_rank_results)
+        assert torch.equal(rank0["grad"], rank1["grad"]), f"step {step}: head gradients differ"
+        assert torch.equal(rank0["weight"], rank1["weight"]), f"step {step}: head weights drifted"
+        assert not torch.equal(rank0["weight"], rank0["before"]["head.linear.weight"])
+        # DDP's gradient is the mean of what each rank computes alone (rank 1 has no rows at
+        # step 1), so each rank's own rows moved the head
+        local = [_local_head_grads(head, r, step, rank0["before"]) for r in range(WORLD)]
+        assert all(g.abs().sum() > 0 for g in local[: 2 - step])
+        assert not torch.allclose(local[0], local[1])  # so equal DDP gradients mean all-reduced
+        torch.testing.assert_close(rank0["grad"], sum(local) / WORLD, atol=1e-6, rtol=0)

@@ -1,38 +1,63 @@
-"""Embedders (CNN, Conformer), pooling, the registry, EmbeddingNet, export, and learning."""
+"""Embedders (CNN, Conformer, ResNet), pooling, heads, the registry, EmbeddingNet, export, and
+learning."""
 
+import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from audioclf.config import CNNConfig, ConformerConfig, FeaturesConfig, LossConfig, ModelConfig
+from audioclf.config import (
+    CNNConfig,
+    ConfigError,
+    ConformerConfig,
+    FeaturesConfig,
+    LossConfig,
+    ModelConfig,
+    ResNetConfig,
+    load_config,
+)
 from audioclf.losses import TripletLoss
 from audioclf.models import (
     MODELS,
     ClassifierHead,
     EmbeddingNet,
     build_model,
+    build_net,
     count_parameters,
 )
 from audioclf.models.frontend import FeatureFrontend
-from audioclf.models.pooling import AttentiveStatsPooling, lengths_to_mask, masked_mean
+from audioclf.models.heads import angular_margin_logits
+from audioclf.models.pooling import (
+    AttentiveStatsPooling,
+    StatsPooling,
+    lengths_to_mask,
+    masked_mean,
+)
+from audioclf.models.resnet import BasicBlock
 
 N_MELS = 32
-NAMES = ["cnn", "conformer"]
+NAMES = ["cnn", "conformer", "resnet"]
 
 
-def tiny_config(name, pooling="attentive_stats", embedding_dim=16):
-    return ModelConfig(
+def tiny_config(name, pooling=None, embedding_dim=16):
+    """Small settings of every model; `pooling` (when given) replaces the named model's."""
+    cfg = ModelConfig(
         name=name,
         embedding_dim=embedding_dim,
         cnn=CNNConfig(width=8, depth=2, dropout=0.0),
         conformer=ConformerConfig(d_model=32, num_heads=2, ffn_dim=64, num_layers=2,
-                                  kernel_size=7, dropout=0.0, pooling=pooling),
+                                  kernel_size=7, dropout=0.0),
+        # 4 stages (total stride 8), identity and 1×1-conv shortcuts, 2 blocks in one stage
+        resnet=ResNetConfig(width=4, blocks=[1, 2, 1, 1]),
     )
+    if pooling is not None:
+        getattr(cfg, name).pooling = pooling
+    return cfg
 
 
-def tiny_model(name, pooling="attentive_stats", seed=0):
+def tiny_model(name, pooling=None, seed=0):
     torch.manual_seed(seed)
     return build_model(tiny_config(name, pooling), N_MELS)
 
@@ -49,11 +74,12 @@ def test_shapes_and_unit_norm(name, batch, frames):
     torch.testing.assert_close(out.norm(dim=1), torch.ones(batch))
 
 
-@pytest.mark.parametrize("name, pooling", [("cnn", None), ("conformer", "attentive_stats"),
-                                           ("conformer", "mean")])
+@pytest.mark.parametrize("name, pooling", [("cnn", "mean_max"), ("cnn", "attentive_stats"),
+                                           ("conformer", "attentive_stats"), ("conformer", "mean"),
+                                           ("resnet", "stats"), ("resnet", "attentive_stats")])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
 def test_padding_does_not_change_an_embedding(name, pooling, dtype, tol):
-    model = tiny_model(name, pooling or "mean").to(dtype).eval()
+    model = tiny_model(name, pooling).to(dtype).eval()
     torch.manual_seed(1)
     lengths = torch.tensor([61, 40, 13, 6, 1])
     batch = torch.randn(5, 61, N_MELS, dtype=dtype)
@@ -80,10 +106,10 @@ def test_pooling_helpers_ignore_padding():
 
 
 def test_build_model_registry_and_errors():
-    assert set(MODELS) == {"cnn", "conformer"}
+    assert set(MODELS) == {"cnn", "conformer", "resnet"}
     cfg = tiny_config("cnn")
     cfg.name = "transformer"
-    with pytest.raises(ValueError, match="transformer.*cnn, conformer"):
+    with pytest.raises(ValueError, match="transformer.*cnn, conformer, resnet"):
         build_model(cfg, N_MELS)
     with pytest.raises(ValueError, match="n_mels >= 16"):
         build_model(ModelConfig(name="cnn", cnn=CNNConfig(depth=4)), 8)
@@ -214,16 +240,14 @@ def test_triplet_loss_falls_on_separable_patterns(name):
     assert final < 0.5 * initial, f"held-out triplet loss {initial:.3f} → {final:.3f}"
 
 
-@pytest.mark.parametrize("name", ["cnn", "conformer"])
+@pytest.mark.parametrize("name", NAMES)
 def test_waveform_embedding_does_not_depend_on_the_batch(name):
     """A clip embedded alone equals the same clip zero-padded next to a longer one."""
-    from audioclf.config import load_config
-    from audioclf.models import build_net
-
     cfg = load_config(None, [
         f"model.name={name}", "features.n_mels=32", "model.cnn.width=8", "model.cnn.depth=2",
         "model.conformer.d_model=32", "model.conformer.num_heads=2", "model.conformer.ffn_dim=64",
-        "model.conformer.num_layers=1", "model.conformer.kernel_size=7"])
+        "model.conformer.num_layers=1", "model.conformer.kernel_size=7", "model.resnet.width=4",
+        "model.resnet.blocks=[1,1,1,1]"])
     torch.manual_seed(0)
     net = build_net(cfg, 0).eval()
     short, long = torch.randn(1, 12345) * 0.1, torch.randn(1, 20000) * 0.1
@@ -233,3 +257,152 @@ def test_waveform_embedding_does_not_depend_on_the_batch(name):
         alone = net.embed(short, torch.tensor([12345]))
         together = net.embed(batch, torch.tensor([12345, 20000]))
     torch.testing.assert_close(together[:1], alone, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# ResNet
+
+
+def test_resnet_carries_the_length_of_each_stage():
+    """The lengths a block hands on are the frames a lone clip of that length gets."""
+    model = tiny_model("resnet").eval()
+    for frames in [1, 2, 3, 7, 8, 9, 16, 33]:
+        x = torch.randn(1, model.conv1.out_channels, frames, N_MELS)  # what the stem gives
+        lengths = torch.tensor([frames])
+        with torch.no_grad():
+            for block in model.blocks:
+                x, lengths = block(x, lengths)
+                assert lengths.tolist() == [x.shape[2]], f"{frames} input frames"
+        assert x.shape[2] == math.ceil(frames / 8)  # 3 stride-2 stages
+
+
+@pytest.mark.parametrize("n_mels, low, high", [(64, 5.5e6, 6.2e6), (80, 5.7e6, 6.4e6)])
+def test_resnet34_default_layout_and_size(n_mels, low, high):
+    """The default is WeSpeaker's ResNet-34 at width 32: 3-4-6-3 BasicBlocks of 32-64-128-256
+    channels, stride 2 from stage 2 on; a few million parameters (frequency is flattened into
+    the pooled channels, so the embedding layer grows with n_mels)."""
+    model = build_model(ModelConfig(name="resnet"), n_mels)
+    blocks = [m for m in model.modules() if isinstance(m, BasicBlock)]
+    assert [b.conv2.out_channels for b in blocks] == [32] * 3 + [64] * 4 + [128] * 6 + [256] * 3
+    assert [b.stride for b in blocks] == [1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 1, 2, 1, 1]
+    assert model.conv1.stride == (1, 1) and model.conv1.kernel_size == (3, 3)
+    assert model.embedding.in_features == 2 * 256 * math.ceil(n_mels / 8)  # mean + std
+    assert low < count_parameters(model) < high, f"{count_parameters(model):,} parameters"
+
+
+def test_resnet_default_net_is_scriptable():
+    """The export path scripts the whole EmbeddingNet (torch.jit.script(build_net(cfg, 0)))."""
+    cfg = load_config(None, ["model.name=resnet", "features.n_mels=64"])
+    torch.manual_seed(0)
+    net = build_net(cfg, 0).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated in torch >= 2.10
+        scripted = torch.jit.script(net)
+    waves, lengths = torch.randn(2, 8000) * 0.1, torch.tensor([8000, 1200])
+    with torch.no_grad():
+        torch.testing.assert_close(scripted.embed(waves, lengths), net.embed(waves, lengths))
+
+
+def test_stats_pooling_is_masked_mean_and_std():
+    x = torch.randn(2, 6, 4)
+    mask = lengths_to_mask(torch.tensor([6, 3]), 6)
+    junk = x.clone()
+    junk[1, 3:] = 1e4
+    pooled = StatsPooling(4)(junk, mask)
+    torch.testing.assert_close(pooled[1], torch.cat([x[1, :3].mean(0), x[1, :3].std(0, unbiased=False)]))
+    torch.testing.assert_close(pooled[0], torch.cat([x[0].mean(0), x[0].std(0, unbiased=False)]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.resnet.blocks=[]", r"model\.resnet\.blocks=\[\] is invalid"),
+    ("model.resnet.blocks=[3,0,2]", r"model\.resnet\.blocks=\[3, 0, 2\] is invalid: expected a non-empty"),
+    ("model.resnet.width=0", r"model\.resnet\.width=0 is invalid"),
+    ("model.resnet.pooling=mean", r"model\.resnet\.pooling='mean' is not a valid choice"),
+    ("model.cnn.pooling=max", r"model\.cnn\.pooling='max' is not a valid choice"),
+])
+def test_model_config_validation(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_model_config_reads_blocks_and_poolings():
+    cfg = load_config(None, ["model.name=resnet", "model.resnet.blocks=[2, 2]",
+                             "model.resnet.pooling=attentive_stats", "model.cnn.pooling=attentive_stats"])
+    assert cfg.model.resnet.blocks == [2, 2] and cfg.model.resnet.pooling == "attentive_stats"
+    assert ModelConfig().resnet.blocks == [3, 4, 6, 3] and ModelConfig().cnn.pooling == "mean_max"
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads: sub-centers, angular margin
+
+
+def unit(angle):
+    return torch.tensor([math.cos(angle), math.sin(angle)])
+
+
+def test_angular_margin_on_a_hand_case():
+    """Class weights at 0, π/2 and π; the embedding at θ = π/3 from class 0 (its target)."""
+    head = ClassifierHead(2, 3, scale=30.0)
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.stack([unit(0.0), unit(math.pi / 2), unit(math.pi)]))
+    embedding = 2.5 * unit(math.pi / 3)[None]  # any length: the head normalises
+    logits = head(embedding)
+    expected = 30 * torch.tensor([[0.5, math.cos(math.pi / 6), math.cos(2 * math.pi / 3)]])
+    torch.testing.assert_close(logits, expected)
+    margined = angular_margin_logits(logits, torch.tensor([0]), 30.0, 0.2)
+    assert margined[0, 0].item() == pytest.approx(30 * math.cos(math.pi / 3 + 0.2), abs=1e-5)
+    assert torch.equal(margined[0, 1:], logits[0, 1:])  # non-targets untouched
+    # target class 2 at θ = 2π/3: θ + m <= π, plain ArcFace
+    margined = angular_margin_logits(logits, torch.tensor([2]), 30.0, 0.5)
+    assert margined[0, 2].item() == pytest.approx(30 * math.cos(2 * math.pi / 3 + 0.5), abs=1e-5)
+    assert torch.equal(margined[0, :2], logits[0, :2])
+    torch.testing.assert_close(angular_margin_logits(logits, torch.tensor([1]), 30.0, 0.0), logits)
+
+
+def test_angular_margin_past_pi_keeps_falling_as_pml():
+    """θ + m > π: s·(cos θ − m·sin m), as pytorch-metric-learning's ArcFaceLoss computes it."""
+    from pytorch_metric_learning.losses import ArcFaceLoss
+
+    margin, scale = 0.4, 30.0
+    angles = torch.tensor([0.0, 0.3, 1.5, 2.5, math.pi - 0.45, math.pi - 0.35, 3.1, math.pi])
+    cosines = torch.cos(angles)[:, None].double()
+    ours = angular_margin_logits(scale * cosines, torch.zeros(len(angles), dtype=torch.long), scale, margin)
+    pml = ArcFaceLoss(num_classes=2, embedding_size=2, margin=math.degrees(margin), scale=scale)
+    reference = scale * pml.modify_cosine_of_target_classes(cosines[:, 0])
+    torch.testing.assert_close(ours[:, 0], reference, atol=1e-6, rtol=0)
+    past = angles + margin > math.pi
+    assert past.any() and (~past).any()
+    torch.testing.assert_close(ours[past, 0], scale * (cosines[past, 0] - margin * math.sin(margin)))
+    assert (ours[1:, 0] < ours[:-1, 0]).all()  # monotonic in θ
+
+
+def test_subcenter_head_takes_the_best_subcenter():
+    head = ClassifierHead(2, 2, scale=10.0, subcenters=3)  # rows c·3 + k
+    angles = [0.0, 1.0, 2.0, 0.5, 2.5, 3.0]  # class 0: 0, 1, 2; class 1: 0.5, 2.5, 3
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.stack([unit(a) for a in angles]))
+    embedding = unit(1.9)[None]
+    expected = 10 * torch.tensor([[math.cos(0.1), math.cos(0.6)]])  # nearest: 2.0 and 2.5
+    torch.testing.assert_close(head(embedding), expected)
+    assert head(torch.zeros(0, 2)).shape == (0, 2)  # a rank with no rows
+
+
+def test_head_is_fp32_under_autocast():
+    head = ClassifierHead(8, 5, subcenters=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        emb = torch.nn.Linear(4, 8)(torch.randn(3, 4))
+        assert emb.dtype == torch.bfloat16
+        logits = head(emb)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, head(emb.float()))
+
+
+@pytest.mark.parametrize("head, rows", [("softmax", 5), ("arcface", 5), ("subcenter_arcface", 15)])
+def test_build_net_head_follows_loss_config(head, rows):
+    cfg = load_config(None, ["features.kind=npy", f"features.n_mels={N_MELS}", "model.cnn.depth=2",
+                             "loss.ce_weight=1", f"loss.head={head}"])
+    net = build_net(cfg, 5)
+    assert net.head.linear.weight.shape == (rows, cfg.model.embedding_dim)
+    assert net.head.scale == (16.0 if head == "softmax" else 30.0)
+    _, logits = net(torch.randn(2, 20, N_MELS), torch.tensor([20, 9]))
+    assert logits.shape == (2, 5) and logits.abs().max() <= net.head.scale + 1e-4

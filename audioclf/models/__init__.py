@@ -15,6 +15,7 @@ from audioclf.models.cnn import CNNEmbedder
 from audioclf.models.conformer import ConformerEmbedder
 from audioclf.models.frontend import FeatureFrontend
 from audioclf.models.heads import ClassifierHead
+from audioclf.models.resnet import ResNetEmbedder
 
 __all__ = [
     "MODELS",
@@ -24,6 +25,7 @@ __all__ = [
     "EmbeddingNet",
     "CNNEmbedder",
     "ConformerEmbedder",
+    "ResNetEmbedder",
     "ClassifierHead",
     "FeatureFrontend",
 ]
@@ -31,6 +33,7 @@ __all__ = [
 MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "cnn": lambda cfg, n_mels: CNNEmbedder(n_mels, cfg.cnn, cfg.embedding_dim),
     "conformer": lambda cfg, n_mels: ConformerEmbedder(n_mels, cfg.conformer, cfg.embedding_dim),
+    "resnet": lambda cfg, n_mels: ResNetEmbedder(n_mels, cfg.resnet, cfg.embedding_dim),
 }
 
 
@@ -42,10 +45,13 @@ def build_model(cfg: ModelConfig, n_mels: int) -> nn.Module:
 
 
 def build_net(cfg: Config, num_classes: int) -> EmbeddingNet:
-    """Front end + embedder (+ a classifier head over `num_classes` when loss.ce_weight > 0)."""
+    """Front end + embedder (+ a classifier head over `num_classes` when loss.ce_weight > 0,
+    with loss.head's scale and sub-centers)."""
     embedder = build_model(cfg.model, cfg.features.n_mels)
     head_classes = num_classes if cfg.loss.ce_weight > 0 else 0
-    return EmbeddingNet(FeatureFrontend(cfg.features), embedder, num_classes=head_classes)
+    return EmbeddingNet(FeatureFrontend(cfg.features), embedder, num_classes=head_classes,
+                        head_scale=cfg.loss.effective_head_scale,
+                        head_subcenters=cfg.loss.head_subcenters)
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
@@ -57,12 +63,14 @@ class EmbeddingNet(nn.Module):
     """Front end + embedder (+ optional classifier head): what training wraps in DDP.
 
     forward(x, lengths) → (embeddings [B, D], logits [B, C] or None); x is waveforms [B, S]
-    or features [B, T, F] as the front end expects, lengths in samples or frames.
+    or features [B, T, F] as the front end expects, lengths in samples or frames. The logits
+    are the head's scaled cosines, without a margin (the loss adds it in training).
     `embed` returns the embeddings alone (call it in eval mode: SpecAugment and dropout follow
     the module's training flag).
     """
 
-    def __init__(self, frontend: FeatureFrontend, embedder: nn.Module, num_classes: int = 0):
+    def __init__(self, frontend: FeatureFrontend, embedder: nn.Module, num_classes: int = 0,
+                 head_scale: float = 16.0, head_subcenters: int = 1):
         super().__init__()
         if num_classes < 0:
             raise ValueError(f"num_classes must be >= 0 (0 = no classifier head), got {num_classes}")
@@ -70,7 +78,9 @@ class EmbeddingNet(nn.Module):
         self.embedder = embedder
         self.num_classes = num_classes
         self.head: ClassifierHead | None = (
-            ClassifierHead(embedder.embedding_dim, num_classes) if num_classes > 0 else None
+            ClassifierHead(embedder.embedding_dim, num_classes, scale=head_scale,
+                           subcenters=head_subcenters)
+            if num_classes > 0 else None
         )
 
     def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor | None]:

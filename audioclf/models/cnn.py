@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from audioclf.config import CNNConfig
-from audioclf.models.pooling import lengths_to_mask, masked_max, masked_mean
+from audioclf.models.pooling import build_pooling, lengths_to_mask
 
 
 class ConvBlock(nn.Module):
@@ -36,9 +36,10 @@ class ConvBlock(nn.Module):
 class CNNEmbedder(nn.Module):
     """Log-mel [B, T, n_mels] → L2-normalised embedding [B, embedding_dim].
 
-    `depth` blocks with `width * 2**i` channels; then mean over frequency, masked mean + masked
-    max over time (summed, as in PANNs), dropout, Linear. Clips shorter than 2**depth frames
-    are zero-padded up to it (their length still counts only the real frames).
+    `depth` blocks with `width * 2**i` channels; then mean over frequency, masked pooling over
+    time (`pooling`: mean + max summed, as in PANNs, or attentive mean + std), dropout, Linear.
+    Clips shorter than 2**depth frames are zero-padded up to it (their length still counts only
+    the real frames).
     """
 
     def __init__(self, n_mels: int, cfg: CNNConfig, embedding_dim: int):
@@ -53,8 +54,9 @@ class CNNEmbedder(nn.Module):
             [ConvBlock(channels[i], channels[i + 1]) for i in range(cfg.depth)]
         )
         self.min_frames = 2**cfg.depth
+        self.pooling = build_pooling(cfg.pooling, channels[-1])
         self.dropout = nn.Dropout(cfg.dropout)
-        self.embedding = nn.Linear(channels[-1], embedding_dim)
+        self.embedding = nn.Linear(self.pooling.output_dim, embedding_dim)
         self.embedding_dim = embedding_dim
 
     def forward(self, feats: Tensor, lengths: Tensor | None = None) -> Tensor:
@@ -68,5 +70,5 @@ class CNNEmbedder(nn.Module):
             x, lengths = block(x, lengths)
         x = x.mean(dim=3).transpose(1, 2)  # [B, T', C]
         mask = lengths_to_mask(lengths, x.shape[1])
-        pooled = masked_mean(x, mask) + masked_max(x, mask)
+        pooled = self.pooling(x, mask)
         return F.normalize(self.embedding(self.dropout(pooled)), dim=1)

@@ -47,3 +47,46 @@ class AttentiveStatsPooling(nn.Module):
         var = (weights * x * x).sum(dim=1) - mean * mean
         std = torch.sqrt(var.clamp(min=1e-6))
         return torch.cat([mean, std], dim=1)
+
+
+class StatsPooling(nn.Module):
+    """Masked mean and standard deviation over time (WeSpeaker's TSTP) → [B, 2 * in_dim].
+
+    Population statistics over the valid frames (a one-frame clip has std sqrt(1e-6) rather
+    than NaN); computed in fp32 (or fp64) even from half precision.
+    """
+
+    def __init__(self, in_dim: int):
+        super().__init__()
+        self.output_dim = 2 * in_dim
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = x.to(torch.promote_types(x.dtype, torch.float32)).masked_fill(~mask.unsqueeze(-1), 0.0)
+        weights = mask.unsqueeze(-1).to(x.dtype)  # [B, T, 1]
+        count = weights.sum(dim=1).clamp(min=1.0)
+        mean = (x * weights).sum(dim=1) / count
+        var = (((x - mean.unsqueeze(1)) * weights) ** 2).sum(dim=1) / count
+        return torch.cat([mean, torch.sqrt(var.clamp(min=1e-6))], dim=1)
+
+
+class MeanMaxPooling(nn.Module):
+    """Masked mean + masked max over time, summed (PANNs) → [B, in_dim]."""
+
+    def __init__(self, in_dim: int):
+        super().__init__()
+        self.output_dim = in_dim
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return masked_mean(x, mask) + masked_max(x, mask)
+
+
+def build_pooling(kind: str, in_dim: int) -> nn.Module:
+    """The pooling named by a model's `pooling` key; every one has forward(x [B, T, D], mask
+    [B, T]) and `output_dim`."""
+    if kind == "attentive_stats":
+        return AttentiveStatsPooling(in_dim)
+    if kind == "stats":
+        return StatsPooling(in_dim)
+    if kind == "mean_max":
+        return MeanMaxPooling(in_dim)
+    raise ValueError(f"pooling {kind!r} is unknown: use attentive_stats, stats or mean_max")
