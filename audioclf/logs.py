@@ -1,7 +1,8 @@
 """Run-directory logging: train.log, metrics.csv and TensorBoard events.
 
 Rank 0 logs INFO and up; other ranks log only warnings and errors (tagged with their rank), so
-train.log holds rank 0's story plus every rank's problems.
+train.log holds rank 0's story plus every rank's problems. At each validation, TensorBoard's
+projector gets a class-stratified sample of the validation embeddings (MetricsWriter.projector).
 """
 
 from __future__ import annotations
@@ -9,9 +10,15 @@ from __future__ import annotations
 import csv
 import faulthandler
 import logging
+import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+
+from audioclf.data.index import stratified_subset
 from audioclf.fileio import DiskWriteError, atomic_write_bytes, write_failure_message
 
 log = logging.getLogger("audioclf")
@@ -21,6 +28,10 @@ METRIC_COLUMNS = [
     "overflow_steps", "skipped_files", "skipped_batches", "precision_at_1", "map_at_r",
     "r_precision",
 ]
+# Most validation embeddings given to TensorBoard's projector per validation: a class-stratified
+# sample. tensors.tsv is text, about 2,000 x D x 9 bytes (2.3 MB at D = 128) per validation.
+PROJECTOR_POINTS = 2000
+PROJECTOR_DECIMALS = 5  # the projector draws; more digits only make tensors.tsv bigger
 
 
 def setup_logging(run_dir: Path | None, rank: int) -> None:
@@ -56,7 +67,7 @@ def setup_logging(run_dir: Path | None, rank: int) -> None:
 
 
 class MetricsWriter:
-    """Rank 0's metrics.csv (one row per epoch) and TensorBoard scalars."""
+    """Rank 0's metrics.csv (one row per epoch), TensorBoard scalars and projector embeddings."""
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.enabled = enabled
@@ -70,6 +81,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            _restore_projector_config(self.tb)
         except ImportError:  # tensorboard is in requirements.txt, but stay usable without it
             log.warning("tensorboard is not installed; writing metrics.csv only")
 
@@ -92,9 +104,79 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.flush()
 
+    def projector(self, embeddings: np.ndarray, classes: Sequence[str], items: Sequence[str], *,
+                  epoch: int, step: int, limit: int = PROJECTOR_POINTS, seed: int = 0) -> int:
+        """Validation embeddings [N, D] into TensorBoard's projector, tagged
+        "validation/epoch_<epoch>" at `step`, with [class, item] metadata per point.
+
+        At most `limit` points, class-stratified (every class while it lasts; the same points
+        every epoch when the validation set is the same). Rank 0 only: a no-op when disabled or
+        without tensorboard; a write that fails (full disk) logs a warning and training goes
+        on. Returns the number of points written.
+        """
+        if self.tb is None or len(embeddings) == 0:
+            return 0
+        classes, items = np.asarray(classes, dtype=str), np.asarray(items, dtype=str)
+        if not len(embeddings) == len(classes) == len(items):
+            raise ValueError(f"projector: {len(embeddings)} embeddings, {len(classes)} classes "
+                             f"and {len(items)} items; give one class and item per embedding")
+        keep = stratified_subset(pd.factorize(classes)[0], limit, seed)
+        points = np.round(np.asarray(embeddings, dtype=np.float64)[keep], PROJECTOR_DECIMALS)
+        metadata = [[_tsv_cell(c), _tsv_cell(i)] for c, i in zip(classes[keep], items[keep],
+                                                                   strict=True)]
+        tag = f"validation/epoch_{epoch:03d}"
+        try:
+            _forget_projector_entry(self.tb, tag, step)  # a re-run epoch replaces its entry
+            self.tb.add_embedding(points, metadata=metadata, metadata_header=["class", "item"],
+                                  tag=tag, global_step=step)
+        except OSError as exc:
+            log.warning("could not write the validation embeddings to TensorBoard's projector "
+                        "(%s); training goes on", exc)
+            return 0
+        return len(keep)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _tsv_cell(text: str) -> str:
+    """A metadata.tsv cell: tabs and line breaks would shift columns or rows."""
+    return " ".join(str(text).split()) or "-"
+
+
+# SummaryWriter keeps the projector's list of embeddings in memory and rewrites
+# projector_config.pbtxt from it on every add_embedding; a resumed run's new writer would
+# forget the epochs before the restart. These two keep that list in step with the folder.
+
+
+def _restore_projector_config(tb) -> None:
+    """Seed a new SummaryWriter with the projector entries already in its log folder."""
+    path = Path(tb.log_dir) / "projector_config.pbtxt"
+    if not path.is_file():
+        return
+    try:
+        from google.protobuf import text_format
+        from tensorboard.plugins.projector.projector_config_pb2 import ProjectorConfig
+
+        tb._projector_config = text_format.Parse(path.read_text(), ProjectorConfig())
+    except Exception as exc:  # a broken file costs the earlier entries, not the run
+        log.warning("could not read %s (%s); it will list this run's embeddings only", path, exc)
+
+
+def _forget_projector_entry(tb, tag: str, step: int) -> None:
+    """Drop an entry (and its files) that add_embedding is about to write again, e.g. when a
+    run resumed from before its last validation repeats that epoch."""
+    config = getattr(tb, "_projector_config", None)
+    name = f"{tag}:{str(step).zfill(5)}"
+    if config is not None:
+        kept = [entry for entry in config.embeddings if entry.tensor_name != name]
+        if len(kept) != len(config.embeddings):
+            del config.embeddings[:]
+            config.embeddings.extend(kept)
+    folder = Path(tb.log_dir) / str(step).zfill(5) / tb._encode(tag)
+    if folder.is_dir():
+        shutil.rmtree(folder)
 
 
 def _fmt(value) -> str:

@@ -223,3 +223,195 @@ def test_a_model_that_gives_nan_is_refused(setup, capsys, tmp_path):
     code, out, err = run_cli(capsys, "--model", tmp_path / "nan" / "best.pt", "--gallery",
                              setup["gallery"], "--quiet", "--device", "cpu", setup["queries"])
     assert code == 2 and out == "" and "NaN/inf embeddings" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# --index SHEET --save PREFIX: every row of a sheet, in resumable chunks
+
+
+@pytest.fixture(scope="module")
+def sheet(setup, tiny_demo):
+    """48 rows of the demo (4 classes x 3 items x 4 ids) with absolute paths and a split
+    column (id 00 of each item → val)."""
+    table = pd.read_excel(tiny_demo, dtype=str, engine="openpyxl")
+    table = table[table["a_cls"].isin(CLASSES)].copy()
+    table["path"] = [str(tiny_demo.parent / p) for p in table["path"]]
+    table["split"] = np.where(table["a_id"].str.endswith("_00"), "val", "train")
+    path = setup["root"] / "sheet.csv"
+    table.to_csv(path, index=False)
+    return path
+
+
+def index_cli(capsys, setup, sheet, prefix, *extra):
+    return run_cli(capsys, "--model", setup["model"], "--index", sheet, "--save", prefix,
+                   "--quiet", "--device", "cpu", "--num-workers", 0, *extra)
+
+
+def saved(prefix) -> tuple[np.ndarray, pd.DataFrame]:
+    return np.load(f"{prefix}.npy"), pd.read_parquet(f"{prefix}.parquet")
+
+
+def test_index_mode_matches_embed_files_row_for_row(setup, sheet, capsys, tmp_path, monkeypatch):
+    from audioclf.inference import embed_files, load_trained
+
+    monkeypatch.setattr(embed, "CHUNK_ROWS", 16)
+    prefix = tmp_path / "out" / "all"
+    code, out, err = index_cli(capsys, setup, sheet, prefix, "--batch-size", 8,
+                               "--num-workers", 1)
+    assert code == 0, err
+    table = pd.read_csv(sheet, dtype=str)
+    embeddings, rows = saved(prefix)
+    assert embeddings.shape == (48, 16) and embeddings.dtype == np.float32
+    assert list(rows.columns) == ["row", "id", "class", "item", "path"]
+    assert rows["row"].tolist() == list(range(2, 50))  # the sheet's own row numbers
+    assert rows["id"].tolist() == table["a_id"].tolist()
+    assert rows["class"].tolist() == table["a_cls"].tolist()
+    assert rows["path"].tolist() == table["path"].tolist()
+    net, cfg, _ = load_trained(setup["model"])
+    reference = embed_files(net, cfg, table["path"].tolist(), batch_size=8, progress=False)
+    np.testing.assert_allclose(embeddings, reference, atol=1e-6)
+    assert "48 rows in 3 chunk(s)" in out and f"saved {prefix}.npy (48 x 16 float32)" in out
+    assert not (tmp_path / "out" / "all.parts").exists()  # parts removed once assembled
+    assert not (tmp_path / "out" / "all.skipped.csv").exists()
+
+    code, out, err = index_cli(capsys, setup, sheet, tmp_path / "val", "--split", "val")
+    assert code == 0, err
+    val_embeddings, val_rows = saved(tmp_path / "val")
+    assert val_rows["id"].tolist() == [i for i in table["a_id"] if i.endswith("_00")]
+    np.testing.assert_allclose(val_embeddings, embeddings[val_rows["row"].to_numpy() - 2],
+                               atol=1e-5)
+
+
+class Killed(Exception):
+    """The process dying after some chunks."""
+
+
+def test_a_killed_run_resumes_without_recomputing_finished_chunks(setup, sheet, capsys, tmp_path,
+                                                                  monkeypatch):
+    monkeypatch.setattr(embed, "CHUNK_ROWS", 8)  # 6 chunks
+    code, _, err = index_cli(capsys, setup, sheet, tmp_path / "straight")
+    assert code == 0, err
+    reference, reference_rows = saved(tmp_path / "straight")
+
+    real_write = embed.write_part
+    writes = []
+
+    def dying_write(path, part):
+        if len(writes) == 3:
+            raise Killed()
+        writes.append(path.name)
+        return real_write(path, part)
+
+    monkeypatch.setattr(embed, "write_part", dying_write)
+    prefix = tmp_path / "resumed"
+    with pytest.raises(Killed):
+        index_cli(capsys, setup, sheet, prefix)
+    parts = tmp_path / "resumed.parts"
+    assert sorted(p.name for p in parts.glob("chunk-*")) == writes == [
+        "chunk-000000.npz", "chunk-000001.npz", "chunk-000002.npz"]
+    assert not (tmp_path / "resumed.npy").exists()
+    (parts / "chunk-000002.npz").write_bytes(b"half a file")  # a damaged part is embedded again
+    table = pd.read_csv(sheet, dtype=str)
+    ids, paths = table["a_id"].to_numpy(str)[8:16], table["path"].to_numpy(str)[8:16]
+    assert embed.read_part(parts / "chunk-000001.npz", ids, paths, 8, 16) is not None
+    edited = ids.copy()
+    edited[3] = "renamed"  # a part made for other rows (an edited sheet) is not taken
+    assert embed.read_part(parts / "chunk-000001.npz", edited, paths, 8, 16) is None
+    assert embed.read_part(parts / "chunk-000001.npz", ids, paths[::-1], 8, 16) is None
+    assert embed.read_part(parts / "chunk-000002.npz", ids, paths, 16, 16) is None
+    monkeypatch.setattr(embed, "write_part", real_write)
+
+    # Another model must not finish this run.
+    other = make_checkpoint(tmp_path / "other.pt", "conformer", seed=1)
+    code, out, err = run_cli(capsys, "--model", other, "--index", sheet, "--save", prefix,
+                             "--quiet", "--num-workers", 0)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"{parts} holds the unfinished work of another run" in err and "model" in err
+
+    embedded = []
+    real_extract = embed.extract_embeddings
+
+    def recording_extract(*args, positions, **kwargs):
+        embedded.extend(positions)
+        return real_extract(*args, positions=positions, **kwargs)
+
+    monkeypatch.setattr(embed, "extract_embeddings", recording_extract)
+    code, out, err = index_cli(capsys, setup, sheet, prefix)
+    assert code == 0, err
+    assert embedded == list(range(16, 48))  # chunks 0 and 1 were taken as they were
+    assert "48 rows in 6 chunk(s), 2 finished earlier" in out
+    embeddings, rows = saved(prefix)
+    np.testing.assert_array_equal(embeddings, reference)
+    pd.testing.assert_frame_equal(rows, reference_rows)
+    assert not parts.exists()
+
+
+def test_unreadable_files_stop_the_run_or_are_skipped(setup, sheet, capsys, tmp_path):
+    table = pd.read_csv(sheet, dtype=str)
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"RIFF, but not audio")
+    table.loc[5, "path"] = str(broken)
+    bad = tmp_path / "bad.csv"
+    table.to_csv(bad, index=False)
+    code, out, err = index_cli(capsys, setup, bad, tmp_path / "failed")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "index row 7" in err and str(broken) in err and "pass --skip-bad-files" in err
+    assert not (tmp_path / "failed.npy").exists()
+
+    table.loc[9, "path"] = str(tmp_path / "missing.wav")
+    table.to_csv(bad, index=False)
+    code, out, err = index_cli(capsys, setup, bad, tmp_path / "failed")
+    assert code == 2 and err.count("\n") == 1  # an index error, before anything is embedded
+    assert "row 11: " in err and "missing.wav" in err and "pass --skip-bad-files" in err
+
+    code, out, err = index_cli(capsys, setup, bad, tmp_path / "kept", "--skip-bad-files")
+    assert code == 0, err
+    embeddings, rows = saved(tmp_path / "kept")
+    assert len(embeddings) == len(rows) == 46
+    assert rows["id"].tolist() == table["a_id"].drop([5, 9]).tolist()
+    skipped = pd.read_csv(tmp_path / "kept.skipped.csv")
+    assert list(skipped.columns) == ["row", "id", "path", "reason"]
+    assert skipped["row"].tolist() == [7, 11]
+    assert skipped["path"].tolist() == [str(broken), str(tmp_path / "missing.wav")]
+    assert all(str(path) in reason for path, reason in zip(skipped["path"], skipped["reason"],
+                                                           strict=True))
+    assert "skipped 2 unreadable file(s)" in out and "kept.skipped.csv" in out
+
+    code, _, err = index_cli(capsys, setup, sheet, tmp_path / "kept")  # all readable now
+    assert code == 0, err
+    assert not (tmp_path / "kept.skipped.csv").exists()  # no stale list of the earlier run
+
+
+@pytest.mark.parametrize("case, message", [
+    ("index without save", "--index needs --save PREFIX"),
+    ("index with files", "drop audio files"),
+    ("index with gallery", "drop --gallery"),
+    ("nothing to do", "give audio files or folders and --gallery SHEET"),
+    ("split without index", "--split applies to --index"),
+    ("absent split", "has no 'test' split"),
+    ("sheet without classes", "has no column 'a_cls'"),
+    ("bad workers", "--num-workers must be >= 0"),
+])
+def test_index_errors_exit_2_with_one_line(setup, sheet, capsys, tmp_path, case, message):
+    args = ["--model", setup["model"], "--quiet", "--index", sheet, "--save", tmp_path / "x"]
+    if case == "index without save":
+        args = args[:-2]
+    elif case == "index with files":
+        args.append(setup["queries"])
+    elif case == "index with gallery":
+        args += ["--gallery", setup["gallery"]]
+    elif case == "nothing to do":
+        args = args[:3]
+    elif case == "split without index":
+        args = [*args[:3], "--gallery", setup["gallery"], "--split", "val", setup["queries"]]
+    elif case == "absent split":
+        args += ["--split", "test"]
+    elif case == "sheet without classes":
+        args[4] = write_sheet(tmp_path / "no_class.csv", setup, drop="a_cls")
+    else:
+        args += ["--num-workers", "-1"]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("python -m audioclf.embed: error: ") and err.count("\n") == 1
+    assert message in err
+    assert not list(tmp_path.glob("x.*"))

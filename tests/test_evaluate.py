@@ -79,6 +79,18 @@ def test_default_evaluation_writes_a_complete_report(trained, tmp_path, capsys):
     assert not (out / "confusion.png").exists()  # queries are a subset: no per-sample kNN
     assert "precision_at_1" in stdout and str(out / "report.md") in stdout
     assert not list(tmp_path.glob(".eval.partial*"))
+    # The embedding space: projector files and the HTML scatter, every sample of this small set.
+    rows = [line.split("\t") for line in (out / "metadata.tsv").read_text().splitlines()]
+    assert rows[0] == ["class", "item", "id", "path"] and len(rows) == 36 + 1
+    assert len(np.loadtxt(out / "embeddings.tsv", delimiter="\t", ndmin=2)) == 36
+    assert {row[0] for row in rows[1:]} == set(report["per_class_p1"][i]["name"] for i in range(3))
+    assert all(Path(row[3]).is_file() for row in rows[1:])
+    page = (out / "embeddings.html").read_text()
+    assert page.count("<circle ") == 36
+    assert all(f"class: {row[0]}\nitem: {row[1]}\nid: {row[2]}" in page for row in rows[1:])
+    markdown = (out / "report.md").read_text()
+    assert "](embeddings.html)" in markdown and "](metadata.tsv)" in markdown
+    assert str(out / "embeddings.html") in stdout
 
 
 def test_default_out_is_next_to_the_checkpoint(trained, capsys):
@@ -108,6 +120,27 @@ def test_index_and_split_are_honoured_closed_set(trained, closed_set_sheet, tmp_
         assert setup["n_gallery_samples"] == 144 - 72
         assert (out / "confusion.png").is_file()
         assert math.isfinite(read_report(out)["metrics"]["knn_accuracy"])
+
+
+def test_a_later_evaluation_leaves_nothing_of_an_earlier_one(trained, closed_set_sheet, tmp_path,
+                                                              capsys):
+    out = tmp_path / "eval"
+    common = ["--checkpoint", trained, "--out", out, "--num-workers", 0, "--quiet"]
+    code, _, err = run_cli(capsys, *common, "--index", closed_set_sheet)  # closed set: confusion
+    assert code == 0, err
+    assert (out / "confusion.png").is_file()
+    first_ids = {line.split("\t")[2] for line in (out / "metadata.tsv").read_text().splitlines()[1:]}
+    code, _, err = run_cli(capsys, *common)  # the open-set val split of the checkpoint's sheet
+    assert code == 0, err
+    assert not (out / "confusion.png").exists()  # a stale plot does not pass for this run
+    cfg = load_trained(trained)[1]
+    val_ids = set(evaluate.select_data(cfg).evaluated.table["id"])
+    rows = (out / "metadata.tsv").read_text().splitlines()
+    assert {line.split("\t")[2] for line in rows[1:]} == val_ids != first_ids
+    page = (out / "embeddings.html").read_text()
+    assert all(f"id: {i}\n" not in page and f"id: {i}<" not in page for i in first_ids - val_ids)
+    assert set(read_report(out)["files"]) == set(evaluate.REPORT_FILES) - {"confusion.png"}
+    assert {p.name for p in out.iterdir()} == set(evaluate.REPORT_FILES) - {"confusion.png"}
 
 
 def test_gallery_sheet(trained, closed_set_sheet, tmp_path, capsys):

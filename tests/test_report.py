@@ -40,7 +40,8 @@ def full_report(tmp_path, **overrides):
 
 def test_write_report_writes_every_file(tmp_path):
     written, _, _, _ = full_report(tmp_path)
-    expected = {"report.json", "report.md", "det.png", "per_class_p1.png", "projection.png", "confusion.png"}
+    expected = {"report.json", "report.md", "det.png", "per_class_p1.png", "projection.png", "confusion.png",
+                "embeddings.tsv", "metadata.tsv", "embeddings.html"}
     assert set(written) == expected
     out_dir = tmp_path / "report"
     assert {path.name for path in out_dir.iterdir()} == expected  # no temporary files left
@@ -98,7 +99,8 @@ def test_optional_plots_skipped_and_per_class_computed_when_absent(tmp_path):
         class_names=class_names,
         projection="tsne",
     )
-    assert set(written) == {"report.json", "report.md", "per_class_p1.png", "projection.png"}
+    assert set(written) == {"report.json", "report.md", "per_class_p1.png", "projection.png",
+                            "embeddings.tsv", "metadata.tsv", "embeddings.html"}
     report = json.loads(written["report.json"].read_text())
     expected = retrieval_metrics(embeddings, labels, return_per_sample=True)["per_sample_correct_at_1"]
     row = next(row for row in report["per_class_p1"] if row["class_id"] == 0)
@@ -154,4 +156,97 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         write_report(tmp_path, results={}, embeddings=embeddings, labels=labels, class_names=class_names)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding files: projector TSVs and the HTML scatter
+
+
+def read_tsv(path) -> list[list[str]]:
+    return [line.split("\t") for line in path.read_text().splitlines()]
+
+
+def item_metadata(labels):
+    import pandas as pd
+
+    return pd.DataFrame({"item": [f"rec{i % 3}" for i in range(len(labels))],
+                         "id": [f"id{i:04d}" for i in range(len(labels))],
+                         "path": [f"/data/clip {i}.wav" for i in range(len(labels))]})
+
+
+def test_embedding_files_parse_and_describe_every_sample(tmp_path):
+    embeddings, labels, class_names = synthetic()
+    metadata = item_metadata(labels)
+    written, _, _, _ = full_report(tmp_path, metadata=metadata)
+    vectors = np.loadtxt(written["embeddings.tsv"], delimiter="\t", ndmin=2)
+    rows = read_tsv(written["metadata.tsv"])
+    assert rows[0] == ["class", "item", "id", "path"]
+    assert len(rows) == len(vectors) + 1 == len(labels) + 1  # small set: every sample
+    assert all(len(row) == 4 for row in rows)
+    # Row by row the same sample: its class, its metadata, its vector (to the 5 digits written).
+    for row, vector in zip(rows[1:], vectors, strict=True):
+        position = int(row[2].removeprefix("id"))
+        assert row[0] == class_names[labels[position]] and row[3] == metadata["path"][position]
+        np.testing.assert_allclose(vector, embeddings[position], rtol=1e-4, atol=1e-5)
+
+    page = written["embeddings.html"].read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<script" in page and "src=" not in page
+    assert page.count("<circle ") == len(labels)
+    for name in class_names:  # every class in the legend and on its points' hover text
+        assert f"{name} (" in page and f"class: {name}" in page
+    assert "id: id0007" in page and "item: rec1" in page
+    markdown = written["report.md"].read_text()
+    for name in ("embeddings.html", "embeddings.tsv", "metadata.tsv"):
+        assert f"]({name})" in markdown
+    assert f"all {len(labels)} samples" in markdown
+    report = json.loads(written["report.json"].read_text())
+    assert report["embedding_files"]["embeddings.tsv"] == {"points": len(labels), "of": len(labels),
+                                                           "sampling": "all"}
+
+
+def test_large_sets_are_sampled_by_class_and_the_report_says_so(tmp_path):
+    rng = np.random.default_rng(2)
+    labels = np.repeat(np.arange(6), [400, 200, 100, 50, 20, 5])
+    embeddings = rng.normal(size=(len(labels), 8)).astype(np.float32)
+    names = [f"c{i}" for i in range(6)]
+    written = write_report(tmp_path, results={}, embeddings=embeddings, labels=labels,
+                           class_names=names, tsv_points=300, html_points=60)
+    rows = read_tsv(written["metadata.tsv"])
+    assert rows[0] == ["class", "sample"] and len(rows) == 301
+    assert len(np.loadtxt(written["embeddings.tsv"], delimiter="\t", ndmin=2)) == 300
+    shown = [row[0] for row in rows[1:]]
+    # Small classes whole (5 + 20 + 50), the other 225 points shared evenly by the big ones.
+    assert [shown.count(f"c{i}") for i in range(6)] == [75, 75, 75, 50, 20, 5]
+    page = written["embeddings.html"].read_text()
+    assert page.count("<circle ") == 60 and all(f"class: {n}" in page for n in names)
+    markdown = written["report.md"].read_text()
+    assert "a class-stratified sample of 60 of 775 samples" in markdown
+    assert "a class-stratified sample of 300 of 775 samples" in markdown
+
+
+@pytest.mark.filterwarnings("ignore:Glyph")  # a tab in a class name, drawn in the PNG plots
+def test_names_cannot_break_the_files(tmp_path):
+    import pandas as pd
+
+    embeddings, labels, _ = synthetic()
+    names = ["<script>alert(1)</script>", "tab\there", "line\nbreak", 'quote"s', "&amp;"]
+    metadata = pd.DataFrame({"item": ["it\tem"] * len(labels), "id": [""] * len(labels)})
+    written = write_report(tmp_path, results={}, embeddings=embeddings, labels=labels,
+                           class_names=names, metadata=metadata)
+    rows = read_tsv(written["metadata.tsv"])
+    assert all(len(row) == 3 for row in rows) and len(rows) == len(labels) + 1
+    assert {row[0] for row in rows[1:]} == {"<script>alert(1)</script>", "tab here", "line break",
+                                            'quote"s', "&amp;"}
+    assert {row[1] for row in rows[1:]} == {"it em"} and {row[2] for row in rows[1:]} == {"-"}
+    page = written["embeddings.html"].read_text()
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)" in page
+    assert "&amp;amp;" in page
+
+
+def test_metadata_must_have_a_row_per_embedding(tmp_path):
+    embeddings, labels, class_names = synthetic()
+    with pytest.raises(ValueError, match="metadata has 3 rows but there are 48 embeddings"):
+        write_report(tmp_path, results={}, embeddings=embeddings, labels=labels,
+                     class_names=class_names, metadata=item_metadata(labels).iloc[:3])
     assert list(tmp_path.iterdir()) == []
