@@ -3,6 +3,8 @@
 import logging
 import pickle
 
+import os
+
 import numpy as np
 import pytest
 import soundfile
@@ -153,3 +155,38 @@ def test_dataset_is_picklable_and_validates(npy_files):
         AudioDataset(npy_files, np.array([0.5, 1.0, 1.0]), npy_cfg(), train=True)
     with pytest.raises(IndexError, match="position 3"):
         ds[3]
+
+
+def _private_dirty_kb() -> int:
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("Private_Dirty:"):
+            return int(line.split()[1])
+    raise RuntimeError("no Private_Dirty in smaps_rollup")
+
+
+def _read_all_paths(paths, queue):
+    before = _private_dirty_kb()
+    total = sum(len(paths[i]) for i in range(len(paths)))
+    queue.put((_private_dirty_kb() - before, total))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux /proc")
+def test_workers_reading_the_paths_do_not_copy_them():
+    # A forked DataLoader worker shares the dataset's pages; reading a Python list of str writes
+    # every string's reference count, so the pages get copied into the worker (copy-on-read).
+    import multiprocessing
+
+    from audioclf.data.dataset import PackedStrings
+
+    strings = [f"/data/features/class_{i % 2000:05d}/sample_{i:08d}.npy" for i in range(300_000)]
+    context = multiprocessing.get_context("fork")
+    grown = {}
+    for name, paths in (("list", strings), ("packed", PackedStrings(strings))):
+        queue = context.Queue()
+        child = context.Process(target=_read_all_paths, args=(paths, queue))
+        child.start()
+        grown[name], total = queue.get(timeout=60)
+        child.join()
+        assert total == sum(len(s) for s in strings)
+    assert grown["list"] > 10_000, grown  # the test can tell: a list copies > 10 MB
+    assert grown["packed"] < 2_000, grown

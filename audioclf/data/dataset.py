@@ -65,9 +65,12 @@ class AudioDataset(torch.utils.data.Dataset):
             raise ValueError(f"AudioDataset labels must be integers, got dtype {labels.dtype}")
         if rows is not None and len(rows) != len(paths):
             raise ValueError(f"AudioDataset got {len(rows)} rows for {len(paths)} paths")
-        self.paths = [str(p) for p in paths]
+        # numpy, not Python lists: DataLoader workers share these pages with the main process,
+        # and reading a list's str objects writes their reference counts (copy-on-read), which
+        # copies the pages into every worker — hundreds of MB per worker at 400k rows.
+        self.paths = PackedStrings([str(p) for p in paths])
         self.labels = labels.astype(np.int64)
-        self.rows = None if rows is None else [int(r) for r in rows]
+        self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
         self.cfg = cfg
         self.train = train
         self.skip_bad_files = skip_bad_files
@@ -132,6 +135,26 @@ class AudioDataset(torch.utils.data.Dataset):
         else:
             feats = read_npy_crop(path, eval_max_frames(cfg), None, cfg.npy_layout, cfg.n_mels, "none")
         return torch.from_numpy(feats)
+
+
+class PackedStrings:
+    """Strings stored as one UTF-8 byte array and offsets: no Python object per string."""
+
+    def __init__(self, strings: Sequence[str]):
+        encoded = [s.encode() for s in strings]
+        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(e) for e in encoded], out=self._offsets[1:])
+        self._data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, position: int) -> str:
+        start, stop = self._offsets[position], self._offsets[position + 1]
+        return self._data[start:stop].tobytes().decode()
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def collate_padded(batch: Sequence[Item | None]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
