@@ -1,9 +1,8 @@
 """AudioDataset items, crop seeds, bad files, and the padding collate."""
 
 import logging
-import pickle
-
 import os
+import pickle
 
 import numpy as np
 import pytest
