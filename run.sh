@@ -25,6 +25,10 @@ setup_venv() {
     command -v "$python" >/dev/null || die "$python not found; install Python 3.10+ or set PYTHON=/path/to/python"
     "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
         || die "audioclf needs Python 3.10 or newer ($("$python" --version) found)"
+    if [[ -x "$PY" ]] && ! "$PY" -m pip --version >/dev/null 2>&1; then
+        echo "run.sh: .venv is incomplete (an interrupted set-up?): creating it again"
+        rm -rf "$VENV"
+    fi
     if [[ ! -x "$PY" ]]; then
         echo "run.sh: creating virtual environment .venv"
         "$python" -m venv "$VENV"
