@@ -7,6 +7,7 @@ with the usual umask (not mkstemp's 0600), so reports stay readable by others.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -18,6 +19,9 @@ from typing import IO
 class DiskWriteError(OSError):
     """A file that could not be written (full disk, read-only or forbidden folder); the message
     names the path, the free space and says the previous file is unchanged."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()  # the message, without "[Errno 28]"
 
 
 # torch.save reports a full disk as a RuntimeError of its zip writer.
@@ -48,9 +52,13 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None], *,
     except RuntimeError as exc:
         if not any(marker in str(exc) for marker in _TORCH_WRITE_FAILURES):
             raise
-        raise DiskWriteError(None, write_failure_message(path, "the write stopped short (is the disk full?)")) from exc
+        raise DiskWriteError(errno.EIO, write_failure_message(
+            path, "the write stopped short (is the disk full?)")) from exc
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # e.g. a read-only file system: the error above is the one to report
+            pass
     return path
 
 
@@ -72,7 +80,10 @@ def remove_stale_temps(folder: str | Path) -> list[Path]:
     for tmp in Path(folder).glob(".*.tmp"):
         pid = tmp.name.rsplit(".", 3)[-3] if tmp.name.count(".") >= 4 else ""
         if pid.isdigit() and not _alive(int(pid)):
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # read-only: the write that follows will say so
+                continue
             removed.append(tmp)
     return removed
 

@@ -191,8 +191,11 @@ def log_failure_to_file(exc: BaseException, rank: int, *, traceback: bool = True
     files = [h for h in log.handlers if isinstance(h, logging.FileHandler)]
     if not files:
         return
+    from audioclf.cli import one_line  # a worker's error carries its whole traceback as text
+
+    with_traceback = traceback and exc.__traceback__ is not None
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0,
-                            "rank %d stopped with %s: %s", (rank, type(exc).__name__, exc),
-                            (type(exc), exc, exc.__traceback__) if traceback else None)
+                            "rank %d stopped with %s: %s", (rank, type(exc).__name__, one_line(exc)),
+                            (type(exc), exc, exc.__traceback__) if with_traceback else None)
     for handler in files:
         handler.handle(record)

@@ -31,7 +31,12 @@ from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index_distributed, split_index, stratified_subset
 from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs
 from audioclf.engine import EpochResult, NonFiniteGuard, train_one_epoch
-from audioclf.fileio import atomic_copy, remove_stale_temps
+from audioclf.fileio import (
+    DiskWriteError,
+    atomic_copy,
+    remove_stale_temps,
+    write_failure_message,
+)
 from audioclf.inference import extract_embeddings, init_weights
 from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
 from audioclf.losses import TripletLoss
@@ -327,7 +332,11 @@ class Trainer:
     def _prepare_run_dir(self) -> None:
         stale: list[Path] = []
         if self.env.is_primary:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DiskWriteError(exc.errno, write_failure_message(
+                    self.run_dir, exc.strerror or str(exc))) from exc
             stale = remove_stale_temps(self.run_dir)  # left by a process killed mid-write
             save_config(self.cfg, self.run_dir / "config.yaml")
         distributed.barrier()

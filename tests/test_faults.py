@@ -70,6 +70,33 @@ def test_a_failed_write_names_the_path_and_keeps_the_previous_file(tmp_path, fai
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary file left
 
 
+def test_a_read_only_folder_reports_the_file_not_the_temporary_one(tmp_path, monkeypatch):
+    def read_only(handle):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name.endswith(".tmp"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with pytest.raises(DiskWriteError) as info:
+        fileio.atomic_write(tmp_path / "config.yaml", read_only)
+    assert str(info.value).startswith(f"cannot write {tmp_path / 'config.yaml'}: Read-only file")
+
+
+def test_an_unreadable_file_in_a_worker_is_one_line_in_train_log(tmp_path, tiny_demo):
+    sheet = _broken_copy(tiny_demo, tmp_path)
+    with pytest.raises(Exception, match="cannot read audio file"):
+        _fit(tiny_config(sheet, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
+                         "data.check_files=false", "data.num_workers=1"))
+    log = (tmp_path / "runs" / "t" / "train.log").read_text()
+    assert "Original Traceback" not in log and "rank 0 stopped with AudioReadError" in log
+    assert all(line.startswith("20") for line in log.splitlines()), log
+
+
 def test_a_disk_error_mid_run_keeps_the_epoch_row_and_the_last_checkpoint(tmp_path, tiny_demo,
                                                                           monkeypatch):
     real = checkpoint.save_atomic
@@ -162,6 +189,7 @@ def test_a_failure_on_one_rank_is_one_line_naming_it(tmp_path, tiny_demo):
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "Traceback" not in log
     assert "rank 1 stopped with ValueError: injected failure on rank 1 at step 2" in log
+    assert all(line.startswith("20") for line in log.splitlines()), log  # records only
 
 
 def test_a_setup_error_under_torchrun_is_said_once_and_writes_nothing(tmp_path, tiny_demo):

@@ -1,0 +1,1020 @@
+"""The fault matrix: what a user sees, and what is left on disk, when things go wrong.
+
+    .venv/bin/python benchmarks/faults.py                    # every case (about 5 min, 2 cores)
+    .venv/bin/python benchmarks/faults.py --cases 4,nan-wav  # a subset, by number or name
+    .venv/bin/python benchmarks/faults.py --keep /tmp/faults # keep the work folder
+
+It generates a tiny demo set (12 classes x 3 items x 4 ids) in a temporary folder and runs each
+case as a user would: subprocesses of `python -m audioclf.train` (torchrun with 2 ranks where the
+case is about ranks), `./run.sh`, `audioclf.export` and `audioclf.embed`, all on CPU with one
+thread each and the tiny configs of tests/conftest.py. Faults that need a hook inside the run
+(a disk that fills up in epoch 2, kill -9 in the middle of torch.save, a stop at step 3) run the
+same `audioclf.train` entry point through this file's hidden `--worker` mode.
+
+One line per case:
+
+    case | exit code | the message line the user saw | checkpoint intact | data lost
+
+  message line       the first error line on the console (shortened); for a case that should
+                     succeed, the line of train.log / stdout that shows it did what it should
+  checkpoint intact  yes: the last.pt the case is about (the one before the fault, or the one
+                     the run went on to write) loads with audioclf.checkpoint.load and holds
+                     only finite tensors; n.a.: the case has none
+  data lost          yes: a metrics.csv row of a finished epoch is missing, a half-written file
+                     is left (a *.tmp, a 0-byte .pt), or last.pt is older than the last epoch
+                     whose checkpoint was written without an error
+
+then a summary, and the reason for every row that is not as expected (each case also checks
+its own promises: exit code, one error line, what the message names, what train.log says;
+train.log must hold log records only, no traceback text). Every command's console is kept in
+<work>/console/NNN.txt (see --keep).
+Exit status: 0 every row as expected, 1 otherwise.
+
+The full-disk and read-only cases mount small tmpfs folders (needs root; otherwise they fall
+back to monkeypatched ENOSPC / EROFS errors inside the run, and say so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import io
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+MESSAGE_WIDTH = 120
+TRAIN_ERROR = "python -m audioclf.train: error:"
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows and checks
+
+
+@dataclass
+class Row:
+    case: str
+    code: str = "-"
+    message: str = ""
+    intact: str = "n.a."  # yes / no / n.a.
+    lost: str = "no"  # yes / no
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def expect(self, condition: bool, problem: str) -> bool:
+        if not condition:
+            self.problems.append(problem)
+        return condition
+
+
+@dataclass
+class Result:
+    code: int
+    out: str  # stdout
+    err: str  # stderr
+    seconds: float
+
+    @property
+    def console(self) -> str:
+        return self.err + "\n" + self.out
+
+
+@dataclass
+class Work:
+    root: Path
+    use_mounts: bool
+    index: Path | None = None
+    base: Path | None = None  # a finished 2-epoch run (best.pt, last.pt)
+    mounts: list[Path] = field(default_factory=list)
+
+    def short(self, text: str) -> str:
+        return text.replace(str(self.root), "$WORK")
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                AUDIOCLF_DEBUG="0", PYTHONUNBUFFERED="1")
+
+
+CONSOLE_LOGS: list[Path] = []  # [folder] once the work folder is known
+
+
+def run(cmd: list[str], timeout: float = 180, extra_env: dict | None = None) -> Result:
+    """Run a command in its own session; on timeout kill its whole process group. The console
+    is kept in <work>/console/NNN.txt."""
+    result = _run(cmd, timeout, extra_env)
+    if CONSOLE_LOGS:
+        folder = CONSOLE_LOGS[0]
+        folder.mkdir(parents=True, exist_ok=True)
+        number = len(list(folder.iterdir())) + 1
+        (folder / f"{number:03d}.txt").write_text(
+            f"$ {' '.join(cmd)}\nexit {result.code} after {result.seconds:.1f} s\n"
+            f"--- stderr\n{result.err}\n--- stdout\n{result.out}\n")
+    return result
+
+
+def _run(cmd: list[str], timeout: float, extra_env: dict | None) -> Result:
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env(), **(extra_env or {})),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[faults.py: timed out after {timeout:.0f} s, process group killed]"
+        return Result(-999, out, err, time.time() - start)
+    return Result(proc.returncode, out, err, time.time() - start)
+
+
+def console_lines(text: str) -> list[str]:
+    """Lines as a terminal shows them: progress-bar carriage returns split lines too."""
+    return [line.strip() for line in re.split(r"[\r\n]+", text) if line.strip()]
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in console_lines(text) if re.search(r": error:", line)]
+
+
+def audioclf_tracebacks(text: str) -> int:
+    """Tracebacks on the console other than torchrun's own ChildFailedError report (which
+    torchrun prints whenever a worker exits non-zero)."""
+    blocks = text.split("Traceback (most recent call last):")[1:]
+    return sum("torch/distributed/run.py" not in block.split("\n\n")[0] for block in blocks)
+
+
+def first_error_line(text: str) -> str:
+    """The first `<prog>: error:` line, else the first traceback / ERROR line, else ""."""
+    lines = console_lines(text)
+    for pattern in (r": error:", r"^Traceback|^\w*(Error|Exception)\b|\bERROR\b"):
+        for line in lines:
+            if re.search(pattern, line):
+                return line
+    return ""
+
+
+def shorten(text: str, width: int = MESSAGE_WIDTH) -> str:
+    """One line of at most `width` characters; paths in the work folder as …/<file name>."""
+    text = " ".join(text.split()).replace("python -m audioclf.", "")
+    text = re.sub(r"\$WORK/(?:[^\s'\"():;,]*/)?", "…/", text)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def checkpoint_intact(path: Path) -> tuple[str, dict | None, str]:
+    """('yes' | 'no', the checkpoint, why not) for a last.pt that should be there."""
+    import torch
+
+    from audioclf import checkpoint
+
+    try:
+        ckpt = checkpoint.load(path)
+    except Exception as exc:  # noqa: BLE001 - any failure to load means "not intact"
+        return "no", None, f"{path.name} does not load: {exc}"
+    bad = []
+
+    def walk(value, name):
+        if torch.is_tensor(value):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                bad.append(name)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{name}[{i}]")
+
+    walk(ckpt, "")
+    if bad:
+        return "no", ckpt, f"{path.name} holds non-finite tensors ({len(bad)}, first {bad[0]})"
+    return "yes", ckpt, ""
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    import csv
+
+    path = run_dir / "metrics.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Half-written files: temporary files and empty checkpoints."""
+    if not folder.exists():
+        return []
+    found = [p for p in folder.rglob("*") if p.is_file()
+             and (p.name.endswith(".tmp") or (p.suffix == ".pt" and p.stat().st_size == 0))]
+    return [str(p.relative_to(folder)) for p in found]
+
+
+def check_run(row: Row, run_dir: Path, *, epochs_done: int, checkpoint_epoch: int | None,
+              ckpt_path: Path | None = None) -> dict | None:
+    """Fill row.intact / row.lost for a run folder.
+
+    epochs_done: epochs that finished (their metrics.csv row must be there);
+    checkpoint_epoch: the epoch last.pt must hold at least (the last one whose checkpoint was
+    written without an error), None when the case expects no last.pt.
+    """
+    ckpt = None
+    if checkpoint_epoch is not None:
+        path = ckpt_path or run_dir / "last.pt"
+        row.intact, ckpt, why = checkpoint_intact(path)
+        row.expect(row.intact == "yes", why)
+        if ckpt is not None and ckpt.get("epoch", -1) < checkpoint_epoch:
+            row.lost = "yes"
+            row.problems.append(f"last.pt holds epoch {ckpt.get('epoch')}, older than epoch "
+                                f"{checkpoint_epoch}")
+    rows = metrics_rows(run_dir)
+    if len(rows) < epochs_done:
+        row.lost = "yes"
+        row.problems.append(f"metrics.csv has {len(rows)} epoch row(s), {epochs_done} epoch(s) "
+                            "finished")
+    stray = [line for line in read(run_dir / "train.log").splitlines()
+             if line.strip() and not re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line)]
+    row.expect(not stray, f"train.log holds {len(stray)} line(s) outside its log records "
+                          f"(traceback text), the first: {stray[0] if stray else ''!r}")
+    left = leftovers(run_dir)
+    if left:
+        row.lost = "yes"
+        row.problems.append(f"half-written file(s) left: {', '.join(left)}")
+    return ckpt
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def log_line(text: str, needle: str) -> str:
+    """The first line of `text` containing `needle`, without its timestamp."""
+    for line in console_lines(text):
+        if needle in line:
+            return re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", "", line)
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks: configs, runs, mounts
+
+
+def train_args(work: Work, runs_dir: Path, *extra: str, index: Path | None = None) -> list[str]:
+    """The tiny test config (tests.conftest.tiny_config) as CLI overrides, then `extra`
+    (appended as given, so an invalid value reaches the CLI's own validation)."""
+    from tests.conftest import tiny_config
+    from tests.test_train import _cli
+
+    return [*_cli(tiny_config(index or work.index, runs_dir, "cnn")), *extra]
+
+
+def python_train(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "audioclf.train", *args]
+
+
+def torchrun(module_args: list[str], nproc: int = 2) -> list[str]:
+    from tests.distributed_utils import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+            f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}", *module_args]
+
+
+def worker(mode: str, args: list[str], *options: str) -> list[str]:
+    """`python benchmarks/faults.py --worker MODE ... -- <train args>` (a hook inside the run)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", mode, *options, "--",
+            *args]
+
+
+def mount_tmpfs(work: Work, folder: Path, size: str) -> bool:
+    if not work.use_mounts:
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode == 0:
+        work.mounts.append(folder)
+        return True
+    return False
+
+
+def remount_read_only(folder: Path) -> bool:
+    return subprocess.run(["mount", "-o", "remount,ro", str(folder)],
+                          capture_output=True).returncode == 0
+
+
+def unmount(work: Work, folder: Path, keep: bool) -> None:
+    if folder not in work.mounts:
+        return
+    if keep:  # the tmpfs contents disappear with the mount
+        shutil.copytree(folder, folder.with_name(folder.name + "_contents"), dirs_exist_ok=True)
+    subprocess.run(["umount", str(folder)], capture_output=True)
+    work.mounts.remove(folder)
+
+
+def ensure_demo(work: Work) -> Path:
+    if work.index is None:
+        from audioclf.data.demo import generate_demo
+
+        with open(os.devnull, "w") as quiet:
+            saved, sys.stdout = sys.stdout, quiet
+            try:
+                work.index = generate_demo(work.root / "demo", classes=12, items=3, ids=4, seed=0)
+            finally:
+                sys.stdout = saved
+    return work.index
+
+
+def ensure_base(work: Work) -> Path:
+    """A finished 2-epoch run of the tiny CNN (shared, read only by the cases)."""
+    if work.base is None:
+        runs = work.root / "base"
+        result = run(python_train(train_args(work, runs, "train.epochs=2", "train.name=base")))
+        if result.code != 0:
+            raise RuntimeError("the base run failed:\n" + result.err[-3000:])
+        work.base = runs / "base"
+    return work.base
+
+
+def copy_run(source: Path, runs_dir: Path, name: str = "t") -> Path:
+    target = runs_dir / name
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(".audioclf_cache"))
+    return target
+
+
+def train_rows(work: Work) -> pd.DataFrame:  # noqa: F821
+    """The index rows of the training split, as the trainer splits them."""
+    from audioclf.config import load_config
+    from audioclf.data.index import load_index, split_index
+
+    cfg = load_config(None, [f"data.index={work.index}", "data.val_ratio=0.25"])
+    return split_index(load_index(cfg.data), cfg.data)["train"].table
+
+
+def sheet_with_bad_class(work: Work, folder: Path, corrupt: Callable[[Path, Path], None]
+                         ) -> tuple[Path, list[Path]]:
+    """A copy of the demo sheet (CSV, absolute paths) whose first training class points to
+    corrupted copies of its files: every epoch reads one of them."""
+    import pandas as pd
+
+    table = pd.read_excel(work.index, dtype=str, engine="openpyxl")
+    train = train_rows(work)
+    bad_class = sorted(train["cls"].unique())[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    bad = []
+    for i in range(len(table)):
+        source = work.index.parent / table.loc[i, "path"]
+        table.loc[i, "path"] = str(source)
+        if table.loc[i, "a_cls"] == bad_class:
+            target = folder / f"{table.loc[i, 'a_id']}.wav"
+            corrupt(source, target)
+            table.loc[i, "path"] = str(target)
+            bad.append(target)
+    sheet = folder / "index.csv"
+    table.to_csv(sheet, index=False)
+    return sheet, bad
+
+
+def write_nan_wav(source: Path, target: Path) -> None:
+    import numpy as np
+    import soundfile
+
+    data, rate = soundfile.read(str(source), dtype="float32")
+    data[len(data) // 3: len(data) // 3 + 50] = np.nan
+    soundfile.write(str(target), data, rate, subtype="FLOAT")
+
+
+def write_truncated_wav(source: Path, target: Path) -> None:
+    raw = source.read_bytes()
+    data_at = raw.index(b"data") + 8  # header intact: the data chunk still promises every byte
+    target.write_bytes(raw[: data_at + (len(raw) - data_at) // 2])
+
+
+# ---------------------------------------------------------------------------------------------
+# The cases. Each returns its rows; `case_dir` is its own folder under the work folder.
+
+
+def case_nan_wav(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    ensure_demo(work)
+    sheet, bad = sheet_with_bad_class(work, case_dir / "bad", write_nan_wav)
+    runs = case_dir / "runs"
+    common = [f"data.index={sheet}", "train.epochs=2", "eval.every=0", "train.limit_batches=6"]
+
+    row = Row("1a nan-wav")
+    result = run(python_train(train_args(work, runs, *common)))
+    row.code, row.message = str(result.code), first_error_line(result.err)
+    row.expect(result.code == 2, f"exit {result.code}, expected 2")
+    row.expect(len(error_lines(result.console)) == 1,
+               f"{len(error_lines(result.console))} error lines, expected 1")
+    row.expect(any(str(p) in row.message for p in bad), "the message names no bad file")
+    row.expect("row" in row.message, "the message names no sheet row")
+    row.expect("non-finite" in row.message or "NaN" in row.message, "the message does not say NaN")
+    check_run(row, runs / "t", epochs_done=0, checkpoint_epoch=None)
+    row.expect(not (runs / "t" / "last.pt").exists(), "a last.pt was written")
+
+    skip = Row("1b nan-wav skip_bad_files")
+    runs = case_dir / "runs_skip"
+    result = run(python_train(train_args(work, runs, *common, "data.skip_bad_files=true")))
+    log = read(runs / "t" / "train.log")
+    skip.code = str(result.code)
+    skip.message = first_error_line(result.err) or log_line(log, "unreadable file(s) skipped")
+    skip.expect(result.code == 0, f"exit {result.code}, expected 0: {first_error_line(result.err)}")
+    check_run(skip, runs / "t", epochs_done=2, checkpoint_epoch=2)
+    rows = metrics_rows(runs / "t")
+    skipped = sum(int(r.get("skipped_files") or 0) for r in rows)
+    skip.expect(bool(rows) and "skipped_files" in rows[0], "metrics.csv has no skipped_files column")
+    skip.expect(skipped > 0, "metrics.csv counts no skipped file")
+    skip.expect("unreadable file(s) skipped" in log, "train.log does not count the skips")
+    return [row, skip]
+
+
+def case_export_nan(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    import torch
+
+    base = ensure_base(work)
+    case_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = torch.load(base / "last.pt", map_location="cpu", weights_only=False)
+    ckpt["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+                     for k, v in ckpt["model"].items()}
+    nan_pt = case_dir / "nan.pt"
+    torch.save(ckpt, nan_pt)
+    out_dir = case_dir / "export"
+
+    row = Row("2a export a NaN model")
+    result = run([sys.executable, "-m", "audioclf.export", "--checkpoint", str(nan_pt),
+                  "--format", "torchscript", "--out", str(out_dir / "model.pt")])
+    row.code, row.message = str(result.code), first_error_line(result.err)
+    row.expect(result.code == 2, f"exit {result.code}, expected 2")
+    lines = console_lines(result.err)
+    row.expect(len(lines) == 1, f"stderr has {len(lines)} lines, expected 1: {lines[:3]}")
+    written = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*")) if out_dir.exists() else []
+    row.expect(not written, f"export wrote {written}")
+
+    embed = Row("2b embed with a NaN model")
+    clip = sorted((work.index.parent / "wav").rglob("*.wav"))[0]
+    result = run([sys.executable, "-m", "audioclf.embed", "--model", str(nan_pt), "--gallery",
+                  str(work.index), "--quiet", "--no-cache", str(clip)])
+    embed.code, embed.message = str(result.code), first_error_line(result.err)
+    embed.expect(result.code == 2, f"exit {result.code}, expected 2")
+    embed.expect(len(error_lines(result.console)) == 1, "not one error line")
+    embed.expect("NaN" in embed.message, "the message does not say NaN")
+    return [row, embed]
+
+
+def case_resume_architecture(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    base = ensure_base(work)
+    runs = case_dir / "runs"
+    run_dir = copy_run(base, runs)
+    resume = ["train.epochs=3", "eval.every=0", "checkpoint.resume=auto"]
+    rows = []
+    for name, change, key in (("3a resume, cnn.width changed", "model.cnn.width=16",
+                               "model.cnn.width"),
+                              ("3b resume, model.name=conformer", "model.name=conformer",
+                               "model.name")):
+        row = Row(name)
+        result = run(python_train(train_args(work, runs, *resume, change)))
+        row.code, row.message = str(result.code), first_error_line(result.err)
+        row.expect(result.code == 2, f"exit {result.code}, expected 2")
+        row.expect(len(error_lines(result.console)) == 1, "not one error line")
+        row.expect(key in row.message, f"the message does not name {key}")
+        row.expect("resume_strict=false" in row.message, "the message does not name the way out")
+        check_run(row, run_dir, epochs_done=2, checkpoint_epoch=2)
+        rows.append(row)
+
+    row = Row("3c resume, width changed, resume_strict=false")
+    result = run(python_train(train_args(work, runs, *resume, "model.cnn.width=16",
+                                         "checkpoint.resume_strict=false")))
+    log = read(run_dir / "train.log")
+    row.code = str(result.code)
+    row.message = first_error_line(result.err) or log_line(log, "resume_strict=false")
+    row.expect(result.code == 0, f"exit {result.code}, expected 0")
+    row.expect("resume_strict=false" in log and "model.cnn.width" in log,
+               "train.log does not say it resumed with the checkpoint's settings")
+    check_run(row, run_dir, epochs_done=3, checkpoint_epoch=3)
+    rows.append(row)
+    return rows
+
+
+def case_disk(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    ensure_demo(work)
+    rows = []
+
+    # Full disk: the run folder lies on a 4 MiB tmpfs; at the first step of epoch 2 a ballast
+    # file fills it to 64 KiB free (the checkpoint is ~130 kB), as another job's output would.
+    row = Row("4a disk full at the epoch-2 checkpoint")
+    disk = case_dir / "disk"
+    mounted = mount_tmpfs(work, disk, "4m")
+    try:
+        runs = disk / "runs"
+        args = train_args(work, runs, "train.epochs=3", "eval.every=0")
+        if mounted:
+            cmd = worker("fill-disk", args, "--at-epoch", "2", "--ballast",
+                         str(disk / "ballast.bin"), "--free-kb", "64")
+        else:
+            row.case += " [no tmpfs: ENOSPC patched]"
+            cmd = worker("enospc", args, "--at", "2")
+        result = run(cmd)
+        row.code, row.message = str(result.code), first_error_line(result.err)
+        row.expect(result.code == 2, f"exit {result.code}, expected 2")
+        row.expect(len(error_lines(result.console)) == 1,
+                   f"{len(error_lines(result.console))} error lines, expected 1")
+        row.expect("last.pt" in row.message and "GiB free on" in row.message,
+                   "the message does not name the path and the free space")
+        row.expect("No space left" in row.message or "disk full" in row.message,
+                   "the message does not say the disk is full")
+        check_run(row, runs / "t", epochs_done=2, checkpoint_epoch=1)
+    finally:
+        unmount(work, disk, keep)
+    rows.append(row)
+
+    # A read-only runs dir: a fresh start, and a resume of a finished run.
+    for name, resume in (("4b read-only runs dir, fresh start", False),
+                         ("4c read-only runs dir, resume", True)):
+        row = Row(name)
+        ro = case_dir / ("ro_resume" if resume else "ro_fresh")
+        mounted = mount_tmpfs(work, ro, "8m")
+        try:
+            if resume:
+                copy_run(ensure_base(work), ro)
+            extra = ["train.epochs=3", "checkpoint.resume=auto"] if resume else ["train.epochs=1"]
+            args = train_args(work, ro, *extra)
+            if mounted and remount_read_only(ro):
+                cmd = python_train(args)
+            else:
+                row.case += " [no tmpfs: EROFS patched]"
+                cmd = worker("erofs", args, "--under", str(ro))
+            result = run(cmd)
+            row.code, row.message = str(result.code), first_error_line(result.err)
+            row.expect(result.code == 2, f"exit {result.code}, expected 2")
+            row.expect(len(error_lines(result.console)) == 1,
+                       f"{len(error_lines(result.console))} error lines, expected 1")
+            row.expect(str(ro) in row.message and "Read-only" in row.message,
+                       "the message does not name the path and the read-only file system")
+            row.expect(".tmp" not in row.message,
+                       "the message names a temporary file, not the file that could not be "
+                       "written (an error while removing the temporary file hid the real one)")
+            if resume:
+                check_run(row, ro / "t", epochs_done=2, checkpoint_epoch=2)
+            else:
+                row.expect(not (ro / "t").exists(), "a run folder was created")
+        finally:
+            unmount(work, ro, keep)
+        rows.append(row)
+    return rows
+
+
+def case_kill_mid_write(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    ensure_demo(work)
+    runs = case_dir / "runs"
+    run_dir = runs / "t"
+    common = ["train.epochs=2", "eval.every=0", "checkpoint.every_steps=1"]
+    row = Row("5 kill -9 during a checkpoint write, resume")
+    # SIGKILL from inside torch.save, halfway through the 3rd write (steps 1 and 2 are saved).
+    killed = run(worker("kill-in-save", train_args(work, runs, *common), "--at", "3"))
+    stale = [p.name for p in run_dir.glob(".*.tmp")]
+    row.expect(killed.code == -signal.SIGKILL, f"the killed run exited {killed.code}, not -9")
+    row.expect(len(stale) == 1, f"expected one stale temporary file after the kill, found {stale}")
+    row.intact, ckpt, why = checkpoint_intact(run_dir / "last.pt")
+    row.expect(row.intact == "yes", why)
+    row.expect(ckpt is not None and ckpt["step"] == 2,
+               f"last.pt after the kill holds step {ckpt and ckpt.get('step')}, expected 2")
+
+    result = run(python_train(train_args(work, runs, *common, "checkpoint.resume=auto")))
+    log = read(run_dir / "train.log")
+    row.code = f"-9, then {result.code}"
+    row.message = first_error_line(result.err) or log_line(log, "temporary file")
+    row.expect(result.code == 0, f"the resume exited {result.code}")
+    row.expect("removed 1 temporary file(s)" in log, "train.log does not say the temp was removed")
+    row.expect("at epoch 0, batch 2, step 2" in log,
+               "the resume did not continue from the last complete checkpoint (step 2)")
+    after_kill = row.intact
+    check_run(row, run_dir, epochs_done=2, checkpoint_epoch=2)  # and the one the resume wrote
+    row.intact = "yes" if after_kill == row.intact == "yes" else "no"
+    return [row]
+
+
+def case_all_unreadable(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    from tests.test_faults import _broken_copy
+
+    ensure_demo(work)
+    sheet = _broken_copy(work.index, case_dir)
+    runs = case_dir / "runs"
+    row = Row("6 every file unreadable, skip_bad_files, 2 ranks")
+    result = run(torchrun(["-m", "audioclf.train", *train_args(
+        work, runs, f"data.index={sheet}", "data.skip_bad_files=true", "data.check_files=false",
+        "train.epochs=1", "eval.every=0")]), timeout=180)
+    log = read(runs / "t" / "train.log")
+    row.code = str(result.code)
+    row.message = first_error_line(result.err) or log_line(log, "unreadable file(s) skipped")
+    row.expect(result.code == 0, f"exit {result.code}, expected 0 (no hang)")
+    rows = metrics_rows(runs / "t")
+    row.expect(bool(rows) and int(rows[0].get("skipped_batches") or 0) > 0,
+               "metrics.csv counts no skipped batch")
+    check_run(row, runs / "t", epochs_done=1, checkpoint_epoch=1)
+    return [row]
+
+
+def case_fail_rank1(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    ensure_demo(work)
+    runs = case_dir / "runs"
+    row = Row("7 failure on rank 1 at step 2, 2 ranks")
+    result = run(torchrun(["-m", "tests.train_hooks", "--fail-at-step=2", "--rank=1", "--",
+                           *train_args(work, runs, "train.epochs=2", "eval.every=0")]))
+    log = read(runs / "t" / "train.log")
+    errors = [line for line in console_lines(result.console) if "audioclf.train: error:" in line]
+    row.code, row.message = str(result.code), first_error_line(result.console)
+    row.expect(result.code != 0, "exit 0 after a failure")
+    row.expect(errors == [f"{TRAIN_ERROR} injected failure on rank 1 at step 2"],
+               f"error lines on the console: {errors}")
+    row.expect("rank 1" in log and "injected failure on rank 1" in log, "train.log does not name rank 1")
+    row.expect("Traceback" not in log, "train.log holds a traceback")
+    row.expect(not audioclf_tracebacks(result.console), "the console shows a traceback")
+    check_run(row, runs / "t", epochs_done=0, checkpoint_epoch=None)
+    return [row]
+
+
+def case_too_few_classes(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    ensure_demo(work)
+    runs = case_dir / "runs"
+    row = Row("8 too few classes per rank (batch 16), 2 ranks")
+    result = run(torchrun(["-m", "audioclf.train",
+                           *train_args(work, runs, "sampler.batch_size=16")]))
+    errors = error_lines(result.console)
+    row.code, row.message = str(result.code), first_error_line(result.console)
+    row.expect(result.code != 0, "exit 0")
+    row.expect(len(errors) == 1, f"{len(errors)} error lines, expected 1")
+    row.expect("classes per batch" in row.message, "the message does not name classes per batch")
+    row.expect(not (runs / "t").exists(), "a run folder was left behind")
+    row.expect(not audioclf_tracebacks(result.console), "the console shows a traceback")
+    return [row]
+
+
+def case_mid_epoch_world(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    ensure_demo(work)
+    runs = case_dir / "runs"
+    run_dir = runs / "t"
+    common = ["train.epochs=2", "eval.every=0"]
+    stopped = run(worker("stop-at", train_args(work, runs, *common), "--at", "3"))
+    if stopped.code != 0:
+        return [Row("9 mid-epoch checkpoint on 2 ranks", str(stopped.code),
+                    first_error_line(stopped.err), problems=["the 1-rank run did not stop cleanly"])]
+    rows = []
+    row = Row("9a mid-epoch ckpt (1 rank) resumed on 2 ranks")
+    result = run(torchrun(["-m", "audioclf.train",
+                           *train_args(work, runs, *common, "checkpoint.resume=auto")]))
+    errors = error_lines(result.console)
+    row.code, row.message = str(result.code), first_error_line(result.console)
+    row.expect(result.code != 0, "exit 0")
+    row.expect(len(errors) == 1, f"{len(errors)} error lines, expected 1")
+    row.expect("checkpoint.restart_epoch" in row.message, "the message does not name the key")
+    row.intact, ckpt, why = checkpoint_intact(run_dir / "last.pt")
+    row.expect(row.intact == "yes" and ckpt["position"] == 3,
+               why or f"last.pt is at batch {ckpt['position']}, not 3")
+    row.lost = "yes" if leftovers(run_dir) else "no"
+    rows.append(row)
+
+    row = Row("9b the same with checkpoint.restart_epoch=true")
+    result = run(torchrun(["-m", "audioclf.train", *train_args(
+        work, runs, *common, "checkpoint.resume=auto", "checkpoint.restart_epoch=true")]))
+    log = read(run_dir / "train.log")
+    row.code = str(result.code)
+    row.message = first_error_line(result.console) or log_line(log, "starts again")
+    row.expect(result.code == 0, f"exit {result.code}, expected 0")
+    row.expect("epoch 1 starts again from its first batch" in log,
+               "train.log does not say the epoch restarts")
+    ckpt = check_run(row, run_dir, epochs_done=2, checkpoint_epoch=2)
+    row.expect(ckpt is not None and ckpt.get("world_size") == 2, "last.pt is not a 2-rank one")
+    rows.append(row)
+    return rows
+
+
+def case_stop_zombie(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    runs = case_dir / "runs"
+    (runs / "t").mkdir(parents=True)
+    zombie = subprocess.Popen(["true"])  # exits at once; not reaped until wait() below
+    try:
+        for _ in range(100):
+            state = Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":
+                break
+            time.sleep(0.02)
+        (runs / "t" / "pid").write_text(f"{zombie.pid}\n")
+        row = Row("10 ./run.sh stop, zombie pid in the pid file")
+        result = run([str(ROOT / "run.sh"), "stop", "t"], timeout=30,
+                     extra_env={"RUNS_DIR": str(runs)})
+    finally:
+        zombie.wait()
+    row.code = str(result.code)
+    shown = first_error_line(result.console) or " ".join(console_lines(result.out)[:1])
+    row.message = f"{shown} ({result.seconds:.1f} s)"
+    row.expect(state == "Z", f"the pid was not a zombie (state {state})")
+    row.expect(result.code == 0, f"exit {result.code}, expected 0")
+    row.expect("not running" in result.out, "does not say 'not running'")
+    row.expect(result.seconds < 5, f"took {result.seconds:.1f} s")
+    row.expect(not (runs / "t" / "pid").exists(), "the pid file is still there")
+    return [row]
+
+
+def case_run_sh_stop(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    from audioclf.config import save_config
+    from tests.conftest import tiny_config
+
+    ensure_demo(work)
+    runs = case_dir / "runs"
+    run_dir = runs / "t"
+    config = case_dir / "tiny.yaml"
+    case_dir.mkdir(parents=True, exist_ok=True)
+    save_config(tiny_config(work.index, runs, "cnn", "train.epochs=100", "eval.every=0"), config)
+    row = Row("11 SIGTERM: ./run.sh --bg --nproc 2, ./run.sh stop")
+    started = run([str(ROOT / "run.sh"), "--bg", "--nproc", "2", str(config)], timeout=60)
+    if started.code != 0:
+        return [Row(row.case, str(started.code), first_error_line(started.console),
+                    problems=["./run.sh --bg failed: " + started.console[-500:]])]
+    pid = int(read(run_dir / "pid").strip())
+    try:
+        deadline = time.time() + 150
+        while time.time() < deadline and "epoch 1/100:" not in read(run_dir / "train.log"):
+            time.sleep(0.5)
+        row.expect("epoch 1/100:" in read(run_dir / "train.log"), "epoch 1 did not finish in 150 s")
+        stop = run([str(ROOT / "run.sh"), "stop", "t"], timeout=150,
+                   extra_env={"RUNS_DIR": str(runs)})
+    finally:
+        if Path(f"/proc/{pid}").exists():  # still there: end the job we started
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    log, nohup = read(run_dir / "train.log"), read(run_dir / "nohup.log")
+    row.code = f"{stop.code} (stop)"
+    row.message = (first_error_line(stop.console) or first_error_line(nohup)
+                   or log_line(log, "stopped on request"))
+    row.expect(stop.code == 0, f"./run.sh stop exited {stop.code}")
+    row.expect("stopped t" in stop.out, "./run.sh stop does not say 'stopped t'")
+    row.expect("stopped on request" in log, "train.log does not say 'stopped on request'")
+    row.expect(not first_error_line(nohup), f"the job's console shows {first_error_line(nohup)!r}")
+    done = len(metrics_rows(run_dir))
+    ckpt = check_run(row, run_dir, epochs_done=done, checkpoint_epoch=done)
+    row.expect(ckpt is not None and ckpt["step"] > 0, "last.pt holds no training step")
+    return [row]
+
+
+def case_lr_inf(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    ensure_demo(work)
+    runs = case_dir / "runs"
+    row = Row("12 optim.lr=inf")
+    result = run(python_train(train_args(work, runs, "optim.lr=inf")))
+    row.code, row.message = str(result.code), first_error_line(result.err)
+    lines = console_lines(result.err)
+    row.expect(result.code == 2, f"exit {result.code}, expected 2")
+    row.expect(len(lines) == 1, f"stderr has {len(lines)} lines, expected 1")
+    row.expect("optim.lr" in row.message, "the message does not name optim.lr")
+    row.expect(not runs.exists(), "something was written")
+    return [row]
+
+
+def case_truncated_wav(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    ensure_demo(work)
+    sheet, bad = sheet_with_bad_class(work, case_dir / "bad", write_truncated_wav)
+    runs = case_dir / "runs"
+    row = Row("13 truncated wav (1 DataLoader worker)")
+    result = run(python_train(train_args(work, runs, f"data.index={sheet}", "train.epochs=1",
+                                         "eval.every=0", "data.num_workers=1")))
+    row.code, row.message = str(result.code), first_error_line(result.err)
+    row.expect(result.code == 2, f"exit {result.code}, expected 2")
+    row.expect(len(error_lines(result.console)) == 1,
+               f"{len(error_lines(result.console))} error lines, expected 1")
+    row.expect(any(str(p) in row.message for p in bad), "the message names no bad file")
+    row.expect("truncated" in row.message, "the message does not say truncated")
+    check_run(row, runs / "t", epochs_done=0, checkpoint_epoch=None)
+    return [row]
+
+
+def case_embed_corrupt(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    base = ensure_base(work)
+    clips = case_dir / "clips"
+    clips.mkdir(parents=True)
+    good = sorted((work.index.parent / "wav").rglob("*.wav"))[:2]
+    for i, source in enumerate(good):
+        shutil.copy(source, clips / f"good{i}.wav")
+    (clips / "bad.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEnot audio at all")
+    row = Row("14 embed: one corrupt file among 3")
+    result = run([sys.executable, "-m", "audioclf.embed", "--model", str(base / "best.pt"),
+                  "--gallery", str(work.index), "--top", "3", "--quiet", str(clips)])
+    row.code = str(result.code)
+    row.message = first_error_line(result.err) or (console_lines(result.err) or [""])[0]
+    row.expect(result.code == 1, f"exit {result.code}, expected 1")
+    for name in ("good0.wav", "good1.wav"):
+        row.expect(re.search(rf"{name}\n\s+1\. ", result.out) is not None, f"{name} is not ranked")
+    row.expect("bad.wav" in result.err and "bad.wav" not in result.out,
+               "the bad file is not named on stderr (only)")
+    return [row]
+
+
+CASES: list[tuple[str, Callable[[Work, Path, bool], list[Row]]]] = [
+    ("nan-wav", case_nan_wav),
+    ("export-nan", case_export_nan),
+    ("resume-architecture", case_resume_architecture),
+    ("disk", case_disk),
+    ("kill-mid-write", case_kill_mid_write),
+    ("all-unreadable", case_all_unreadable),
+    ("fail-rank1", case_fail_rank1),
+    ("too-few-classes", case_too_few_classes),
+    ("mid-epoch-world", case_mid_epoch_world),
+    ("stop-zombie", case_stop_zombie),
+    ("run-sh-stop", case_run_sh_stop),
+    ("lr-inf", case_lr_inf),
+    ("truncated-wav", case_truncated_wav),
+    ("embed-corrupt", case_embed_corrupt),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden worker mode: `audioclf.train` with a fault injected inside the run
+
+
+def worker_main(argv: list[str]) -> int:
+    import torch
+
+    from audioclf import checkpoint
+    from audioclf.train import main as train_main
+    from audioclf.trainer import TrainHooks
+
+    cut = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="faults.py --worker")
+    parser.add_argument("--worker", required=True,
+                        choices=("fill-disk", "enospc", "erofs", "kill-in-save", "stop-at"))
+    parser.add_argument("--at", type=int, default=0)
+    parser.add_argument("--at-epoch", type=int, default=0)
+    parser.add_argument("--ballast", type=Path)
+    parser.add_argument("--free-kb", type=int, default=64)
+    parser.add_argument("--under", type=Path)
+    args = parser.parse_args(argv[:cut])
+    train_args_ = argv[cut + 1:]
+    hooks = None
+    real_save = torch.save
+    saves = []
+
+    if args.worker == "fill-disk":
+        def on_step(trainer):
+            if trainer.state.epoch + 1 == args.at_epoch and not saves:
+                saves.append(1)
+                free = shutil.disk_usage(args.ballast.parent).free - args.free_kb * 1024
+                with open(args.ballast, "wb") as handle:
+                    handle.truncate(0)
+                    while free > 0:
+                        chunk = min(free, 1 << 20)
+                        handle.write(b"\0" * chunk)
+                        free -= chunk
+        hooks = TrainHooks(on_step=on_step)
+    elif args.worker == "stop-at":
+        from tests.train_hooks import stop_at
+
+        hooks = stop_at(args.at)
+    elif args.worker in ("enospc", "kill-in-save"):
+        def save(obj, f, *a, **k):
+            saves.append(1)
+            if len(saves) != args.at:
+                return real_save(obj, f, *a, **k)
+            if args.worker == "enospc":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *a, **k)
+            data = buffer.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.save = save
+    elif args.worker == "erofs":
+        import pathlib
+
+        import audioclf.fileio as fileio
+
+        under = str(args.under.resolve())
+        real_mkdir, real_open = pathlib.Path.mkdir, open
+
+        def refuse(path):
+            if str(Path(path).resolve()).startswith(under):
+                raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+        def mkdir(self, *a, **k):
+            if not self.exists():
+                refuse(self)
+            return real_mkdir(self, *a, **k)
+
+        def open_(path, mode="r", *a, **k):
+            if any(c in mode for c in "wxa+"):
+                refuse(path)
+            return real_open(path, mode, *a, **k)
+        pathlib.Path.mkdir = mkdir
+        fileio.open = open_
+    assert checkpoint.save_atomic  # the module that calls torch.save is imported
+    return train_main(train_args_, hooks=hooks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def select(spec: str) -> list[tuple[int, str, Callable]]:
+    numbered = [(i + 1, name, fn) for i, (name, fn) in enumerate(CASES)]
+    if not spec:
+        return numbered
+    chosen = []
+    for token in (t.strip() for t in spec.split(",") if t.strip()):
+        hits = [c for c in numbered if token == str(c[0]) or c[1].startswith(token)]
+        if not hits:
+            names = ", ".join(f"{n} {name}" for n, name, _ in numbered)
+            raise SystemExit(f"faults.py: no case {token!r}; the cases are: {names}")
+        chosen += [h for h in hits if h not in chosen]
+    return sorted(chosen)
+
+
+def print_table(rows: list[Row], work: Work) -> None:
+    header = ("case", "exit", "message the user saw", "ckpt intact", "data lost")
+    table = [(r.case, r.code, shorten(work.short(r.message)) or "-", r.intact, r.lost)
+             for r in rows]
+    widths = [max(len(str(line[i])) for line in [header, *table]) for i in range(5)]
+    for line in [header, tuple("-" * w for w in widths), *table]:
+        print(" | ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        return worker_main(argv)
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/faults.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="cases: " + ", ".join(f"{i + 1} {name}" for i, (name, _) in enumerate(CASES)))
+    parser.add_argument("--cases", default="",
+                        help="comma-separated case numbers or names (prefixes); default: all")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="work in DIR and keep it (default: a temporary folder, removed)")
+    parser.add_argument("--no-mount", action="store_true",
+                        help="do not mount tmpfs folders: patch ENOSPC / EROFS inside the run")
+    args = parser.parse_args(argv)
+    cases = select(args.cases)
+
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        if any(args.keep.iterdir()):
+            raise SystemExit(f"faults.py: --keep {args.keep} is not empty; choose a new folder")
+        root = args.keep.resolve()
+    else:
+        root = Path(tempfile.mkdtemp(prefix="audioclf-faults-"))
+    work = Work(root, use_mounts=not args.no_mount and os.geteuid() == 0)
+    CONSOLE_LOGS.append(root / "console")
+    rows: list[Row] = []
+    start = time.time()
+    try:
+        ensure_demo(work)
+        for number, name, fn in cases:
+            t0 = time.time()
+            print(f"[{time.time() - start:5.0f} s] case {number} {name} ...", flush=True)
+            try:
+                new = fn(work, root / f"{number:02d}-{name}", bool(args.keep))
+            except Exception as exc:  # noqa: BLE001 - a broken case is a failed row, not a crash
+                new = [Row(f"{number} {name}", "-", f"faults.py: {type(exc).__name__}: {exc}",
+                           problems=[f"the case itself failed: {type(exc).__name__}: {exc}"])]
+            for row in new:
+                row.seconds = time.time() - t0
+            rows += new
+    finally:
+        for mount in list(work.mounts):
+            unmount(work, mount, bool(args.keep))
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    print()
+    print_table(rows, work)
+    for row in rows:  # a row is as expected when its case's checks held (intact, nothing lost)
+        if row.intact == "no" and not any("intact" in p or "load" in p for p in row.problems):
+            row.problems.append("checkpoint not intact")
+        if row.lost == "yes" and not row.problems:
+            row.problems.append("data lost")
+    intact = sum(r.intact in ("yes", "n.a.") for r in rows)
+    kept = sum(r.lost == "no" for r in rows)
+    bad = [r for r in rows if r.problems]
+    print(f"\n{len(rows)} cases: {intact} checkpoint intact (or n.a.), {kept} nothing lost, "
+          f"{len(rows) - len(bad)} as expected; {time.time() - start:.0f} s"
+          + (f"; work folder kept in {root}" if args.keep else ""))
+    for row in bad:
+        print(f"NOT AS EXPECTED: {row.case}")
+        for problem in row.problems:
+            print(f"    - {shorten(work.short(problem), 300)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
