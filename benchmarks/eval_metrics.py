@@ -4,6 +4,7 @@ Run from the repository root:
 
     .venv/bin/python benchmarks/eval_metrics.py            # 100k x 128; several minutes on 2 cores (--repeats 1 to shorten)
     .venv/bin/python benchmarks/eval_metrics.py --n 5000   # quick smoke run
+    .venv/bin/python benchmarks/eval_metrics.py --scale --skip-pml   # 400k x 256, cross-item
 
 Both sides get the same seeded embeddings (n samples, n / 50 classes with random sizes, class
 centres plus Gaussian noise so the metrics are far from 0 and 1) and compute P@1, MAP@R and
@@ -62,6 +63,20 @@ def run_audioclf(embeddings, labels, chunk_size):
     return {name: result[name] for name in METRIC_NAMES}
 
 
+def items_of(labels: np.ndarray, items_per_class: int) -> np.ndarray:
+    """Item ids: each class's rows dealt round-robin to `items_per_class` items."""
+    order = np.argsort(labels, kind="stable")
+    first = np.searchsorted(labels[order], labels[order], side="left")
+    items = np.empty(len(labels), dtype=np.int64)
+    items[order] = (np.arange(len(labels)) - first) % items_per_class
+    return items
+
+
+def run_cross_item(embeddings, labels, chunk_size, items):
+    result = retrieval_metrics(embeddings, labels, items=items, chunk_size=chunk_size)
+    return {name: result[name] for name in METRIC_NAMES}
+
+
 def run_pml(embeddings, labels, chunk_size):
     calculator = AccuracyCalculator(
         include=tuple(METRIC_NAMES.values()),
@@ -74,8 +89,9 @@ def run_pml(embeddings, labels, chunk_size):
 
 
 def _child(fn, args, repeats, conn):
-    embeddings, labels, chunk_size = args
-    fn(embeddings[:WARMUP_ROWS], labels[:WARMUP_ROWS], chunk_size)  # one-off torch/BLAS start-up
+    embeddings, labels, chunk_size, *rest = args
+    rest = [r[:WARMUP_ROWS] for r in rest]
+    fn(embeddings[:WARMUP_ROWS], labels[:WARMUP_ROWS], chunk_size, *rest)  # torch/BLAS start-up
     rss_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     seconds = float("inf")
     for _ in range(repeats):
@@ -114,7 +130,17 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=1e-6, help="max |audioclf - PML| per metric")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per side; the fastest counts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cross-item", type=int, default=0, metavar="ITEMS",
+                        help="also time cross-item retrieval with this many items per class")
+    parser.add_argument("--skip-pml", action="store_true",
+                        help="no PML side (it has no cross-item metric; at 400k it takes long)")
+    parser.add_argument("--scale", action="store_true",
+                        help="the seed-scale case: 400k x 256, 5 items per class, cross-item, "
+                             "one timed call per side")
     args = parser.parse_args()
+    if args.scale:
+        args.n, args.dim, args.items_per_class, args.cross_item = 400_000, 256, 200, 5
+        args.repeats = 1
 
     embeddings, labels = make_embeddings(args.n, args.dim, args.items_per_class, args.noise, args.seed)
     counts = np.bincount(labels)
@@ -125,7 +151,18 @@ def main() -> int:
     )
 
     inputs = (embeddings, labels, args.chunk_size)
+    if args.cross_item:
+        items = items_of(labels, args.cross_item)
+        cross, cross_s, cross_mib = timed_in_child(run_cross_item, (*inputs, items), args.repeats)
+        print(f"cross-item ({args.cross_item} items per class): "
+              + ", ".join(f"{k} {v:.4f}" for k, v in cross.items())
+              + f"; {cross_s:.1f} s, peak +RSS {cross_mib:.0f} MiB "
+              f"(embeddings {embeddings.nbytes / 2**20:.0f} MiB)", flush=True)
     ours, ours_s, ours_mib = timed_in_child(run_audioclf, inputs, args.repeats)
+    print(f"leave-one-out: {ours_s:.1f} s, peak +RSS {ours_mib:.0f} MiB", flush=True)
+    if args.skip_pml:
+        print("PML skipped (--skip-pml)")
+        return 0
     theirs, theirs_s, theirs_mib = timed_in_child(run_pml, inputs, args.repeats)
 
     print(f"{'metric':<16}{'audioclf':>20}{'PML':>20}{'|diff|':>12}")
