@@ -189,3 +189,20 @@ def test_workers_reading_the_paths_do_not_copy_them():
         assert total == sum(len(s) for s in strings)
     assert grown["list"] > 10_000, grown  # the test can tell: a list copies > 10 MB
     assert grown["packed"] < 2_000, grown
+
+
+class _Ragged(torch.utils.data.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return torch.full((2 + i, 3), float(i + 1)), i, i
+
+
+def test_a_worker_builds_padded_batches_in_shared_memory_with_zero_padding():
+    loader = DataLoader(_Ragged(), batch_size=3, num_workers=1, collate_fn=collate_padded)
+    for x, lengths, labels, _ in loader:
+        assert x.is_shared()
+        for row, length in enumerate(lengths.tolist()):
+            assert torch.all(x[row, :length] == labels[row] + 1)
+            assert torch.all(x[row, length:] == 0)  # the buffer starts uninitialised

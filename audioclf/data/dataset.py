@@ -8,6 +8,7 @@ not depend on which worker reads an item and a resumed run reads exactly the sam
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -172,9 +173,23 @@ def collate_padded(batch: Sequence[Item | None]) -> tuple[Tensor, Tensor, Tensor
         return torch.zeros(0, 0), empty, empty.clone(), empty.clone()
     xs = [x for x, _, _ in items]
     lengths = torch.tensor([x.shape[0] for x in xs], dtype=torch.int64)
-    padded = xs[0].new_zeros((len(xs), int(lengths.max()), *xs[0].shape[1:]))
+    padded = _batch_buffer(xs[0], (len(xs), int(lengths.max()), *xs[0].shape[1:]))
     for i, x in enumerate(xs):
         padded[i, : x.shape[0]] = x
+        padded[i, x.shape[0]:] = 0
     labels = torch.tensor([label for _, label, _ in items], dtype=torch.int64)
     positions = torch.tensor([position for _, _, position in items], dtype=torch.int64)
     return padded, lengths, labels, positions
+
+
+def _batch_buffer(like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """An uninitialised tensor for a batch; in a DataLoader worker it is made in shared memory,
+    as torch's default_collate does. Otherwise the worker's queue copies the batch into shared
+    memory (~12 ms for a 12 MB batch) and frees it, and freeing blocks that large makes glibc
+    keep later ones on the heap, which then swings by hundreds of MB per worker
+    (benchmarks/data_scale.py)."""
+    if torch.utils.data.get_worker_info() is None:
+        return like.new_empty(shape)
+    numel = math.prod(shape)
+    storage = like.untyped_storage()._new_shared(numel * like.element_size(), device=like.device)
+    return like.new_empty(0).set_(storage, 0, shape)
