@@ -110,12 +110,16 @@ def _item_groups(items, n_samples: int, class_index: np.ndarray) -> np.ndarray:
     return np.unique(pairs, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
 
+# Similarity entries computed per retrieval step (a [chunk, N] float32 buffer: 512 MiB).
+_SIMILARITY_BUDGET = 2**27
+
+
 def retrieval_metrics(
     embeddings,
     labels,
     *,
     items=None,
-    chunk_size: int = 2048,
+    chunk_size: int | None = None,
     device=None,
     return_per_sample: bool = False,
 ) -> dict:
@@ -148,7 +152,8 @@ def retrieval_metrics(
     Similarities are computed ``chunk_size`` query rows at a time against all N samples into
     one reused ``[chunk_size, N]`` buffer (plus a ``[chunk_size, N]`` boolean own-item mask
     with ``items``), keeping only each row's top k = (largest R) neighbours, so memory is
-    O(chunk_size * N), never N x N.
+    O(chunk_size * N), never N x N. The default chunk keeps the buffer near 512 MiB (2,048 rows
+    up to N = 65k; 335 rows at N = 400k).
 
     Returns ``{"precision_at_1", "map_at_r", "r_precision"}`` (floats in [0, 1]) and
     ``"n_queries"`` (queries that entered the averages); with ``items`` also
@@ -156,6 +161,8 @@ def retrieval_metrics(
     ``"per_sample_correct_at_1"``: np.bool_ [N], whether each sample's nearest retrievable
     sample has its label (always False for a query left out of the averages).
     """
+    if chunk_size is None:
+        chunk_size = max(64, min(2048, _SIMILARITY_BUDGET // max(len(labels), 1)))
     _check_chunk_size(chunk_size)
     emb, lab = check_embeddings(embeddings, labels)
     n_samples = len(lab)
