@@ -83,7 +83,7 @@ from audioclf.data.index import Index, load_index, read_table
 from audioclf.data.index.table import FIRST_DATA_ROW, rows_text
 from audioclf.data.readers import AudioReadError, load_audio, read_npy_header
 from audioclf.fileio import atomic_write, atomic_write_bytes
-from audioclf.models.frontend import log_mel
+from audioclf.models.frontend import log_mel, one_torch_thread
 
 PROG = "python -m audioclf.prepare"
 FEATURES_DIR = "features"
@@ -252,16 +252,6 @@ def _prepare_chunk(tasks: list[Task]) -> list[Outcome]:
     return [prepare_file(task, _WORKER["out_dir"], _WORKER["features"]) for task in tasks]
 
 
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def run_tasks(tasks: list[Task], out_dir: Path, features: FeaturesConfig, *, workers: int,
               progress: bool) -> Iterator[Outcome]:
     """prepare_file over `tasks` in `workers` processes (1 = here), yielding outcomes as chunks
@@ -273,7 +263,7 @@ def run_tasks(tasks: list[Task], out_dir: Path, features: FeaturesConfig, *, wor
     with contextlib.ExitStack() as stack:
         stack.callback(bar.close)
         if workers == 1:
-            stack.enter_context(_one_torch_thread())
+            stack.enter_context(one_torch_thread())
             _init_worker(out_dir, features)  # sets this process's thread count only inside
             results = map(_prepare_chunk, chunks)
         else:

@@ -70,6 +70,9 @@ from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwarg
 from audioclf.data.readers import read_npy_crop  # noqa: E402
 from audioclf.sampler import MPerClassSampler  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from feature_read import drop_from_page_cache  # noqa: E402
+
 GROWTH_TARGET_MB = 50.0
 ONE_WORKER_TARGET = 1000.0  # crops/s from the page cache
 MIN_FRAMES, MAX_FRAMES = 16_000, 22_000  # 5.1-7.0 MB at 80 bins
@@ -207,20 +210,6 @@ def resident_fraction(paths: list[Path]) -> float | None:
         finally:
             os.close(fd)
     return resident / max(total, 1)
-
-
-def drop_from_page_cache(paths: list[Path]) -> bool:
-    """Evict these files' pages (only theirs); False where the OS has no posix_fadvise."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return True
 
 
 def read_whole_files(paths: list[Path]) -> tuple[float, int]:

@@ -18,6 +18,7 @@ from audioclf.optim import (
     lr_scale,
 )
 from audioclf.precision import resolve_precision
+from tests.test_engine import Linear, mse
 
 CPU = torch.device("cpu")
 STUBS = Path(__file__).parent / "stubs"
@@ -85,25 +86,11 @@ def _step_batches():
              torch.randint(0, 3, (8,), generator=g), torch.arange(8)) for _ in range(3)]
 
 
-def _mse(output, labels):
-    return nn.functional.mse_loss(output, nn.functional.one_hot(labels, 3).float())
-
-
-class _Linear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x, lengths):
-        return self.fc(x)
-
-
 def test_apex_fused_adam_trains_through_the_loop(apex_stub):
-    model = _Linear()
+    model = Linear()
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="fused_adam"), CPU)
     assert type(optimizer).__module__ == "apex.optimizers"
-    result = train_one_epoch(model, _step_batches(), _mse, optimizer,
+    result = train_one_epoch(model, _step_batches(), mse, optimizer,
                              resolve_precision(TrainConfig(), CPU))
     assert result.steps == 3 and optimizer.param_groups[0]["step"] == 3
 
@@ -118,29 +105,29 @@ def test_a_cpu_written_state_keeps_the_fused_kernel_and_fp16_scaling():
     # Resuming a non-fused state on a fused optimizer: torch's load_state_dict sets fused=None,
     # and GradScaler.step (which hands fused optimizers grad_scale/found_inf) then fails with
     # "Expected grad_scale and found_inf to be None".
-    plain_model = _Linear()
+    plain_model = Linear()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
-    train_one_epoch(plain_model, _step_batches(), _mse, plain, resolve_precision(TrainConfig(), CPU))
-    model = _Linear()
+    train_one_epoch(plain_model, _step_batches(), mse, plain, resolve_precision(TrainConfig(), CPU))
+    model = Linear()
     fused = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
     OptimizerState(fused).load_state_dict(plain.state_dict())
     assert fused.param_groups[0]["fused"] is True
     fp16 = resolve_precision(TrainConfig(precision="fp16"), CPU)
-    result = train_one_epoch(model, _step_batches(), _mse, fused, fp16)
+    result = train_one_epoch(model, _step_batches(), mse, fused, fp16)
     assert result.steps == 3 and int(fused.state[model.fc.weight]["step"]) == 6
 
 
 def test_adam_state_moves_between_apex_and_torch(apex_stub):
-    apex_model = _Linear()
+    apex_model = Linear()
     apex = build_optimizer(apex_model.parameters(), OptimConfig(name="fused_adam"), CPU)
-    train_one_epoch(apex_model, _step_batches(), _mse, apex, resolve_precision(TrainConfig(), CPU))
-    torch_model = _Linear()
+    train_one_epoch(apex_model, _step_batches(), mse, apex, resolve_precision(TrainConfig(), CPU))
+    torch_model = Linear()
     adamw = build_optimizer(torch_model.parameters(), OptimConfig(name="adamw"), CPU)
     OptimizerState(adamw).load_state_dict(apex.state_dict())  # was KeyError: 'step'
     assert int(adamw.state[torch_model.fc.weight]["step"]) == 3
-    train_one_epoch(torch_model, _step_batches(), _mse, adamw, resolve_precision(TrainConfig(), CPU))
+    train_one_epoch(torch_model, _step_batches(), mse, adamw, resolve_precision(TrainConfig(), CPU))
     assert int(adamw.state[torch_model.fc.weight]["step"]) == 6
-    back_model = _Linear()
+    back_model = Linear()
     back = build_optimizer(back_model.parameters(), OptimConfig(name="fused_adam"), CPU)
     OptimizerState(back).load_state_dict(adamw.state_dict())
     assert back.param_groups[0]["step"] == 6

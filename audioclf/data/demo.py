@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -262,7 +262,9 @@ def generate_demo(
 
 
 def _write_dataset(folder: Path, parameters: dict, features: bool) -> None:
-    with _one_torch_thread() if features else nullcontext():
+    from audioclf.models.frontend import one_torch_thread
+
+    with one_torch_thread() if features else nullcontext():
         rows, feature_rows = _write_clips(folder, parameters, features)
     columns = ["a_cls", "a_item", "a_id", "path"]
     pd.DataFrame(rows, columns=columns).to_excel(folder / INDEX, index=False, engine="openpyxl")
@@ -272,20 +274,6 @@ def _write_dataset(folder: Path, parameters: dict, features: bool) -> None:
                                                              engine="openpyxl")
         manifest["features_config"] = _features_parameters(parameters["sample_rate"])
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-@contextmanager
-def _one_torch_thread():
-    """One clip is too small to share between threads; on a busy machine, idle OpenMP threads
-    spinning made log-mel 100x slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _write_clips(folder: Path, parameters: dict, features: bool) -> tuple[list, list]:

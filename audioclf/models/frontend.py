@@ -8,6 +8,9 @@ training device, not in data workers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -59,6 +62,19 @@ class LogMel(nn.Module):
         # counting them would make an embedding depend on what else is in the batch.
         inside = torch.div(lengths - self.n_fft // 2, self.hop_length, rounding_mode="floor") + 1
         return feats, inside.clamp(min=1, max=feats.shape[1])
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the block: log_mel of one clip is too small to share between
+    threads, and on a busy machine idle OpenMP threads spinning made it 100x slower (demo,
+    prepare)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 _LOG_MEL_CACHE: dict[tuple, LogMel] = {}
