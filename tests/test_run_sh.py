@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,7 +52,10 @@ def test_background_run_and_stop(tmp_path, tiny_demo):
         stopped = run_sh("stop", "bg", env={"RUNS_DIR": str(runs)})
         assert stopped.returncode == 0 and "stopped bg" in stopped.stdout, stopped.stderr
     finally:
-        subprocess.run(["kill", "-9", f"-{pid}"], capture_output=True)
+        # os.killpg, not /usr/bin/kill: procps-ng 4.0.2 reads `kill -9 -PID` as kill(-<first
+        # digit>, 9), which for a pid starting with 1 kills every process the user owns.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
     assert not (run_dir / "pid").exists()
     ckpt = checkpoint.load(run_dir / "last.pt")
     assert ckpt["step"] > 0 and ckpt["world_size"] == 2
