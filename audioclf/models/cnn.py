@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from audioclf.config import CNNConfig
-from audioclf.models.pooling import build_pooling, lengths_to_mask
+from audioclf.models.pooling import build_pooling, lengths_to_mask, valid_lengths
 
 
 class ConvBlock(nn.Module):
@@ -60,9 +60,7 @@ class CNNEmbedder(nn.Module):
         self.embedding_dim = embedding_dim
 
     def forward(self, feats: Tensor, lengths: Tensor | None = None) -> Tensor:
-        if lengths is None:
-            lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
-        lengths = lengths.clamp(min=1, max=feats.shape[1])
+        lengths = valid_lengths(feats, lengths)
         keep = lengths_to_mask(lengths, feats.shape[1]).unsqueeze(-1).to(feats.dtype)
         feats = F.pad(feats * keep, (0, 0, 0, max(0, self.min_frames - feats.shape[1])))
         x = feats.unsqueeze(1)  # [B, 1, T, F], padded frames zeroed

@@ -15,7 +15,12 @@ import torchaudio
 from torch import Tensor, nn
 
 from audioclf.config import ConformerConfig
-from audioclf.models.pooling import AttentiveStatsPooling, lengths_to_mask, masked_mean
+from audioclf.models.pooling import (
+    AttentiveStatsPooling,
+    lengths_to_mask,
+    masked_mean,
+    valid_lengths,
+)
 
 
 def _halve(lengths: Tensor) -> Tensor:
@@ -80,9 +85,7 @@ class ConformerEmbedder(nn.Module):
         self.embedding_dim = embedding_dim
 
     def forward(self, feats: Tensor, lengths: Tensor | None = None) -> Tensor:
-        if lengths is None:
-            lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
-        lengths = lengths.clamp(min=1, max=feats.shape[1])
+        lengths = valid_lengths(feats, lengths)
         x, lengths = self.subsampling(feats, lengths)  # [B, T', d]
         mask = lengths_to_mask(lengths, x.shape[1])  # True on valid frames
         padding = ~mask

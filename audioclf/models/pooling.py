@@ -12,6 +12,13 @@ def lengths_to_mask(lengths: Tensor, max_len: int) -> Tensor:
     return positions.unsqueeze(0) < lengths.unsqueeze(1)
 
 
+def valid_lengths(feats: Tensor, lengths: Tensor | None) -> Tensor:
+    """Valid frames per row of feats [B, T, F], clamped to [1, T]; every frame when lengths is None."""
+    if lengths is None:
+        lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
+    return lengths.clamp(min=1, max=feats.shape[1])
+
+
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of x [B, T, D] over the frames where mask [B, T] is True → [B, D]."""
     weights = mask.unsqueeze(-1).to(x.dtype)

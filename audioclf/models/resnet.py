@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from audioclf.config import ResNetConfig
-from audioclf.models.pooling import build_pooling, lengths_to_mask
+from audioclf.models.pooling import build_pooling, lengths_to_mask, valid_lengths
 
 
 def _zero_padding(x: Tensor, lengths: Tensor) -> Tensor:
@@ -88,9 +88,7 @@ class ResNetEmbedder(nn.Module):
         self.embedding_dim = embedding_dim
 
     def forward(self, feats: Tensor, lengths: Tensor | None = None) -> Tensor:
-        if lengths is None:
-            lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
-        lengths = lengths.clamp(min=1, max=feats.shape[1])
+        lengths = valid_lengths(feats, lengths)
         x = _zero_padding(feats.unsqueeze(1), lengths)  # [B, 1, T, F]
         x = F.relu(self.bn1(self.conv1(x)))
         for block in self.blocks:
