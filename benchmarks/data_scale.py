@@ -230,19 +230,24 @@ def fraction_text(fraction: float | None) -> str:
 # ------------------------------------------------------------------------------ processes
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state, ppid, ...), or None once pid is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def children(pid: int) -> list[int]:
     """Live child processes of pid (the DataLoader workers of this process)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] not in "ZX":
+        fields = stat_fields(int(entry))
+        if fields is not None and int(fields[1]) == pid and fields[0] not in "ZX":
             found.append(int(entry))
     return sorted(found)
 
@@ -274,13 +279,9 @@ def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of these processes so far."""
     tick, total = os.sysconf("SC_CLK_TCK"), 0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        total += int(fields[11]) + int(fields[12])
+        fields = stat_fields(pid)
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])
     return total / tick
 
 

@@ -644,16 +644,21 @@ def case_fail_rank1(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     return [row]
 
 
+def expect_one_error_line(row: Row, result) -> None:
+    """Record the exit code and the first error line; expect a failure with exactly one."""
+    errors = error_lines(result.console)
+    row.code, row.message = str(result.code), first_error_line(result.console)
+    row.expect(result.code != 0, "exit 0")
+    row.expect(len(errors) == 1, f"{len(errors)} error lines, expected 1")
+
+
 def case_too_few_classes(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     ensure_demo(work)
     runs = case_dir / "runs"
     row = Row("8 too few classes per rank (batch 16), 2 ranks")
     result = run(torchrun(["-m", "audioclf.train",
                            *train_args(work, runs, "sampler.batch_size=16")]))
-    errors = error_lines(result.console)
-    row.code, row.message = str(result.code), first_error_line(result.console)
-    row.expect(result.code != 0, "exit 0")
-    row.expect(len(errors) == 1, f"{len(errors)} error lines, expected 1")
+    expect_one_error_line(row, result)
     row.expect("classes per batch" in row.message, "the message does not name classes per batch")
     row.expect(not (runs / "t").exists(), "a run folder was left behind")
     row.expect(not audioclf_tracebacks(result.console), "the console shows a traceback")
@@ -673,10 +678,7 @@ def case_mid_epoch_world(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     row = Row("9a mid-epoch ckpt (1 rank) resumed on 2 ranks")
     result = run(torchrun(["-m", "audioclf.train",
                            *train_args(work, runs, *common, "checkpoint.resume=auto")]))
-    errors = error_lines(result.console)
-    row.code, row.message = str(result.code), first_error_line(result.console)
-    row.expect(result.code != 0, "exit 0")
-    row.expect(len(errors) == 1, f"{len(errors)} error lines, expected 1")
+    expect_one_error_line(row, result)
     row.expect("checkpoint.restart_epoch" in row.message, "the message does not name the key")
     row.intact, ckpt, why = checkpoint_intact(run_dir / "last.pt")
     row.expect(row.intact == "yes" and ckpt["position"] == 3,
