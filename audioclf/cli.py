@@ -123,6 +123,7 @@ class ExportSidecar:
     parity: dict[str, Any]  # max_abs_diff, tolerance, input_shapes
     versions: dict[str, str]
     opset: int | None = None  # ONNX only
+    clips: dict[str, Any] = dataclasses.field(default_factory=dict)  # how evaluation reads files
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
@@ -138,3 +139,12 @@ class ExportSidecar:
             raise ValueError("not a JSON object")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def sidecar_config(meta: ExportSidecar):
+    """A Config holding what a sidecar records (features, clips, the sheet's columns); older
+    sidecars' features sections are read as their release wrote them. Raises ConfigError."""
+    from audioclf.config import config_from_dict
+
+    return config_from_dict({"features": meta.features, "clips": meta.clips,
+                             "data": meta.data_columns})

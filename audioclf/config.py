@@ -12,6 +12,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -71,6 +72,9 @@ class SamplerConfig:
 
 @dataclass
 class FeaturesConfig:
+    """How audio becomes the model's log-mel input: the settings the model's tensors depend on
+    (with `model`, what a checkpoint's architecture is; resume and export compare these)."""
+
     kind: Literal["audio", "npy"] = "audio"  # raw audio files or precomputed log-mel .npy files
     sample_rate: int = 16000  # audio is resampled to this rate
     n_fft: int = 512  # FFT size of the log-mel front end
@@ -80,31 +84,62 @@ class FeaturesConfig:
     f_min: float = 20.0  # lowest mel frequency in Hz
     f_max: float | None = None  # highest mel frequency; None = sample_rate / 2
     norm: Literal["utterance", "utterance_bin", "none"] = "utterance"  # per-utterance mean/var over all bins, per bin (CMVN), or none
+
+    def __post_init__(self) -> None:
+        _check(self.sample_rate > 0, "features.sample_rate", self.sample_rate, "> 0")
+        _check(self.hop_length > 0, "features.hop_length", self.hop_length, "> 0")
+        _check(self.n_mels > 0, "features.n_mels", self.n_mels, "> 0")
+
+    def samples(self, seconds: float) -> int:
+        """Samples in `seconds` of audio at features.sample_rate."""
+        return int(round(seconds * self.sample_rate))
+
+    def frames(self, samples: int) -> int:
+        """Centred log-mel frames of a clip of `samples` samples (torchaudio's center=True)."""
+        return max(1, samples // self.hop_length + 1)
+
+    def valid_frames(self, samples: int) -> int:
+        """Frames whose window ends inside a clip of `samples` samples: what the front end
+        counts as valid (models.frontend.LogMel), and what a precomputed .npy file holds."""
+        return max(1, (samples - self.n_fft // 2) // self.hop_length + 1)
+
+
+@dataclass
+class ClipsConfig:
+    """Which part of each file is read: training crops and evaluation clips."""
+
     crop_seconds: float = 2.0  # training crop length
     pad_mode: Literal["repeat", "zeros"] = "repeat"  # how clips shorter than the crop are filled
     eval_crop: Literal["full", "center"] = "full"  # evaluation: whole clip or a centred crop
     eval_max_seconds: float = 30.0  # evaluation clips are cut (centred) to at most this length
     npy_layout: Literal["frames_bins", "bins_frames"] = "frames_bins"  # axis order of .npy files
-    spec_augment: bool = True  # SpecAugment masks in training mode
+
+    def __post_init__(self) -> None:
+        _check(self.crop_seconds > 0, "clips.crop_seconds", self.crop_seconds, "> 0")
+        _check(self.eval_max_seconds > 0, "clips.eval_max_seconds", self.eval_max_seconds, "> 0")
+
+    def crop_samples(self, features: FeaturesConfig) -> int:
+        return features.samples(self.crop_seconds)
+
+    def crop_frames(self, features: FeaturesConfig) -> int:
+        """Frames of a training crop of precomputed features."""
+        return features.frames(self.crop_samples(features))
+
+    def eval_max_frames(self, features: FeaturesConfig) -> int:
+        """Longest evaluation clip of precomputed features, in frames."""
+        return features.frames(features.samples(self.eval_max_seconds))
+
+
+@dataclass
+class SpecAugmentConfig:
+    enabled: bool = True  # SpecAugment masks in the front end, training mode only
     freq_mask: int = 8  # widest frequency mask in bins
     time_mask: int = 20  # widest time mask in frames
     num_masks: int = 2  # masks of each kind per example
 
     def __post_init__(self) -> None:
-        _check(self.sample_rate > 0, "features.sample_rate", self.sample_rate, "> 0")
-        _check(self.crop_seconds > 0, "features.crop_seconds", self.crop_seconds, "> 0")
-        _check(self.hop_length > 0, "features.hop_length", self.hop_length, "> 0")
-        _check(self.n_mels > 0, "features.n_mels", self.n_mels, "> 0")
         for key in ("freq_mask", "time_mask", "num_masks"):
-            _check(getattr(self, key) >= 0, f"features.{key}", getattr(self, key), ">= 0")
-
-    @property
-    def crop_samples(self) -> int:
-        return int(round(self.crop_seconds * self.sample_rate))
-
-    @property
-    def crop_frames(self) -> int:
-        return self.crop_samples // self.hop_length + 1
+            _check(getattr(self, key) >= 0, f"spec_augment.{key}", getattr(self, key), ">= 0")
 
 
 @dataclass
@@ -204,6 +239,9 @@ class ConformerConfig:
 class ModelConfig:
     name: Literal["cnn", "conformer", "resnet"] = "cnn"  # embedding network
     embedding_dim: int = 128  # size of the L2-normalised embedding
+    head: Literal["none", "softmax", "arcface", "subcenter_arcface"] = "none"  # classifier head over the training classes beside the triplets, trained by cross-entropy weighted by loss.ce_weight: cosine softmax; arcface adds an angular margin to the target; subcenter_arcface also gives each class model.subcenters weights
+    head_scale: float | None = None  # logit scale s of the head; null = 16 for softmax, 30 for the arcface heads
+    subcenters: int = 3  # sub-centers per class (subcenter_arcface): a class's cosine is the largest of its K
     sync_bn: bool = True  # SyncBatchNorm under multi-GPU DDP (plain BatchNorm on CPU)
     init_from: str = ""  # fine-tune: start a new run from this checkpoint's or state_dict export's weights
     cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
@@ -212,44 +250,38 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(self.embedding_dim >= 1, "model.embedding_dim", self.embedding_dim, ">= 1")
-
-
-@dataclass
-class LossConfig:
-    margin: float = 0.2  # triplet margin (cosine distance)
-    miner: Literal["batch_hard", "semi_hard", "all"] = "semi_hard"  # which triplets are used
-    ce_weight: float = 0.0  # weight of an added cross-entropy head; 0 = no head
-    cross_rank: bool = False  # mine negatives from the global batch gathered from every rank
-    head: Literal["softmax", "arcface", "subcenter_arcface"] = "softmax"  # head of the ce_weight term: cosine softmax; arcface adds an angular margin to the target; subcenter_arcface also gives each class loss.subcenters weights
-    head_margin: float = 0.2  # additive angular margin m of the arcface heads, in radians: target logit s·cos(θ + m)
-    head_scale: float | None = None  # logit scale s of the head; null = 16 for softmax, 30 for the arcface heads
-    subcenters: int = 3  # sub-centers per class (subcenter_arcface): a class's cosine is the largest of its K
-    margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly up to their values at this epoch (from 1/(N+1) of them at the first); 0 = full at once
-
-    def __post_init__(self) -> None:
-        _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")
-        _check(self.ce_weight >= 0, "loss.ce_weight", self.ce_weight, ">= 0")
-        _check(self.head_margin >= 0, "loss.head_margin", self.head_margin, ">= 0 (radians)")
-        _check(self.head_scale is None or self.head_scale > 0, "loss.head_scale", self.head_scale,
-               "> 0, or null for the head's default")
-        _check(self.subcenters >= 1, "loss.subcenters", self.subcenters, ">= 1")
-        _check(self.margin_warmup_epochs >= 0, "loss.margin_warmup_epochs",
-               self.margin_warmup_epochs, ">= 0")
-        _check(self.head == "softmax" or self.ce_weight > 0, "loss.head", self.head,
-               "'softmax' while loss.ce_weight=0 (no head is trained); set loss.ce_weight > 0, "
-               "e.g. 1.0, to train the margin head")
+        _check(self.head_scale is None or self.head_scale > 0, "model.head_scale",
+               self.head_scale, "> 0, or null for the head's default")
+        _check(self.subcenters >= 1, "model.subcenters", self.subcenters, ">= 1")
 
     @property
     def effective_head_scale(self) -> float:
-        """The head's logit scale: loss.head_scale, or the head's default when it is null."""
+        """The head's logit scale: model.head_scale, or the head's default when it is null."""
         if self.head_scale is not None:
             return self.head_scale
         return 16.0 if self.head == "softmax" else 30.0
 
     @property
     def head_subcenters(self) -> int:
-        """Weight vectors per class in the head (loss.subcenters for subcenter_arcface, else 1)."""
+        """Weight vectors per class in the head (model.subcenters for subcenter_arcface, else 1)."""
         return self.subcenters if self.head == "subcenter_arcface" else 1
+
+
+@dataclass
+class LossConfig:
+    margin: float = 0.2  # triplet margin (cosine distance)
+    miner: Literal["batch_hard", "semi_hard", "all"] = "semi_hard"  # which triplets are used
+    cross_rank: bool = False  # mine negatives from the global batch gathered from every rank
+    ce_weight: float = 1.0  # weight of the head's cross-entropy term beside the triplet term (model.head)
+    head_margin: float = 0.2  # additive angular margin m of the arcface heads, in radians: target logit s·cos(θ + m)
+    margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly up to their values at this epoch (from 1/(N+1) of them at the first); 0 = full at once
+
+    def __post_init__(self) -> None:
+        _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")
+        _check(self.ce_weight >= 0, "loss.ce_weight", self.ce_weight, ">= 0")
+        _check(self.head_margin >= 0, "loss.head_margin", self.head_margin, ">= 0 (radians)")
+        _check(self.margin_warmup_epochs >= 0, "loss.margin_warmup_epochs",
+               self.margin_warmup_epochs, ">= 0")
 
 
 @dataclass
@@ -338,15 +370,32 @@ class CheckpointConfig:
 class Config:
     data: DataConfig = field(default_factory=DataConfig)  # index sheet and loading
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # m-per-class batches
-    features: FeaturesConfig = field(default_factory=FeaturesConfig)  # audio → log-mel
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)  # audio → log-mel (part of the architecture)
+    clips: ClipsConfig = field(default_factory=ClipsConfig)  # training crops and evaluation clips
+    spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)  # SpecAugment masks in the front end
     augment: AugmentConfig = field(default_factory=AugmentConfig)  # waveform / feature augmentation (training only)
-    model: ModelConfig = field(default_factory=ModelConfig)  # embedding network
-    loss: LossConfig = field(default_factory=LossConfig)  # triplet loss and mining
+    model: ModelConfig = field(default_factory=ModelConfig)  # embedding network and its head (the architecture)
+    loss: LossConfig = field(default_factory=LossConfig)  # triplet loss, mining, the head's weight
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and LR schedule
     train: TrainConfig = field(default_factory=TrainConfig)  # loop, precision, seeds
     dist: DistConfig = field(default_factory=DistConfig)  # multi-process settings
     eval: EvalConfig = field(default_factory=EvalConfig)  # validation during training
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving, resume
+
+    def __post_init__(self) -> None:
+        _check(self.model.head == "none" or self.loss.ce_weight > 0, "loss.ce_weight",
+               self.loss.ce_weight, f"> 0 with model.head={self.model.head} (its cross-entropy "
+               "weight; e.g. 1.0), or set model.head=none")
+
+
+def architecture(cfg: Config) -> dict:
+    """What a checkpoint's tensors depend on: the model (with its head) and the features.
+
+    Resume compatibility, build_net and the export sidecar all read these two objects; crops,
+    evaluation clips, SpecAugment and the loss weights may change between runs of one model.
+    """
+    model = {k: v for k, v in to_dict(cfg.model).items() if k != "init_from"}
+    return {"model": model, "features": to_dict(cfg.features)}
 
 
 def choices(cls: type, name: str) -> tuple:
@@ -459,6 +508,50 @@ def to_dict(cfg: Any) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Keys of earlier releases
+
+# (old section, old key) -> (new section, new key). Old config files, overrides and the configs
+# stored in older checkpoints are read through `migrate`.
+MOVED_KEYS = {
+    **{("features", key): ("clips", key)
+       for key in ("crop_seconds", "pad_mode", "eval_crop", "eval_max_seconds", "npy_layout")},
+    ("features", "spec_augment"): ("spec_augment", "enabled"),
+    **{("features", key): ("spec_augment", key) for key in ("freq_mask", "time_mask", "num_masks")},
+    **{("loss", key): ("model", key) for key in ("head_scale", "subcenters")},
+}
+
+
+def migrate(data: dict) -> tuple[dict, list[str]]:
+    """A config dict in the current layout, and a note per key it moved.
+
+    Before 0.2 the head's kind was loss.head and a head existed only while loss.ce_weight > 0;
+    such dicts keep that meaning: model.head is loss.head (default softmax) when ce_weight > 0,
+    else none. A loss.ce_weight > 0 without any head key is read the same way.
+    """
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    loss = out.get("loss") if isinstance(out.get("loss"), dict) else {}
+    model = out.get("model") if isinstance(out.get("model"), dict) else {}
+    notes = []
+    if "head" not in model and ("head" in loss or loss.get("ce_weight", 0)):
+        weight = loss.get("ce_weight", 0)
+        head = loss.pop("head", "softmax") if weight else "none"
+        loss.pop("head", None)
+        out.setdefault("model", model)["head"] = head
+        if not weight:
+            loss.pop("ce_weight", None)  # no head: the weight of nothing
+        notes.append(f"loss.head / loss.ce_weight={weight} -> model.head={head}")
+    for (section, key), (new_section, new_key) in MOVED_KEYS.items():
+        old = out.get(section)
+        if isinstance(old, dict) and key in old:
+            value = old.pop(key)
+            target = out.setdefault(new_section, {})
+            if isinstance(target, dict):
+                target.setdefault(new_key, value)
+            notes.append(f"{section}.{key} -> {new_section}.{new_key}")
+    return out, notes
+
+
+# ---------------------------------------------------------------------------------------------
 # Loading
 
 
@@ -510,7 +603,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
-    data = merge(data, parse_overrides(overrides or []))
+    data, moved = migrate(merge(data, parse_overrides(overrides or [])))
+    if moved:
+        warnings.warn(f"{path or 'overrides'}: config keys of an earlier release were read as "
+                      f"{'; '.join(moved)}; write them the new way", UserWarning, stacklevel=2)
     try:
         return from_dict(Config, data)
     except ConfigError as exc:
@@ -519,8 +615,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def config_from_dict(data: dict) -> Config:
-    """Rebuild a Config from the dict stored in a checkpoint or config.yaml."""
-    return from_dict(Config, data)
+    """Rebuild a Config from the dict stored in a checkpoint or config.yaml (older releases'
+    layouts included)."""
+    return from_dict(Config, migrate(data)[0])
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -65,8 +65,16 @@ from torch import Tensor
 from tqdm import tqdm
 
 from audioclf.checkpoint import CheckpointError
-from audioclf.cli import ExportSidecar, UsageError, one_line, resolve_device, run_cli, sidecar_path
-from audioclf.config import DataConfig, FeaturesConfig, from_dict
+from audioclf.cli import (
+    ExportSidecar,
+    UsageError,
+    one_line,
+    resolve_device,
+    run_cli,
+    sidecar_config,
+    sidecar_path,
+)
+from audioclf.config import Config, DataConfig, FeaturesConfig
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, IndexValidationError, load_index, split_index
 from audioclf.data.loader import loader_kwargs
@@ -103,15 +111,22 @@ class Model:
     """What embedding needs from a checkpoint or an export."""
 
     embed_fn: Callable[[Tensor, Tensor], Tensor]
-    features: FeaturesConfig
+    cfg: Config  # features and clips to read files as evaluation does; data: the sheet columns
     input_kind: str  # WAVEFORM or LOG_MEL
-    data: DataConfig  # column settings for reading a gallery sheet
     path: Path
     description: str
     device: torch.device
     # A checkpoint's data settings hold the training's split rules (data.val_ratio, holdout,
     # seed); an export's sidecar holds only the column names.
     knows_splits: bool = False
+
+    @property
+    def features(self) -> FeaturesConfig:
+        return self.cfg.features
+
+    @property
+    def data(self) -> DataConfig:
+        return self.cfg.data
 
 
 def load_model(path: str | Path, device: torch.device) -> Model:
@@ -126,8 +141,7 @@ def load_model(path: str | Path, device: torch.device) -> Model:
         try:
             meta = ExportSidecar.read(sidecar)
             fmt, kind = meta.format, meta.input_kind
-            features = from_dict(FeaturesConfig, meta.features, "features.")
-            data = from_dict(DataConfig, meta.data_columns, "data.")
+            cfg = sidecar_config(meta)
         except (ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"the sidecar {sidecar} of --model {path} cannot be read "
                              f"({type(exc).__name__}: {exc}); export the model again") from None
@@ -144,7 +158,7 @@ def load_model(path: str | Path, device: torch.device) -> Model:
                 return run(x, lengths)[0].to(x.device)  # the embeddings (logits come second)
 
             dim = meta.embedding_dim
-            return Model(embed_fn, features, kind, data, path, f"{fmt} export, {dim}-d", device)
+            return Model(embed_fn, cfg, kind, path, f"{fmt} export, {dim}-d", device)
     if path.suffix.lower() == ".onnx":
         raise UsageError(f"--model {path}: an ONNX export needs its sidecar {sidecar} "
                          "(written by audioclf.export)")
@@ -154,8 +168,8 @@ def load_model(path: str | Path, device: torch.device) -> Model:
         raise CheckpointError(f"{exc} (a TorchScript export needs its sidecar {sidecar.name} "
                               "next to it)") from None
     kind = WAVEFORM if cfg.features.kind == "audio" else LOG_MEL
-    return Model(net.embed, cfg.features, kind, cfg.data, path,
-                 describe_checkpoint(ckpt, cfg), device, knows_splits=True)
+    return Model(net.embed, cfg, kind, path, describe_checkpoint(ckpt, cfg), device,
+                 knows_splits=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +216,8 @@ def gallery_cache_file(model: Model, sheet: Path, root: str) -> Path:
     key = json.dumps([
         CACHE_VERSION, str(sheet.resolve()), _digest(sheet.read_bytes()), root,
         str(model.path.resolve()), stat.st_mtime_ns, stat.st_size, model.input_kind,
-        dataclasses.asdict(model.features), dataclasses.asdict(model.data),
+        dataclasses.asdict(model.features), dataclasses.asdict(model.cfg.clips),
+        dataclasses.asdict(model.data),
     ], sort_keys=True, default=str)
     return model.path.parent / CACHE_DIR / f"gallery-{sheet.stem}-{_digest(key.encode())}.npz"
 
@@ -228,7 +243,7 @@ def load_gallery(model: Model, sheet: str | Path, *, root: str | None, batch_siz
         except (OSError, ValueError, KeyError) as exc:
             log.warning("gallery cache %s is unreadable (%s); embedding the gallery again",
                         cache, exc)
-    embeddings = embed_files(model.embed_fn, model.features, index.table["path"].tolist(),
+    embeddings = embed_files(model.embed_fn, model.cfg, index.table["path"].tolist(),
                              batch_size=batch_size, device=model.device,
                              input_kind=model.input_kind, progress=progress,
                              num_workers=num_workers)
@@ -331,7 +346,7 @@ def _parts_manifest(model: Model, chunk_rows: int) -> dict:
     return {"version": PARTS_VERSION, "model": str(model.path.resolve()),
             "model_mtime_ns": stat.st_mtime_ns, "model_size": stat.st_size,
             "input_kind": model.input_kind, "features": dataclasses.asdict(model.features),
-            "chunk_rows": chunk_rows}
+            "clips": dataclasses.asdict(model.cfg.clips), "chunk_rows": chunk_rows}
 
 
 def _open_parts(outputs: IndexOutputs, manifest: dict) -> None:
@@ -403,8 +418,8 @@ def _index_dataset(model: Model, table: pd.DataFrame, skip_bad_files: bool
     a skipped file could not be read)."""
     def audio(skip: bool) -> AudioDataset:
         return AudioDataset(table["path"].tolist(), np.zeros(len(table), np.int64),
-                            model.features, train=False, rows=table["row"].tolist(),
-                            skip_bad_files=skip)
+                            model.features, model.cfg.clips, train=False,
+                            rows=table["row"].tolist(), skip_bad_files=skip)
 
     dataset = audio(skip_bad_files)
     if model.input_kind == LOG_MEL and model.features.kind == "audio":
@@ -663,7 +678,7 @@ def embed_readable(model: Model, files: list[Path], *, batch_size: int, progress
     """(files that could be read, their embeddings, [(file, reason)] of the others). One bad
     file does not cost the call: after a failure the files are embedded one by one."""
     def embed(paths: list[Path], show: bool, workers: int = 0) -> np.ndarray:
-        return embed_files(model.embed_fn, model.features, paths, batch_size=batch_size,
+        return embed_files(model.embed_fn, model.cfg, paths, batch_size=batch_size,
                            device=model.device, input_kind=model.input_kind, progress=show,
                            num_workers=workers)
 

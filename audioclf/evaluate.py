@@ -191,8 +191,7 @@ def embed_index(net, index: Index, cfg: Config, *, batch_size: int, device: torc
     """Embeddings [n, D] of the rows of `index` that could be read, and those rows of its table
     (fewer than all only with data.skip_bad_files=true)."""
     table = index.table
-    dataset = AudioDataset(table["path"].tolist(), index.labels(), cfg.features, train=False,
-                           rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files)
+    dataset = AudioDataset.from_index(index, cfg, train=False)
     options = loader_kwargs(num_workers, True, False, 2, device)
     emb, _, positions = extract_embeddings(net, dataset, batch_size=batch_size, device=device,
                                            loader_options=options, progress=progress,

@@ -13,7 +13,7 @@ The exported model is the network in eval mode (no SpecAugment, no dropout):
   x        default: waveforms float32 [batch, samples], mono at features.sample_rate,
            zero-padded after each clip; the log-mel front end is inside the model.
            --no-frontend (and models trained on .npy features): log-mel float32
-           [batch, frames, n_mels] as audioclf.models.frontend.log_mel computes it (log of mel power
+           [batch, frames, n_mels] as audioclf.spectrogram.log_mel computes it (log of mel power
            + 1e-6, not normalised); per-utterance normalisation is still inside the model.
   lengths  int64 [batch]: valid samples (or frames) of each row.
 Batch and time are dynamic in every format.
@@ -57,7 +57,7 @@ from audioclf.config import Config, ModelConfig, choices, to_dict
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference import LOG_MEL, WAVEFORM, load_trained
 from audioclf.models import EmbeddingNet
-from audioclf.models.frontend import FeatureFrontend, frames_for_samples
+from audioclf.models.frontend import FeatureFrontend
 
 PROG = "python -m audioclf.export"
 FORMATS = ("torchscript", "onnx", "state_dict")
@@ -124,7 +124,7 @@ def random_inputs(cfg: Config, kind: str, seed: int = 0) -> list[tuple[Tensor, T
     inputs = []
     for batch, seconds, fractions in PARITY_INPUTS:
         samples = int(round(seconds * cfg.features.sample_rate))
-        size = samples if kind == WAVEFORM else frames_for_samples(samples, cfg.features.hop_length)
+        size = samples if kind == WAVEFORM else cfg.features.frames(samples)
         lengths = torch.tensor([max(1, int(size * f)) for f in fractions[:batch]], dtype=torch.long)
         shape = (batch, size) if kind == WAVEFORM else (batch, size, cfg.features.n_mels)
         x = torch.randn(shape, generator=generator) * (0.1 if kind == WAVEFORM else 1.0)
@@ -358,7 +358,7 @@ def sidecar(cfg: Config, ckpt: dict, checkpoint_path: Path, *, fmt: str, out: Pa
         lengths_doc = "int64 [batch]: valid samples of each row"
     else:
         x_doc = (f"float32 [batch, frames, {features.n_mels}]: log-mel as "
-                 "audioclf.models.frontend.log_mel computes it (log(mel power + 1e-6), centred frames, "
+                 "audioclf.spectrogram.log_mel computes it (log(mel power + 1e-6), centred frames, "
                  "not normalised), zero-padded after each clip")
         lengths_doc = "int64 [batch]: valid frames of each row"
     versions = checkpoint.library_versions()
@@ -382,6 +382,7 @@ def sidecar(cfg: Config, ckpt: dict, checkpoint_path: Path, *, fmt: str, out: Pa
         embedding_dim=cfg.model.embedding_dim,
         sample_rate=features.sample_rate,
         features=dataclasses.asdict(features),
+        clips=dataclasses.asdict(cfg.clips),
         model=dataclasses.asdict(cfg.model),
         classes=classes,
         data_columns={k: getattr(cfg.data, k) for k in (

@@ -6,8 +6,8 @@
 `extract_embeddings` is what validation during training, `evaluate` and `embed` all run: a
 model's `embed` (in eval mode) or any callable `(x, lengths) -> embeddings`, e.g. a TorchScript
 export, over a dataset in ordered batches. `embed_files` reads each file as evaluation does
-(the whole clip, cut centred to features.eval_max_seconds, or a centred crop with
-features.eval_crop=center).
+(the whole clip, cut centred to clips.eval_max_seconds, or a centred crop with
+clips.eval_crop=center).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from tqdm import tqdm
 from audioclf import checkpoint, distributed
 from audioclf.checkpoint import CheckpointError
 from audioclf.cli import UsageError
-from audioclf.config import Config, ConfigError, FeaturesConfig, config_from_dict
+from audioclf.config import Config, ConfigError, config_from_dict
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.loader import build_eval_loader, loader_kwargs
 from audioclf.data.readers import AudioReadError, FeatureFileError
 from audioclf.models import EmbeddingNet, build_net
-from audioclf.models.frontend import log_mel
 from audioclf.precision import Precision, full_precision
+from audioclf.spectrogram import log_mel
 
 # What a model takes as input: waveforms [B, samples] or log-mel features [B, frames, n_mels].
 WAVEFORM, LOG_MEL = "waveform", "log_mel"
@@ -62,9 +62,9 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
             "--model-name"
         )
     classes = list(ckpt.get("classes") or [])
-    if cfg.loss.ce_weight > 0 and not classes:
+    if cfg.model.head != "none" and not classes:
         raise CheckpointError(
-            f"{path} was trained with a classifier head (loss.ce_weight={cfg.loss.ce_weight}) but "
+            f"{path} was trained with a classifier head (model.head={cfg.model.head}) but "
             "holds no 'classes' list, so the head's size is unknown; use a checkpoint written by "
             "audioclf.train"
         )
@@ -245,13 +245,14 @@ class _LogMelDataset(torch.utils.data.Dataset):
         return torch.from_numpy(log_mel(wave, self.audio.cfg)), label, position
 
 
-def file_dataset(paths: Sequence[str | Path], features: FeaturesConfig,
+def file_dataset(paths: Sequence[str | Path], cfg: Config,
                  input_kind: str | None = None) -> torch.utils.data.Dataset:
     """Evaluation-mode dataset of `paths` (label 0) giving what a model of `input_kind` takes.
 
     input_kind defaults to what `features.kind` gives the front end (waveforms for audio,
     log-mel for npy); LOG_MEL with audio files computes the log-mel of each file.
     """
+    features = cfg.features
     input_kind = input_kind or (WAVEFORM if features.kind == "audio" else LOG_MEL)
     if input_kind not in (WAVEFORM, LOG_MEL):
         raise ValueError(f"input_kind={input_kind!r} is invalid: use {WAVEFORM!r} or {LOG_MEL!r}")
@@ -259,14 +260,14 @@ def file_dataset(paths: Sequence[str | Path], features: FeaturesConfig,
         raise ValueError("a model that takes waveforms cannot read precomputed features "
                          "(features.kind=npy)")
     dataset = AudioDataset([str(p) for p in paths], np.zeros(len(paths), np.int64), features,
-                           train=False)
+                           cfg.clips, train=False)
     if input_kind == LOG_MEL and features.kind == "audio":
         return _LogMelDataset(dataset)
     return dataset
 
 
 def embed_files(net: EmbeddingNet | Callable[[Tensor, Tensor], Tensor],
-                cfg: Config | FeaturesConfig, paths: Sequence[str | Path], batch_size: int = 32,
+                cfg: Config, paths: Sequence[str | Path], batch_size: int = 32,
                 device: str | torch.device = "cpu", *, input_kind: str | None = None,
                 num_workers: int = 0, progress: bool = True) -> np.ndarray:
     """Embeddings float32 [len(paths), D] of audio (or .npy feature) files, in order.
@@ -276,10 +277,9 @@ def embed_files(net: EmbeddingNet | Callable[[Tensor, Tensor], Tensor],
     cfg.features.kind gives). A tqdm bar shows progress. An unreadable file raises
     AudioReadError / FeatureFileError naming it.
     """
-    features = cfg.features if isinstance(cfg, Config) else cfg
     if not paths:
         raise UsageError("no files to embed")
-    dataset = file_dataset(paths, features, input_kind)
+    dataset = file_dataset(paths, cfg, input_kind)
     options = loader_kwargs(num_workers, True, False, 2, torch.device(device))
     try:
         emb, _, positions = extract_embeddings(net, dataset, batch_size=batch_size, device=device,

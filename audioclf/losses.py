@@ -1,10 +1,17 @@
-"""Triplet loss with a miner (pytorch-metric-learning), optional cross-entropy on a cosine or
-margin (ArcFace, sub-center ArcFace) head, a margin warm-up, optional cross-rank mining.
+"""The training objective: loss terms, each its own class, summed with weights.
+
+    loss = build_loss(cfg)                # WeightedLosses: triplet (+ loss.ce_weight × head)
+    loss(embeddings, labels, logits)      # every term takes the same arguments
+
+`TripletLoss`: a miner and the triplet margin loss of pytorch-metric-learning, optionally over
+the global batch of every rank. `MarginHeadLoss`: cross-entropy on the head's logits (cosine
+softmax, ArcFace or sub-center ArcFace: model.head). `WeightedLosses` sums them with weights,
+as pytorch-metric-learning's `MultipleLosses` does.
 
 Distance convention: cosine similarity (PML `CosineSimilarity`) on L2-normalised embeddings.
 A triplet's loss is relu(cos(a, n) - cos(a, p) + margin), so `loss.margin` is in units of
 cosine distance (1 - cos). The triplet term is averaged over the mined triplets whose loss is
-non-zero (PML's default AvgNonZeroReducer).
+non-zero (PML's default AvgNonZeroReducer). Every term is computed in fp32 under autocast.
 
 Cross-rank scaling (`loss.cross_rank=True`): every rank gathers the embeddings and labels of
 all ranks (`all_gather_with_grad` / `all_gather_nograd`, in rank order) and computes the same
@@ -12,19 +19,20 @@ loss L on the global batch. In backward, `all_gather_with_grad` SUM-reduces dL/d
 over the W ranks (W identical copies) and hands each rank its own slice: W · dL/d(own slice).
 DDP then averages parameter gradients over the W ranks, so they equal
 sum over ranks of dL/d(own slice) · d(own slice)/dθ = the single-process gradient of L on the
-concatenated batch. The cross-entropy term is per rank on local logits; DDP's average makes it
-the mean over ranks (the global mean when every rank holds the same number of items).
+concatenated batch. The head term is per rank on local logits; DDP's average makes it the mean
+over ranks (the global mean when every rank holds the same number of items).
 
-Margin heads (`loss.head=arcface|subcenter_arcface`): the class weights live in the model
+Margin heads (model.head=arcface|subcenter_arcface): the class weights live in the model
 (`EmbeddingNet.head`, so DDP all-reduces their gradients like any other parameter's) and the
-model outputs plain scaled cosines (max over sub-centers); this loss turns each row's target
-logit s·cos θ into s·cos(θ + m) before the cross-entropy (models.heads.angular_margin_logits).
-pytorch-metric-learning's ArcFaceLoss / SubCenterArcFaceLoss own their weight `W` inside the
-loss module, outside DDP, so they are not used; the result is the same (tests compare them).
+model outputs plain scaled cosines (max over sub-centers); `MarginHeadLoss` turns each row's
+target logit s·cos θ into s·cos(θ + m) before the cross-entropy
+(models.heads.angular_margin_logits). pytorch-metric-learning's ArcFaceLoss /
+SubCenterArcFaceLoss own their weight `W` inside the loss module, outside DDP, so they are not
+used; the result is the same (tests compare them).
 
 Margin warm-up (`loss.margin_warmup_epochs=W`): `set_epoch(epoch)` sets both margins to
-min(1, epoch / W) × their configured values (epoch 0-based: 0 in the first epoch, full from
-epoch W on); the triplet miner uses the same current margin as the triplet loss.
+min(1, (epoch + 1) / (W + 1)) × their configured values (epoch 0-based); the triplet miner uses
+the same current margin as the triplet loss.
 """
 
 from __future__ import annotations
@@ -34,94 +42,91 @@ import torch.nn.functional as F
 from pytorch_metric_learning import distances, losses, miners
 from torch import Tensor, nn
 
-from audioclf.config import LossConfig, choices
+from audioclf.config import Config, LossConfig, ModelConfig, choices
 from audioclf.distributed import all_gather_nograd, all_gather_with_grad
 from audioclf.models.heads import angular_margin_logits
 
 MINERS = choices(LossConfig, "miner")
-HEADS = choices(LossConfig, "head")
+HEADS = tuple(h for h in choices(ModelConfig, "head") if h != "none")
 
 
-class TripletLoss(nn.Module):
-    """forward(embeddings [B, D], labels [B], logits [B, C] | None) → scalar loss.
+def build_loss(cfg: Config) -> WeightedLosses:
+    """The run's objective: the triplet term, plus loss.ce_weight × the head's cross-entropy
+    when model.head is not none."""
+    terms: dict[str, nn.Module] = {"triplet": TripletLoss(cfg.loss)}
+    weights = {"triplet": 1.0}
+    if cfg.model.head != "none":
+        terms["ce"] = MarginHeadLoss(cfg.model.head, scale=cfg.model.effective_head_scale,
+                                     margin=cfg.loss.head_margin,
+                                     warmup_epochs=cfg.loss.margin_warmup_epochs)
+        weights["ce"] = cfg.loss.ce_weight
+    return WeightedLosses(terms, weights)
 
-    The loss is computed in fp32 even under autocast. `with_stats` also returns floats:
-    `triplets` (mined on the local or global batch), `triplet_loss`, `ce_loss` (0.0 when not
-    used) — each a host sync, so the training loop calls forward.
-    A batch whose labels admit no triplet (one class, or all singletons) gives a zero loss that
-    still depends on the embeddings, so backward reaches every parameter (and, with
-    cross_rank, every rank runs the gather's backward collective).
 
-    `logits` are the model head's scaled cosines (scale `loss.effective_head_scale`, the scale
-    build_net gives the head); the arcface heads add their margin to them here. With
-    `loss.margin_warmup_epochs > 0`, call `set_epoch(epoch)` before every epoch.
-    """
+class _MarginWarmup(nn.Module):
+    """A term whose margin ramps up over the first `warmup_epochs` epochs (set_epoch)."""
 
-    def __init__(self, cfg: LossConfig):
+    def __init__(self, margin: float, warmup_epochs: int):
         super().__init__()
-        if cfg.miner not in MINERS:  # a LossConfig edited after construction
-            raise ValueError(f"loss.miner={cfg.miner!r} is invalid: use one of {', '.join(MINERS)}")
-        if cfg.head not in HEADS:
-            raise ValueError(f"loss.head={cfg.head!r} is invalid: use one of {', '.join(HEADS)}")
-        self.ce_weight = cfg.ce_weight
-        self.cross_rank = cfg.cross_rank
-        self.head = cfg.head
-        self.head_scale = cfg.effective_head_scale
-        self.full_margin = cfg.margin
-        self.full_head_margin = cfg.head_margin
-        self.warmup_epochs = cfg.margin_warmup_epochs
+        self.full_margin = margin
+        self.margin = margin  # the current margin (set_epoch changes it)
+        self.warmup_epochs = warmup_epochs
         self.epoch: int | None = None  # set by set_epoch; needed only with a warm-up
-        self.margin = cfg.margin  # the current margins (set_epoch changes them)
-        self.head_margin = cfg.head_margin if cfg.head != "softmax" else 0.0
-        distance = distances.CosineSimilarity()
-        self.triplet = losses.TripletMarginLoss(margin=cfg.margin, distance=distance)
-        if cfg.miner == "batch_hard":
-            self.miner = miners.BatchHardMiner(distance=distance)
-        else:
-            kind = "semihard" if cfg.miner == "semi_hard" else "all"
-            self.miner = miners.TripletMarginMiner(
-                margin=cfg.margin, type_of_triplets=kind, distance=distance
-            )
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the margins of `epoch` (0-based) on the warm-up ramp; call before every epoch."""
+        """Set the margin of `epoch` (0-based) on the warm-up ramp; call before every epoch."""
         if epoch < 0:
             raise ValueError(f"set_epoch needs an epoch >= 0, got {epoch}")
         self.epoch = epoch
         # (epoch + 1) / (W + 1): never 0, so semi-hard mining finds triplets from the start.
         factor = min(1.0, (epoch + 1) / (self.warmup_epochs + 1)) if self.warmup_epochs else 1.0
         self.margin = factor * self.full_margin
-        self.head_margin = factor * self.full_head_margin if self.head != "softmax" else 0.0
-        self.triplet.margin = self.margin
-        if isinstance(self.miner, miners.TripletMarginMiner):
-            self.miner.margin = self.margin
 
-    def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
-        return self._terms(embeddings, labels, logits)[0]
-
-    def with_stats(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
-                   ) -> tuple[Tensor, dict[str, float]]:
-        """(loss, {"triplets", "triplet_loss", "ce_loss"} as floats)."""
-        loss, triplet_loss, ce_loss, n_triplets = self._terms(embeddings, labels, logits)
-        return loss, {"triplets": float(n_triplets), "triplet_loss": float(triplet_loss.detach()),
-                      "ce_loss": float(ce_loss.detach())}
-
-    def _terms(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None
-               ) -> tuple[Tensor, Tensor, Tensor, int]:
-        """(loss, triplet term, cross-entropy term, mined triplets)."""
-        _check_inputs(embeddings, labels, logits)
+    def _check_epoch(self) -> None:
         if self.warmup_epochs and self.epoch is None:
             raise RuntimeError(
                 f"loss.margin_warmup_epochs={self.warmup_epochs} ramps the margins per epoch: call "
                 "TripletLoss.set_epoch(epoch) before each epoch (or set loss.margin_warmup_epochs=0)"
             )
-        if logits is None and self.ce_weight > 0:
-            raise ValueError(
-                f"loss.ce_weight={self.ce_weight} needs classifier logits: build EmbeddingNet "
-                "with num_classes > 0, or set loss.ce_weight=0"
-            )
+
+
+class TripletLoss(_MarginWarmup):
+    """forward(embeddings [B, D], labels [B], logits=None) → the triplet term (logits unused).
+
+    A batch whose labels admit no triplet (one class, or all singletons) gives a zero loss that
+    still depends on the embeddings, so backward reaches every parameter (and, with
+    cross_rank, every rank runs the gather's backward collective).
+    """
+
+    def __init__(self, cfg: LossConfig):
+        if cfg.miner not in MINERS:  # a LossConfig edited after construction
+            raise ValueError(f"loss.miner={cfg.miner!r} is invalid: use one of {', '.join(MINERS)}")
+        super().__init__(cfg.margin, cfg.margin_warmup_epochs)
+        self.cross_rank = cfg.cross_rank
+        distance = distances.CosineSimilarity()
+        self.triplet = losses.TripletMarginLoss(margin=cfg.margin, distance=distance)
+        if cfg.miner == "batch_hard":
+            self.miner = miners.BatchHardMiner(distance=distance)
+        else:
+            kind = "semihard" if cfg.miner == "semi_hard" else "all"
+            self.miner = miners.TripletMarginMiner(margin=cfg.margin, type_of_triplets=kind,
+                                                   distance=distance)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.triplet.margin = self.margin
+        if isinstance(self.miner, miners.TripletMarginMiner):
+            self.miner.margin = self.margin
+
+    def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
+        return self.with_stats(embeddings, labels)[0]
+
+    def with_stats(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
+                   ) -> tuple[Tensor, dict[str, float]]:
+        """(loss, {"triplets": mined triplets}); the count is a host sync."""
+        check_inputs(embeddings, labels)
+        self._check_epoch()
         labels = labels.to(embeddings.device)
-        local_labels = labels
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
             embeddings = embeddings.float()
             if self.cross_rank:
@@ -131,24 +136,79 @@ class TripletLoss(nn.Module):
             if n_triplets == 0:
                 # Zero, yet connected to every embedding (and so every parameter and rank);
                 # "+ 0.0" turns a -0.0 into 0.0.
-                triplet_loss = embeddings.sum() * 0.0 + 0.0
-            else:
-                triplet_loss = self.triplet(embeddings, labels, triplets)
-            loss = triplet_loss
-            ce_loss = torch.zeros((), device=embeddings.device)
-            if logits is not None and self.ce_weight > 0:
-                ce_loss = (F.cross_entropy(self._margin_logits(logits, local_labels), local_labels)
-                           if len(local_labels)
-                           else logits.sum() * 0.0)  # no rows here (a dropped batch)
-                loss = loss + self.ce_weight * ce_loss
-        return loss, triplet_loss, ce_loss, n_triplets
+                return embeddings.sum() * 0.0 + 0.0, {"triplets": 0.0}
+            return self.triplet(embeddings, labels, triplets), {"triplets": float(n_triplets)}
 
-    def _margin_logits(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """The head's logits in fp32, with the current angular margin on the targets (arcface)."""
-        logits = logits.float()
-        if self.head == "softmax":
-            return logits
-        return angular_margin_logits(logits, labels, self.head_scale, self.head_margin)
+
+class MarginHeadLoss(_MarginWarmup):
+    """forward(embeddings, labels [B], logits [B, C]) → cross-entropy of the head's logits.
+
+    `logits` are the model head's scaled cosines (`scale`, the scale build_net gives the head);
+    the arcface heads add their angular `margin` (radians) to each row's target first.
+    """
+
+    def __init__(self, head: str, *, scale: float, margin: float, warmup_epochs: int = 0):
+        if head not in HEADS:
+            raise ValueError(f"model.head={head!r} is invalid: use one of {', '.join(HEADS)}")
+        super().__init__(margin if head != "softmax" else 0.0, warmup_epochs)
+        self.head = head
+        self.scale = scale
+
+    def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
+        return self.with_stats(embeddings, labels, logits)[0]
+
+    def with_stats(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
+                   ) -> tuple[Tensor, dict[str, float]]:
+        if logits is None:
+            raise ValueError(
+                f"model.head={self.head} needs classifier logits: build EmbeddingNet with "
+                "num_classes > 0, or set model.head=none")
+        check_inputs(embeddings, labels, logits)
+        self._check_epoch()
+        labels = labels.to(logits.device)
+        with torch.autocast(device_type=logits.device.type, enabled=False):
+            if not len(labels):
+                return logits.float().sum() * 0.0, {}  # no rows here (a dropped batch)
+            logits = logits.float()
+            if self.head != "softmax":
+                logits = angular_margin_logits(logits, labels, self.scale, self.margin)
+            return F.cross_entropy(logits, labels), {}
+
+
+class WeightedLosses(nn.Module):
+    """Σ weight × term(embeddings, labels, logits) over named terms (PML's MultipleLosses).
+
+    `with_stats` also returns floats: each term's value as "<name>_loss" and what the term
+    reports (the triplet term: "triplets") — host syncs, so the training loop calls forward.
+    """
+
+    def __init__(self, terms: dict[str, nn.Module], weights: dict[str, float]):
+        super().__init__()
+        if set(terms) != set(weights):
+            raise ValueError(f"every loss term needs a weight: terms {sorted(terms)}, weights "
+                             f"{sorted(weights)}")
+        self.terms = nn.ModuleDict(terms)
+        self.weights = dict(weights)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call before every epoch: the terms' margins follow loss.margin_warmup_epochs."""
+        for term in self.terms.values():
+            term.set_epoch(epoch)
+
+    def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
+        return self.with_stats(embeddings, labels, logits, stats=False)[0]
+
+    def with_stats(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None, *,
+                   stats: bool = True) -> tuple[Tensor, dict[str, float]]:
+        check_inputs(embeddings, labels, logits)
+        total, report = None, {}
+        for name, term in self.terms.items():
+            value, term_stats = term.with_stats(embeddings, labels, logits)
+            weighted = self.weights[name] * value
+            total = weighted if total is None else total + weighted
+            if stats:
+                report.update(term_stats, **{f"{name}_loss": float(value.detach())})
+        return total, report
 
 
 def _gather_global(embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -170,18 +230,19 @@ def _gather_global(embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return gathered[keep], gathered_labels[keep]
 
 
-def _check_inputs(embeddings: Tensor, labels: Tensor, logits: Tensor | None) -> None:
+def check_inputs(embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> None:
+    """One ValueError naming the shape or dtype that does not fit."""
     if embeddings.dim() != 2:
-        raise ValueError(f"TripletLoss expects embeddings [batch, dim], got shape {list(embeddings.shape)}")
+        raise ValueError(f"the loss expects embeddings [batch, dim], got shape {list(embeddings.shape)}")
     if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
         raise ValueError(
-            f"TripletLoss expects one label per embedding: embeddings {list(embeddings.shape)}, "
+            f"the loss expects one label per embedding: embeddings {list(embeddings.shape)}, "
             f"labels {list(labels.shape)}"
         )
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f"TripletLoss labels must be integers, got dtype {labels.dtype}")
+        raise ValueError(f"the loss's labels must be integers, got dtype {labels.dtype}")
     if logits is not None and (logits.dim() != 2 or logits.shape[0] != embeddings.shape[0]):
         raise ValueError(
-            f"TripletLoss expects logits [batch, classes] with batch={embeddings.shape[0]}, "
+            f"the loss expects logits [batch, classes] with batch={embeddings.shape[0]}, "
             f"got shape {list(logits.shape)}"
         )

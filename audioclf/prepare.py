@@ -7,7 +7,7 @@
 Reads the index sheet IN (.xlsx .csv .parquet; columns and data.root from --config, checked as
 in training) and writes, for every row, the log-mel of its audio file to
     DIR/features/<class>/<id>.npy      float32 [frames, n_mels], un-normalised
-exactly what audioclf.models.frontend.log_mel returns (the training front end's LogMel, valid
+exactly what audioclf.spectrogram.log_mel returns (the training front end's LogMel, valid
 frames only), so `features.kind=npy` on these files trains like `features.kind=audio` on the
 audio (normalisation and SpecAugment still run in the model). Class folders and file names are
 the class and id with every character other than letters, digits, '-', '_' and '.' written as
@@ -83,7 +83,7 @@ from audioclf.data.index import Index, load_index, read_table
 from audioclf.data.index.table import FIRST_DATA_ROW, rows_text
 from audioclf.data.readers import AudioReadError, load_audio, read_npy_header
 from audioclf.fileio import atomic_write, atomic_write_bytes
-from audioclf.models.frontend import log_mel, one_torch_thread
+from audioclf.spectrogram import log_mel, one_torch_thread
 
 PROG = "python -m audioclf.prepare"
 FEATURES_DIR = "features"
@@ -557,7 +557,7 @@ def train_command(out_index: Path, cfg: Config, config_path: Path | None) -> str
         base_cfg = Config()
     overrides = [f"data.index={out_index}", "features.kind=npy"]
     sheet = cfg.data.sheet if isinstance(cfg.data.sheet, str) else 0
-    wanted = {"data.root": "", "data.sheet": sheet, "features.npy_layout": "frames_bins"}
+    wanted = {"data.root": "", "data.sheet": sheet, "clips.npy_layout": "frames_bins"}
     for key in ("class_column", "item_column", "id_column", "path_column", "split_column"):
         wanted[f"data.{key}"] = getattr(cfg.data, key)
     for key, value in feature_settings(cfg.features).items():

@@ -25,10 +25,10 @@ import torch
 
 from audioclf import checkpoint, distributed
 from audioclf.cli import AlreadyReported, is_user_error, one_line
-from audioclf.config import Config, config_from_dict, save_config, to_dict
+from audioclf.config import Config, architecture, config_from_dict, save_config, to_dict
 from audioclf.data.augment import Augmenter
 from audioclf.data.dataset import AudioDataset
-from audioclf.data.index import Index, load_index_distributed, split_index, stratified_subset
+from audioclf.data.index import Index, load_index, split_index, stratified_subset
 from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs
 from audioclf.engine import EpochResult, NonFiniteGuard, train_one_epoch
 from audioclf.fileio import (
@@ -39,7 +39,7 @@ from audioclf.fileio import (
 )
 from audioclf.inference import extract_embeddings, init_weights
 from audioclf.logs import MetricsWriter, log_failure_to_file, setup_logging
-from audioclf.losses import TripletLoss
+from audioclf.losses import build_loss
 from audioclf.metrics import RETRIEVAL_KEYS, retrieval_summary
 from audioclf.models import build_net, count_parameters
 from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer
@@ -145,24 +145,19 @@ class RunData:
 
 
 def build_data(cfg: Config) -> RunData:
-    index = load_index_distributed(cfg.data)
+    """The index (rank 0 reads it first and builds its cache; the others then read the cache)
+    and the train / validation datasets. Collective when distributed."""
+    index = distributed.primary_first(load_index, cfg.data)
     splits = split_index(index, cfg.data)
     train, val = splits["train"], splits.get(cfg.eval.split)
     if len(train) == 0:
         raise ValueError(f"{index.source}: the train split is empty; check data.split_column / "
                          "data.val_ratio")
-    train_set = _dataset(train, cfg, train=True, augment=Augmenter(cfg.augment, cfg.features))
+    augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
+    train_set = AudioDataset.from_index(train, cfg, train=True, augment=augment)
     if val is None or len(val) < 2:
         return RunData(train, None, train_set, None)
-    return RunData(train, val, train_set, _dataset(val, cfg, train=False))
-
-
-def _dataset(index: Index, cfg: Config, *, train: bool, augment: Augmenter | None = None
-             ) -> AudioDataset:
-    table = index.table
-    return AudioDataset(table["path"].tolist(), index.labels(), cfg.features, train=train,
-                        rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files,
-                        augment=augment)
+    return RunData(train, val, train_set, AudioDataset.from_index(val, cfg, train=False))
 
 
 def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | None = None) -> dict:
@@ -251,7 +246,7 @@ class Trainer:
         self.model = distributed.wrap(net, env, sync_bn=cfg.model.sync_bn,
                                       find_unused_parameters=cfg.dist.find_unused_parameters,
                                       autocast_dtype=self.precision.dtype)
-        self.loss_fn = TripletLoss(cfg.loss)
+        self.loss_fn = build_loss(cfg)
         self.optimizer = build_optimizer(_param_groups(net, cfg), cfg.optim, env.device)
         self.schedule = LRSchedule(self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size),
                                    cfg.train.epochs)
@@ -313,7 +308,7 @@ class Trainer:
         ckpt = checkpoint.load(path)
         saved = config_from_dict(ckpt["config"])
         changed = [f"{key} {old!r} (now {new!r})"
-                   for key, (old, new) in _differences(_architecture(saved), _architecture(cfg)).items()]
+                   for key, (old, new) in _differences(architecture(saved), architecture(cfg)).items()]
         notes = []
         if changed and cfg.checkpoint.resume_strict:
             raise checkpoint.CheckpointError(
@@ -325,8 +320,7 @@ class Trainer:
         if changed:
             notes.append(f"resuming {path} with its own settings, not the requested "
                          f"({'; '.join(changed)}): checkpoint.resume_strict=false")
-        cfg.model, cfg.features = saved.model, saved.features
-        cfg.loss.head, cfg.loss.subcenters = saved.loss.head, saved.loss.subcenters
+        cfg.model, cfg.features = saved.model, saved.features  # the architecture
         return path, ckpt, notes
 
     def _prepare_run_dir(self) -> None:
@@ -515,14 +509,6 @@ class Trainer:
         if self.hooks.on_end is not None:
             self.hooks.on_end(self, summary)
         return summary
-
-
-def _architecture(cfg: Config) -> dict:
-    """The settings a checkpoint's tensors depend on (model, features, the classifier head)."""
-    model = {k: v for k, v in to_dict(cfg.model).items() if k != "init_from"}
-    head = {"head": cfg.loss.head, "subcenters": cfg.loss.subcenters,
-            "classifier_head": cfg.loss.ce_weight > 0}
-    return {"model": model, "features": to_dict(cfg.features), "loss": head}
 
 
 def _param_groups(net: torch.nn.Module, cfg: Config) -> list:

@@ -38,6 +38,7 @@ from audioclf.data.augment import Augmenter  # noqa: E402
 from audioclf.data.readers import crop_or_pad, load_audio, read_npy_crop  # noqa: E402
 
 SR = 16000
+CROP_SAMPLES = 2 * SR  # 2-second training crops
 TARGET_CROPS_PER_SECOND = 300.0
 PIECES = ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "gain_prob")
 
@@ -58,7 +59,7 @@ def write_clips(folder: Path, n: int, low_s: float, high_s: float, seed: int) ->
 
 
 def augmenter(features: FeaturesConfig, **fields) -> Augmenter:
-    return Augmenter(AugmentConfig(**fields), features)
+    return Augmenter(AugmentConfig(**fields), features, CROP_SAMPLES)
 
 
 def alone(features: FeaturesConfig, **fields) -> Augmenter:
@@ -126,7 +127,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)  # as in a DataLoader worker
 
-    features = FeaturesConfig(sample_rate=SR, crop_seconds=2.0)
+    features = FeaturesConfig(sample_rate=SR)
     with tempfile.TemporaryDirectory() as tmp:
         clips = write_clips(Path(tmp) / "clips", args.clips, 1.0, 2.0, seed=0)
         noise_dir = Path(tmp) / "noise"

@@ -313,16 +313,17 @@ def first_keys(sampler: MPerClassSampler, seed: int, batches: int) -> list[tuple
     return keys
 
 
-def ceiling(keys, paths: np.ndarray, features) -> tuple[float, float]:
+def ceiling(keys, paths: np.ndarray, cfg) -> tuple[float, float]:
     """(crops/s, CPU seconds per second) of read_npy_crop alone, in this process, on the
     loader's (path, crop seed) pairs."""
+    features, clips = cfg.features, cfg.clips
+    frames = clips.crop_frames(features)
     start, start_cpu = time.perf_counter(), time.process_time()
     for position, crop_seed in keys:
-        crop = read_npy_crop(paths[position], features.crop_frames,
-                             np.random.default_rng(crop_seed), features.npy_layout,
-                             features.n_mels, features.pad_mode)
+        crop = read_npy_crop(paths[position], frames, np.random.default_rng(crop_seed),
+                             clips.npy_layout, features.n_mels, clips.pad_mode)
     elapsed = time.perf_counter() - start
-    assert crop.shape == (features.crop_frames, features.n_mels)
+    assert crop.shape == (frames, features.n_mels)
     return len(keys) / elapsed, (time.process_time() - start_cpu) / elapsed
 
 
@@ -356,7 +357,8 @@ class LoaderRun:
         self.workers = workers
         self.loader = build_train_loader(dataset, batches, seed=cfg.train.seed, **kwargs)
         self.batch_size = cfg.sampler.batch_size
-        self.shape = (cfg.sampler.batch_size, cfg.features.crop_frames, cfg.features.n_mels)
+        self.shape = (cfg.sampler.batch_size, cfg.clips.crop_frames(cfg.features),
+                      cfg.features.n_mels)
         start = time.perf_counter()
         self.iterator = iter(self.loader)
         self.next_batch()
@@ -450,7 +452,7 @@ def main() -> int:
     cache_dir = args.workdir / f"index_cache_r{args.rows}_f{args.files}"
     cfg = load_config(None, [
         f"data.index={sheet}", f"data.cache_dir={cache_dir}", "features.kind=npy",
-        f"features.n_mels={args.bins}", "features.crop_seconds=3", "sampler.batch_size=128",
+        f"features.n_mels={args.bins}", "clips.crop_seconds=3", "sampler.batch_size=128",
         "sampler.m=4",
     ])
     feats = cfg.features
@@ -514,7 +516,7 @@ def main() -> int:
                  else f"loader, {workers} worker{'s' if workers > 1 else ''}, {kind}")
         rows.append((label, rate, cpu, run.first_batch_s, reference))
 
-    ceiling_warm = ceiling(measure_keys, paths, feats)
+    ceiling_warm = ceiling(measure_keys, paths, cfg)
     rows.append(("ceiling read_npy_crop, warm", *ceiling_warm, None, ceiling_warm[0]))
     loader_run(0, "warm", ceiling_warm[0])
     for workers in worker_counts:
@@ -529,7 +531,7 @@ def main() -> int:
     if not cold_ok:
         print("cold: skipped (no posix_fadvise on this OS)")
     else:
-        ceiling_cold = ceiling(measure_keys, paths, feats)
+        ceiling_cold = ceiling(measure_keys, paths, cfg)
         rows.append(("ceiling read_npy_crop, cold", *ceiling_cold, None, ceiling_cold[0]))
         for workers in worker_counts:
             drop_from_page_cache(features)
@@ -539,7 +541,7 @@ def main() -> int:
               + ("  WARNING: the drop did not work, 'cold' is warm"
                  if cold_fraction is not None and cold_fraction > 0.05 else ""))
 
-    print(f"throughput: {cfg.sampler.batch_size}-crop batches of {feats.crop_frames} x "
+    print(f"throughput: {cfg.sampler.batch_size}-crop batches of {cfg.clips.crop_frames(feats)} x "
           f"{feats.n_mels} (3 s), {args.measure} timed batches ({args.measure * 128:,} crops) per "
           f"run; load average now {load_text()}")
     print(f"  {'':31s} {'crops/s':>8s} {'x ceiling':>9s} {'CPU/s':>6s} {'crops/CPU-s':>11s} "
@@ -563,7 +565,7 @@ def main() -> int:
     # batch-sized blocks already (the 0-worker run); a trainer has too whenever it built or freed
     # a batch-sized tensor before its workers fork. Doing it here on purpose keeps the figure
     # independent of what ran before.
-    torch.empty(cfg.sampler.batch_size, feats.crop_frames, feats.n_mels).fill_(0)
+    torch.empty(cfg.sampler.batch_size, cfg.clips.crop_frames(feats), feats.n_mels).fill_(0)
     read_whole_files(features)
     run = LoaderRun(cfg, data.train_set, sampler, args.memory_workers)
     start_mb = {pid: memory_mb(pid) for pid in run.pids}

@@ -68,7 +68,7 @@ if [[ "$gpus" -ge 2 ]]; then
     "$PY" -m audioclf.data.demo --out "$WORK/demo" --classes 16 --items 4 --ids 4 --features >/dev/null
     if "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m audioclf.train \
         --config configs/cnn.yaml data.index="$WORK/demo/index_features.xlsx" data.num_workers=2 \
-        sampler.batch_size=16 model.cnn.width=16 features.crop_seconds=1.0 train.epochs=2 \
+        sampler.batch_size=16 model.cnn.width=16 clips.crop_seconds=1.0 train.epochs=2 \
         model.sync_bn=true loss.cross_rank=true train.consistency_every_steps=1 \
         train.precision=bf16 optim.warmup_steps=0 eval.distributed=true checkpoint.every_steps=0 \
         checkpoint.resume='' train.runs_dir="$WORK/runs" train.name=ddp > "$WORK/ddp.log" 2>&1 \

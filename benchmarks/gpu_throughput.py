@@ -158,7 +158,7 @@ def main() -> int:
                 if precision == "bf16" or device.type == "cpu":
                     folder = Path(tmp) / f"{model}_{cfg.features.n_mels}"
                     folder.mkdir(exist_ok=True)
-                    data = feature_set(cfg, folder, args.files, cfg.features.crop_seconds + 1.0)
+                    data = feature_set(cfg, folder, args.files, cfg.clips.crop_seconds + 1.0)
                     loaded_seconds, loaded = train_steps(
                         cfg, device, loader_batches(cfg, device, *data, steps=args.steps + 3))
                     row["loader_sps"] = loaded / loaded_seconds

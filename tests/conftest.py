@@ -34,7 +34,7 @@ def tiny_config(index: Path, runs_dir: Path, model: str = "cnn", *extra: str) ->
     return load_config(None, [
         f"data.index={index}", "data.num_workers=0", "data.val_ratio=0.25",
         "sampler.batch_size=8", "sampler.m=2",
-        "features.n_mels=32", "features.crop_seconds=0.5", "features.eval_max_seconds=1.0",
+        "features.n_mels=32", "clips.crop_seconds=0.5", "clips.eval_max_seconds=1.0",
         "model.embedding_dim=16", *TINY[model],
         "optim.lr=0.003", "optim.warmup_steps=0",
         f"train.runs_dir={runs_dir}", "train.name=t", "train.epochs=2", "train.log_every_steps=0",

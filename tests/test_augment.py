@@ -18,7 +18,8 @@ from audioclf.config import AugmentConfig, Config, ConfigError, FeaturesConfig, 
 from audioclf.data.augment import Augmenter, room_impulse_response
 
 SR = 16000
-FEATURES = FeaturesConfig(sample_rate=SR, crop_seconds=0.5)  # 8000-sample crops
+FEATURES = FeaturesConfig(sample_rate=SR)
+CROP = 8000  # samples: 0.5 s crops
 ROOT = Path(__file__).resolve().parents[1]
 PIECES = ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "gain_prob")
 
@@ -26,14 +27,14 @@ PIECES = ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "gain_prob")
 def only(**fields) -> Augmenter:
     """An enabled Augmenter with every piece off except the probabilities/fields given."""
     cfg = AugmentConfig(enabled=True, **({name: 0.0 for name in PIECES} | fields))
-    return Augmenter(cfg, FEATURES)
+    return Augmenter(cfg, FEATURES, CROP)
 
 
 def all_on() -> Augmenter:
     """Every piece at probability 1; speed never 1.0, so it always changes the clip."""
     cfg = AugmentConfig(enabled=True, speed_factors=(0.9, 1.1), noise_colors=("pink",),
                         **{name: 1.0 for name in PIECES})
-    return Augmenter(cfg, FEATURES)
+    return Augmenter(cfg, FEATURES, CROP)
 
 
 def signal(n: int = 8000, seed: int = 0) -> torch.Tensor:
@@ -62,12 +63,12 @@ def augment_item(augment: Augmenter, wave: torch.Tensor, seed: int) -> torch.Ten
     """What the dataset does with a training clip: speed, crop, the rest."""
     rng = np.random.default_rng(seed)
     wave = augment.before_crop(wave, rng)
-    start = int(rng.integers(0, max(1, wave.shape[0] - FEATURES.crop_samples + 1)))
-    return augment.after_crop(wave[start : start + FEATURES.crop_samples], rng)
+    start = int(rng.integers(0, max(1, wave.shape[0] - CROP + 1)))
+    return augment.after_crop(wave[start : start + CROP], rng)
 
 
 def test_off_by_default_returns_input_and_draws_nothing():
-    augment = Augmenter(Config().augment, FEATURES)
+    augment = Augmenter(Config().augment, FEATURES, CROP)
     assert not AugmentConfig().enabled and not augment.enabled
     rng = np.random.default_rng(0)
     state = rng.bit_generator.state
@@ -130,7 +131,7 @@ def test_speed_changes_length_and_pitch_by_the_factor(factor):
     assert abs(peak_hz(out) - 1000.0 * factor) <= 10.0  # faster is higher, as in Kaldi
     # A clip longer than a crop needs: one crop of speed-changed audio, whatever the clip length.
     out = augment.before_crop(tone(1000.0, 5 * SR), np.random.default_rng(0))
-    assert out.shape[0] == FEATURES.crop_samples
+    assert out.shape[0] == CROP
     assert abs(peak_hz(out) - 1000.0 * factor) <= 10.0
     assert float(out[:50].abs().max()) > 0.9 and float(out[-50:].abs().max()) > 0.9  # edges kept
 
@@ -283,10 +284,10 @@ def test_missing_or_empty_noise_dir_is_one_clear_error(tmp_path, make):
         (folder / "readme.txt").write_text("no audio here")
     cfg = AugmentConfig(enabled=True, noise_dir=str(folder))
     with pytest.raises(ConfigError, match="augment.noise_dir") as raised:
-        Augmenter(cfg, FEATURES)
+        Augmenter(cfg, FEATURES, CROP)
     assert str(folder) in str(raised.value)
     # Not checked while augmentation is off (e.g. evaluating the run on another machine).
-    Augmenter(AugmentConfig(enabled=False, noise_dir=str(folder)), FEATURES)
+    Augmenter(AugmentConfig(enabled=False, noise_dir=str(folder)), FEATURES, CROP)
 
 
 @pytest.mark.parametrize("override, key", [
@@ -312,4 +313,4 @@ def test_settings_load_from_overrides():
                  "augment.speed_factors=[0.95, 1.05]"]
     cfg = load_config(None, overrides).augment
     assert cfg.enabled and cfg.gain_db == (-3.0, 3.0) and cfg.noise_colors == ("pink",)
-    assert Augmenter(cfg, FEATURES).speed_ratios == [(19, 20), (21, 20)]
+    assert Augmenter(cfg, FEATURES, CROP).speed_ratios == [(19, 20), (21, 20)]

@@ -10,7 +10,7 @@ import soundfile
 import torch
 from torch.utils.data import DataLoader
 
-from audioclf.config import FeaturesConfig
+from audioclf.config import ClipsConfig, FeaturesConfig
 from audioclf.data.dataset import AudioDataset, collate_padded
 from audioclf.data.readers import AudioReadError, FeatureFileError
 
@@ -41,20 +41,23 @@ def npy_files(tmp_path):
 
 
 def audio_cfg(**kw):
-    return FeaturesConfig(kind="audio", sample_rate=RATE, crop_seconds=0.25, eval_max_seconds=0.75, **kw)
+    """(features, clips) of 8 kHz audio files."""
+    return (FeaturesConfig(kind="audio", sample_rate=RATE),
+            ClipsConfig(crop_seconds=0.25, eval_max_seconds=0.75, **kw))
 
 
 def npy_cfg(**kw):
-    # hop 80 at 8 kHz: crop of 0.5 s = 4000 samples = 51 frames; eval max 1 s = 101 frames.
-    return FeaturesConfig(kind="npy", sample_rate=RATE, hop_length=80, n_mels=16, crop_seconds=0.5,
-                          eval_max_seconds=1.0, **kw)
+    """(features, clips) of .npy files; hop 80 at 8 kHz: a crop of 0.5 s = 4000 samples = 51
+    frames; eval max 1 s = 101 frames."""
+    return (FeaturesConfig(kind="npy", sample_rate=RATE, hop_length=80, n_mels=16),
+            ClipsConfig(crop_seconds=0.5, eval_max_seconds=1.0, **kw))
 
 
 LABELS = np.array([0, 1, 1])
 
 
 def test_audio_training_items_are_crops(audio_files):
-    ds = AudioDataset(audio_files, LABELS, audio_cfg(), train=True)
+    ds = AudioDataset(audio_files, LABELS, *audio_cfg(), train=True)
     x, label, position = ds[(1, 42)]
     assert x.shape == (2000,) and x.dtype == torch.float32
     assert (label, position) == (1, 1)
@@ -62,16 +65,16 @@ def test_audio_training_items_are_crops(audio_files):
 
 
 def test_audio_eval_full_and_centre(audio_files):
-    full = AudioDataset(audio_files, LABELS, audio_cfg(), train=False)
+    full = AudioDataset(audio_files, LABELS, *audio_cfg(), train=False)
     assert [full[i][0].shape[0] for i in range(3)] == [6000, 4000, 800]  # 1.0 s cut to 0.75 s
-    centre = AudioDataset(audio_files, LABELS, audio_cfg(eval_crop="center"), train=False)
+    centre = AudioDataset(audio_files, LABELS, *audio_cfg(eval_crop="center"), train=False)
     assert [centre[i][0].shape[0] for i in range(3)] == [2000] * 3
     assert torch.equal(centre[(0, 1)][0], centre[(0, 2)][0])  # eval ignores crop seeds
 
 
 def test_same_seed_same_crop_different_seed_different_crop(audio_files, npy_files):
-    for ds in (AudioDataset(audio_files, LABELS, audio_cfg(), train=True),
-               AudioDataset(npy_files, LABELS, npy_cfg(), train=True)):
+    for ds in (AudioDataset(audio_files, LABELS, *audio_cfg(), train=True),
+               AudioDataset(npy_files, LABELS, *npy_cfg(), train=True)):
         assert torch.equal(ds[(0, 7)][0], ds[(0, 7)][0])
         crops = [ds[(0, seed)][0] for seed in range(8)]
         assert sum(not torch.equal(crops[0], c) for c in crops[1:]) >= 6
@@ -79,7 +82,7 @@ def test_same_seed_same_crop_different_seed_different_crop(audio_files, npy_file
 
 
 def test_crops_do_not_depend_on_workers(npy_files):
-    ds = AudioDataset(npy_files, LABELS, npy_cfg(), train=True)
+    ds = AudioDataset(npy_files, LABELS, *npy_cfg(), train=True)
     keys = [[(0, 11), (1, 12), (2, 13)], [(0, 14), (1, 15), (2, 16)]]
     in_process = [collate_padded([ds[k] for k in batch])[0] for batch in keys]
     loader = DataLoader(ds, batch_sampler=keys, num_workers=2, collate_fn=collate_padded)
@@ -88,24 +91,24 @@ def test_crops_do_not_depend_on_workers(npy_files):
 
 
 def test_npy_items(npy_files):
-    train = AudioDataset(npy_files, LABELS, npy_cfg(), train=True)
+    train = AudioDataset(npy_files, LABELS, *npy_cfg(), train=True)
     x, label, position = train[(0, 3)]
     assert x.shape == (51, 16) and x.dtype == torch.float32 and (label, position) == (0, 0)
     assert torch.equal(x[:, 0], x[0, 0] + torch.arange(51.0))  # a contiguous window
-    full = AudioDataset(npy_files, LABELS, npy_cfg(), train=False)
+    full = AudioDataset(npy_files, LABELS, *npy_cfg(), train=False)
     assert [full[i][0].shape[0] for i in range(3)] == [101, 101, 10]
     assert full[0][0][0, 0].item() == (300 - 101) // 2  # cut centred
-    centre = AudioDataset(npy_files, LABELS, npy_cfg(eval_crop="center"), train=False)
+    centre = AudioDataset(npy_files, LABELS, *npy_cfg(eval_crop="center"), train=False)
     assert centre[2][0].shape == (51, 16)
 
 
 def test_collate_pads_and_reports_lengths(npy_files, audio_files):
-    ds = AudioDataset(npy_files, LABELS, npy_cfg(), train=False)
+    ds = AudioDataset(npy_files, LABELS, *npy_cfg(), train=False)
     x, lengths, labels, positions = collate_padded([ds[2], ds[1]])
     assert x.shape == (2, 101, 16) and lengths.tolist() == [10, 101]
     assert not x[0, 10:].any() and labels.tolist() == [1, 1] and positions.tolist() == [2, 1]
     assert lengths.dtype == labels.dtype == positions.dtype == torch.int64
-    ads = AudioDataset(audio_files, LABELS, audio_cfg(), train=False)
+    ads = AudioDataset(audio_files, LABELS, *audio_cfg(), train=False)
     x, lengths, _, _ = collate_padded([ads[0], ads[2]])
     assert x.shape == (2, 6000) and lengths.tolist() == [6000, 800] and not x[1, 800:].any()
 
@@ -113,7 +116,7 @@ def test_collate_pads_and_reports_lengths(npy_files, audio_files):
 def test_bad_file_error_names_file_row_and_fix(tmp_path, audio_files, npy_files):
     bad_wav = tmp_path / "bad.wav"
     bad_wav.write_bytes(b"not a wav file at all")
-    ds = AudioDataset([audio_files[0], str(bad_wav)], np.array([0, 1]), audio_cfg(), train=True,
+    ds = AudioDataset([audio_files[0], str(bad_wav)], np.array([0, 1]), *audio_cfg(), train=True,
                       rows=[2, 17])
     with pytest.raises(AudioReadError) as info:
         ds[(1, 0)]
@@ -122,7 +125,7 @@ def test_bad_file_error_names_file_row_and_fix(tmp_path, audio_files, npy_files)
 
     wrong = tmp_path / "wrong.npy"
     np.save(wrong, np.zeros((50, 3), np.float32))
-    nds = AudioDataset([npy_files[0], str(wrong)], np.array([0, 1]), npy_cfg(), train=False,
+    nds = AudioDataset([npy_files[0], str(wrong)], np.array([0, 1]), *npy_cfg(), train=False,
                        rows=[5, 9])
     with pytest.raises(FeatureFileError, match=r"row 9.*wrong.npy.*skip_bad_files"):
         nds[1]
@@ -130,7 +133,7 @@ def test_bad_file_error_names_file_row_and_fix(tmp_path, audio_files, npy_files)
 
 def test_skip_mode_skips_counts_and_collate_drops(tmp_path, npy_files, caplog):
     missing = str(tmp_path / "missing.npy")
-    ds = AudioDataset([npy_files[0], missing, npy_files[1]], LABELS, npy_cfg(), train=True,
+    ds = AudioDataset([npy_files[0], missing, npy_files[1]], LABELS, *npy_cfg(), train=True,
                       rows=[2, 3, 4], skip_bad_files=True)
     with caplog.at_level(logging.WARNING, logger="audioclf"):
         items = [ds[(i, i)] for i in range(3)]
@@ -143,15 +146,15 @@ def test_skip_mode_skips_counts_and_collate_drops(tmp_path, npy_files, caplog):
 
 
 def test_dataset_is_picklable_and_validates(npy_files):
-    ds = AudioDataset(npy_files, LABELS, npy_cfg(), train=True, rows=[1, 2, 3])
+    ds = AudioDataset(npy_files, LABELS, *npy_cfg(), train=True, rows=[1, 2, 3])
     copy = pickle.loads(pickle.dumps(ds))
     assert torch.equal(copy[(1, 5)][0], ds[(1, 5)][0])
     with pytest.raises(ValueError, match="one label per path"):
-        AudioDataset(npy_files, np.array([0, 1]), npy_cfg(), train=True)
+        AudioDataset(npy_files, np.array([0, 1]), *npy_cfg(), train=True)
     with pytest.raises(ValueError, match="2 rows for 3 paths"):
-        AudioDataset(npy_files, LABELS, npy_cfg(), train=True, rows=[1, 2])
+        AudioDataset(npy_files, LABELS, *npy_cfg(), train=True, rows=[1, 2])
     with pytest.raises(ValueError, match="integers"):
-        AudioDataset(npy_files, np.array([0.5, 1.0, 1.0]), npy_cfg(), train=True)
+        AudioDataset(npy_files, np.array([0.5, 1.0, 1.0]), *npy_cfg(), train=True)
     with pytest.raises(IndexError, match="position 3"):
         ds[3]
 

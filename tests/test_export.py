@@ -14,7 +14,7 @@ from audioclf import export
 from audioclf.config import config_from_dict, to_dict
 from audioclf.export import main
 from audioclf.inference import load_trained
-from audioclf.models.frontend import log_mel
+from audioclf.spectrogram import log_mel
 
 TOL = 1e-4
 TINY_MODELS = {
@@ -34,8 +34,7 @@ def make_checkpoint(path: Path, name: str = "cnn", classes: tuple[str, ...] = ()
     cfg = config_from_dict({
         "features": {"sample_rate": 8000, "n_fft": 256, "win_length": 200, "hop_length": 80,
                      "n_mels": 32},
-        "model": TINY_MODELS[name],
-        "loss": {"ce_weight": 0.5 if classes else 0.0},
+        "model": {**TINY_MODELS[name], "head": "softmax" if classes else "none"},
     })
     torch.manual_seed(seed)
     net = build_net(cfg, len(classes))
@@ -60,7 +59,7 @@ def waves(seconds: float, fractions: list[float], seed: int) -> tuple[torch.Tens
 
 
 def log_mel_batch(x: torch.Tensor, lengths: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each clip's log-mel on its own (audioclf.models.frontend.log_mel), zero-padded to a batch."""
+    """Each clip's log-mel on its own (audioclf.spectrogram.log_mel), zero-padded to a batch."""
     feats = [torch.from_numpy(log_mel(row[:n], cfg.features)) for row, n in
              zip(x, lengths.tolist(), strict=True)]
     frames = torch.tensor([f.shape[0] for f in feats])

@@ -21,7 +21,7 @@ def _weights(path):
 
 
 def test_init_from_loads_the_body_and_restarts_a_head_for_new_classes(tmp_path, tiny_demo):
-    common = ["eval.every=0", "loss.ce_weight=0.5"]
+    common = ["eval.every=0", "model.head=softmax", "loss.ce_weight=0.5"]
     _fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=1", "train.name=source", *common))
     source = tmp_path / "source" / "last.pt"
     _fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=2", "train.name=tuned",

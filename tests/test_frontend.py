@@ -1,17 +1,12 @@
-"""The batched log-mel front end (audioclf.models.frontend)."""
+"""The batched log-mel front end (audioclf.models.frontend, audioclf.spectrogram)."""
 
 import numpy as np
 import pytest
 import torch
 
 from audioclf.config import FeaturesConfig
-from audioclf.models.frontend import (
-    FeatureFrontend,
-    LogMel,
-    SpecAugment,
-    UtteranceNorm,
-    log_mel,
-)
+from audioclf.models.frontend import FeatureFrontend, SpecAugment, UtteranceNorm
+from audioclf.spectrogram import LogMel, log_mel
 
 # ---------------------------------------------------------------------------------------------
 # Front end

@@ -1,4 +1,5 @@
-"""load_index_distributed in a real 2-process gloo group: rank 0 builds the cache, rank 1 reads."""
+"""The index under DDP, as the trainer loads it (primary_first(load_index)) in a real 2-process
+gloo group: rank 0 builds the cache, rank 1 reads."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def _rank_main(rank: int, port: int, sheet: str, out_dir: str) -> None:
     """Load the index on this rank; write the table, or the error, and who parsed, to out_dir."""
     import torch.distributed as dist
 
+    from audioclf import distributed
     from audioclf.data import index as index_module
 
     out = Path(out_dir)
@@ -42,7 +44,7 @@ def _rank_main(rank: int, port: int, sheet: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=60))
     try:
-        index = index_module.load_index_distributed(DataConfig(index=sheet))
+        index = distributed.primary_first(index_module.load_index, DataConfig(index=sheet))
         index.table.to_parquet(out / f"table.rank{rank}.parquet")
     except Exception as exc:
         (out / f"error.rank{rank}.json").write_text(

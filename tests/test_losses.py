@@ -1,5 +1,6 @@
-"""TripletLoss: miners, precision, cross-entropy and margin heads, the margin warm-up, empty
-batches, input and config errors (one process)."""
+"""The objective: the triplet term (miners, precision), the head term (cross-entropy and margin
+heads), their weighted sum, the margin warm-up, empty batches, input and config errors (one
+process)."""
 
 import math
 
@@ -7,11 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from audioclf.config import ConfigError, LossConfig, load_config
-from audioclf.losses import TripletLoss
+from audioclf.config import Config, ConfigError, LossConfig, ModelConfig, load_config
+from audioclf.losses import TripletLoss, build_loss
 from audioclf.models.heads import ClassifierHead
 
 LABELS = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+
+
+def objective(head="none", head_scale=None, subcenters=3, **loss):
+    """The training objective as the trainer builds it (build_loss), with these settings."""
+    model = ModelConfig(head=head, head_scale=head_scale, subcenters=subcenters)
+    return build_loss(Config(model=model, loss=LossConfig(**loss)))
 
 
 def embeddings(seed=0, n=8, dim=6):
@@ -36,7 +43,7 @@ def reference_loss(emb, labels, margin, keep):
 
 def test_all_miner_matches_the_definition():
     emb = embeddings()
-    loss, stats = TripletLoss(LossConfig(margin=0.3, miner="all")).with_stats(emb, LABELS)
+    loss, stats = objective(margin=0.3, miner="all").with_stats(emb, LABELS)
     expected, count = reference_loss(emb.detach(), LABELS, 0.3, lambda s, a, p, n: s[a, n] - s[a, p] + 0.3 > 0)
     torch.testing.assert_close(loss, expected)
     assert stats["triplets"] == count and stats["triplet_loss"] == pytest.approx(expected.item())
@@ -44,7 +51,7 @@ def test_all_miner_matches_the_definition():
 
 def test_semi_hard_miner_keeps_only_semi_hard_triplets():
     emb = embeddings(1)
-    loss, stats = TripletLoss(LossConfig(margin=0.3, miner="semi_hard")).with_stats(emb, LABELS)
+    loss, stats = objective(margin=0.3, miner="semi_hard").with_stats(emb, LABELS)
     # semi-hard: the negative is farther than the positive, but within the margin.
     expected, count = reference_loss(
         emb.detach(), LABELS, 0.3, lambda s, a, p, n: s[a, p] > s[a, n] > s[a, p] - 0.3
@@ -55,7 +62,7 @@ def test_semi_hard_miner_keeps_only_semi_hard_triplets():
 
 def test_batch_hard_miner_one_triplet_per_anchor():
     emb = embeddings(2)
-    loss, stats = TripletLoss(LossConfig(margin=0.2, miner="batch_hard")).with_stats(emb, LABELS)
+    loss, stats = objective(margin=0.2, miner="batch_hard").with_stats(emb, LABELS)
     sim = (emb @ emb.T).detach()
     same = LABELS[:, None] == LABELS[None, :]
     hardest_pos = sim.masked_fill(~same | torch.eye(8, dtype=torch.bool), 2).min(dim=1).values
@@ -83,9 +90,9 @@ def test_loss_is_fp32_under_bf16_autocast():
 def test_ce_weight_adds_cross_entropy():
     emb = embeddings(3)
     logits = torch.randn(8, 4, requires_grad=True)
-    plain, plain_stats = TripletLoss(LossConfig(miner="all")).with_stats(emb, LABELS, logits)
-    assert plain_stats["ce_loss"] == 0.0  # logits are ignored at ce_weight=0
-    loss, stats = TripletLoss(LossConfig(miner="all", ce_weight=0.5)).with_stats(emb, LABELS, logits)
+    plain, plain_stats = objective(miner="all").with_stats(emb, LABELS, logits)
+    assert "ce_loss" not in plain_stats  # logits are ignored without a head
+    loss, stats = objective(miner="all", head="softmax", ce_weight=0.5).with_stats(emb, LABELS, logits)
     ce = F.cross_entropy(logits, LABELS)
     torch.testing.assert_close(loss, plain + 0.5 * ce)
     assert stats["ce_loss"] == pytest.approx(ce.item())
@@ -98,7 +105,7 @@ def test_ce_weight_adds_cross_entropy():
                          ids=["one-class", "all-singletons"])
 def test_batch_without_triplets_gives_zero_loss_with_a_grad_path(miner, labels):
     layer = torch.nn.Linear(3, 5)
-    loss, stats = TripletLoss(LossConfig(miner=miner)).with_stats(F.normalize(layer(torch.randn(4, 3))), labels)
+    loss, stats = objective(miner=miner).with_stats(F.normalize(layer(torch.randn(4, 3))), labels)
     assert stats["triplets"] == 0 and loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
@@ -113,9 +120,9 @@ def test_input_errors_are_explicit():
     with pytest.raises(ValueError, match="integers"):
         loss_fn(torch.zeros(8, 4), LABELS.float())
     with pytest.raises(ValueError, match="logits \\[batch, classes\\]"):
-        loss_fn(torch.zeros(8, 4), LABELS, torch.zeros(7, 3))
+        objective()(torch.zeros(8, 4), LABELS, torch.zeros(7, 3))
     with pytest.raises(ValueError, match="needs classifier logits.*num_classes"):
-        TripletLoss(LossConfig(ce_weight=1.0))(torch.zeros(8, 4), LABELS)
+        objective(head="softmax")(torch.zeros(8, 4), LABELS)
     cfg = LossConfig()
     cfg.miner = "hardest"
     with pytest.raises(ValueError, match="hardest.*batch_hard, semi_hard, all"):
@@ -141,11 +148,11 @@ def test_margin_head_loss_and_grads_equal_pml(head, subcenters):
 
     torch.manual_seed(0)
     margin, scale, classes = 0.3, 20.0, 4
-    cfg = LossConfig(miner="all", ce_weight=1.0, head=head, head_margin=margin, head_scale=scale,
-                     subcenters=subcenters)
+    settings = dict(miner="all", ce_weight=1.0, head=head, head_margin=margin, head_scale=scale,
+                    subcenters=subcenters)
     classifier = ClassifierHead(6, classes, scale=scale, subcenters=subcenters)
     emb = embeddings(5)
-    _, stats = TripletLoss(cfg).with_stats(emb, LABELS, classifier(emb))
+    _, stats = objective(**settings).with_stats(emb, LABELS, classifier(emb))
     if head == "arcface":
         pml = pml_losses.ArcFaceLoss(classes, 6, margin=math.degrees(margin), scale=scale)
     else:
@@ -157,7 +164,7 @@ def test_margin_head_loss_and_grads_equal_pml(head, subcenters):
     assert stats["ce_loss"] == pytest.approx(expected.item(), abs=1e-5)
 
     # only the cross-entropy term reaches the head's weight
-    TripletLoss(cfg)(emb, LABELS, classifier(emb)).backward()
+    objective(**settings)(emb, LABELS, classifier(emb)).backward()
     expected.backward()
     torch.testing.assert_close(classifier.linear.weight.grad, pml.W.grad.T, atol=1e-5, rtol=0)
     assert classifier.linear.weight.grad.abs().sum() > 0
@@ -169,7 +176,7 @@ def test_margin_raises_the_loss_and_softmax_head_is_unchanged():
     logits = classifier(emb)
 
     def ce(**kw):
-        return TripletLoss(LossConfig(miner="all", ce_weight=1.0, **kw)).with_stats(emb, LABELS, logits)[1]["ce_loss"]
+        return objective(miner="all", ce_weight=1.0, **kw).with_stats(emb, LABELS, logits)[1]["ce_loss"]
 
     plain = F.cross_entropy(logits, LABELS).item()
     assert ce(head="softmax", head_margin=0.5) == pytest.approx(plain)  # the margin is arcface's
@@ -180,11 +187,12 @@ def test_margin_raises_the_loss_and_softmax_head_is_unchanged():
 @pytest.mark.parametrize("head", ["softmax", "arcface", "subcenter_arcface"])
 def test_margin_head_on_a_rank_with_no_rows(head):
     """A rank whose batch was unreadable feeds 0 rows: zero loss, a (zero) gradient for the head."""
-    cfg = LossConfig(miner="semi_hard", ce_weight=1.0, head=head)
-    classifier = ClassifierHead(6, 4, scale=cfg.effective_head_scale, subcenters=cfg.head_subcenters)
+    model = ModelConfig(head=head)
+    classifier = ClassifierHead(6, 4, scale=model.effective_head_scale, subcenters=model.head_subcenters)
     layer = torch.nn.Linear(3, 6)
     emb = F.normalize(layer(torch.randn(0, 3)), dim=1)
-    loss, stats = TripletLoss(cfg).with_stats(emb, torch.zeros(0, dtype=torch.long), classifier(emb))
+    loss, stats = objective(miner="semi_hard", ce_weight=1.0, head=head).with_stats(
+        emb, torch.zeros(0, dtype=torch.long), classifier(emb))
     assert loss.item() == 0.0 and stats["triplets"] == 0
     loss.backward()
     assert classifier.linear.weight.grad is not None and not classifier.linear.weight.grad.any()
@@ -194,8 +202,7 @@ def test_margin_head_loss_is_fp32_under_bf16_autocast():
     torch.manual_seed(0)
     layer = torch.nn.Linear(5, 6)
     classifier = ClassifierHead(6, 4, scale=30.0, subcenters=2)
-    loss_fn = TripletLoss(LossConfig(miner="all", ce_weight=1.0, head="subcenter_arcface",
-                                     subcenters=2))
+    loss_fn = objective(miner="all", ce_weight=1.0, head="subcenter_arcface", subcenters=2)
     x = torch.randn(8, 5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         emb = layer(x)
@@ -212,18 +219,19 @@ def test_margin_head_loss_is_fp32_under_bf16_autocast():
 
 
 def test_margin_warmup_values():
-    cfg = LossConfig(margin=0.3, miner="semi_hard", ce_weight=1.0, head="arcface", head_margin=0.2,
-                     margin_warmup_epochs=4)
-    loss_fn = TripletLoss(cfg)
+    loss_fn = objective(margin=0.3, miner="semi_hard", ce_weight=1.0, head="arcface", head_margin=0.2,
+                        margin_warmup_epochs=4)
+    triplet, head = loss_fn.terms["triplet"], loss_fn.terms["ce"]
     for epoch, factor in [(0, 0.2), (1, 0.4), (2, 0.6), (3, 0.8), (4, 1.0), (9, 1.0)]:
         loss_fn.set_epoch(epoch)
-        assert loss_fn.margin == pytest.approx(0.3 * factor)
-        assert loss_fn.head_margin == pytest.approx(0.2 * factor)
-        assert loss_fn.triplet.margin == loss_fn.miner.margin == loss_fn.margin  # miner in step
-    no_warmup = TripletLoss(LossConfig(margin=0.3, ce_weight=1.0, head="arcface"))
-    assert (no_warmup.margin, no_warmup.head_margin) == (0.3, 0.2)
-    no_warmup.set_epoch(0)
-    assert (no_warmup.margin, no_warmup.head_margin) == (0.3, 0.2)
+        assert triplet.margin == pytest.approx(0.3 * factor)
+        assert head.margin == pytest.approx(0.2 * factor)
+        assert triplet.triplet.margin == triplet.miner.margin == triplet.margin  # miner in step
+    no_warmup = objective(margin=0.3, ce_weight=1.0, head="arcface").terms
+    assert (no_warmup["triplet"].margin, no_warmup["ce"].margin) == (0.3, 0.2)
+    for term in no_warmup.values():
+        term.set_epoch(0)
+    assert (no_warmup["triplet"].margin, no_warmup["ce"].margin) == (0.3, 0.2)
     with pytest.raises(ValueError, match="epoch >= 0"):
         loss_fn.set_epoch(-1)
 
@@ -231,7 +239,7 @@ def test_margin_warmup_values():
 @pytest.mark.parametrize("miner", ["all", "semi_hard"])
 def test_margin_warmup_changes_the_mined_triplets_and_the_loss(miner):
     emb = embeddings(1)
-    loss_fn = TripletLoss(LossConfig(margin=0.4, miner=miner, margin_warmup_epochs=2))
+    loss_fn = objective(margin=0.4, miner=miner, margin_warmup_epochs=2)
     keep = {"all": lambda m: lambda s, a, p, n: s[a, n] - s[a, p] + m > 0,
             "semi_hard": lambda m: lambda s, a, p, n: s[a, p] > s[a, n] > s[a, p] - m}[miner]
     for epoch, margin in [(0, 0.4 / 3), (1, 0.8 / 3), (2, 0.4)]:
@@ -250,9 +258,10 @@ def test_margin_warmup_needs_set_epoch():
 
 
 def test_softmax_head_has_no_margin_to_warm_up():
-    loss_fn = TripletLoss(LossConfig(ce_weight=1.0, head="softmax", margin_warmup_epochs=2))
+    loss_fn = objective(ce_weight=1.0, head="softmax", margin_warmup_epochs=2)
     loss_fn.set_epoch(1)
-    assert loss_fn.head_margin == 0.0 and loss_fn.margin == pytest.approx(0.2 * 2 / 3)
+    assert loss_fn.terms["ce"].margin == 0.0
+    assert loss_fn.terms["triplet"].margin == pytest.approx(0.2 * 2 / 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,25 +270,35 @@ def test_softmax_head_has_no_margin_to_warm_up():
 
 @pytest.mark.parametrize("override, message", [
     ("loss.head_margin=-0.1", r"loss\.head_margin=-0\.1 is invalid: expected >= 0"),
-    ("loss.head_scale=0", r"loss\.head_scale=0\.0 is invalid: expected > 0"),
-    ("loss.subcenters=0", r"loss\.subcenters=0 is invalid: expected >= 1"),
+    ("model.head_scale=0", r"model\.head_scale=0\.0 is invalid: expected > 0"),
+    ("model.subcenters=0", r"model\.subcenters=0 is invalid: expected >= 1"),
     ("loss.margin_warmup_epochs=-1", r"loss\.margin_warmup_epochs=-1 is invalid"),
     ("loss.margin=-0.2", r"loss\.margin=-0\.2 is invalid"),
-    ("loss.head=cosface", r"loss\.head='cosface' is not a valid choice"),
+    ("model.head=cosface", r"model\.head='cosface' is not a valid choice"),
 ])
 def test_loss_config_validation(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, ["loss.ce_weight=1", override])
+        load_config(None, ["model.head=softmax", override])
 
 
 def test_margin_head_needs_a_cross_entropy_weight():
-    with pytest.raises(ConfigError, match=r"loss\.head='arcface'.*set loss\.ce_weight > 0"):
-        load_config(None, ["loss.head=arcface"])
+    with pytest.raises(ConfigError, match=r"loss\.ce_weight=0\.0 is invalid.*model\.head=arcface"):
+        load_config(None, ["model.head=arcface", "loss.ce_weight=0"])
 
 
 def test_head_scale_defaults_by_head():
-    assert LossConfig().effective_head_scale == 16.0  # today's cosine softmax
-    assert LossConfig(ce_weight=1, head="arcface").effective_head_scale == 30.0
-    assert LossConfig(ce_weight=1, head="subcenter_arcface", head_scale=64).effective_head_scale == 64.0
-    assert LossConfig(ce_weight=1, head="arcface").head_subcenters == 1
-    assert LossConfig(ce_weight=1, head="subcenter_arcface", subcenters=5).head_subcenters == 5
+    assert ModelConfig(head="softmax").effective_head_scale == 16.0  # today's cosine softmax
+    assert ModelConfig(head="arcface").effective_head_scale == 30.0
+    assert ModelConfig(head="subcenter_arcface", head_scale=64).effective_head_scale == 64.0
+    assert ModelConfig(head="arcface").head_subcenters == 1
+    assert ModelConfig(head="subcenter_arcface", subcenters=5).head_subcenters == 5
+
+
+def test_configs_of_the_earlier_layout_are_read_with_a_warning():
+    with pytest.warns(UserWarning, match="loss.head / loss.ce_weight=1 -> model.head=arcface"):
+        cfg = load_config(None, ["loss.ce_weight=1", "loss.head=arcface", "loss.subcenters=2",
+                                 "features.crop_seconds=0.7", "features.spec_augment=false"])
+    assert (cfg.model.head, cfg.model.subcenters, cfg.loss.ce_weight) == ("arcface", 2, 1.0)
+    assert cfg.clips.crop_seconds == 0.7 and cfg.spec_augment.enabled is False
+    with pytest.warns(UserWarning, match="model.head=none"):
+        assert load_config(None, ["loss.head=softmax", "loss.ce_weight=0"]).model.head == "none"

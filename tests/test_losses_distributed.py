@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from audioclf.config import LossConfig
-from audioclf.losses import TripletLoss
+from audioclf.losses import TripletLoss, build_loss
 
 WORLD = 2
 MINERS = ["batch_hard", "semi_hard", "all"]
@@ -115,12 +115,12 @@ def _margin_net(head):
     from audioclf.models import build_net
 
     cfg = load_config(None, [
-        "features.kind=npy", "features.n_mels=16", "features.spec_augment=false",
+        "features.kind=npy", "features.n_mels=16", "spec_augment.enabled=false",
         "model.cnn.width=4", "model.cnn.depth=2", "model.cnn.dropout=0", "model.embedding_dim=8",
-        "loss.ce_weight=1", f"loss.head={head}", "loss.miner=all", "loss.margin_warmup_epochs=2",
+        f"model.head={head}", "loss.miner=all", "loss.margin_warmup_epochs=2",
     ])
     torch.manual_seed(11)
-    return build_net(cfg, HEAD_CLASSES), cfg.loss
+    return build_net(cfg, HEAD_CLASSES), cfg
 
 
 def _margin_batch(rank, step):
@@ -133,9 +133,9 @@ def _margin_batch(rank, step):
 
 def _local_head_grads(head, rank, step, weights):
     """The head gradient one rank computes alone (no DDP) from the given weights."""
-    net, loss_cfg = _margin_net(head)
+    net, cfg = _margin_net(head)
     net.load_state_dict(weights)
-    loss_fn = TripletLoss(loss_cfg)
+    loss_fn = build_loss(cfg)
     loss_fn.set_epoch(1)
     x, lengths, labels = _margin_batch(rank, step)
     if len(labels) == 0:
@@ -156,9 +156,9 @@ def _steps_with(head, rank):
 
     from audioclf.engine import _empty_output  # the training loop's cut for a batch with no rows
 
-    net, loss_cfg = _margin_net(head)
+    net, cfg = _margin_net(head)
     model = DistributedDataParallel(net)
-    loss_fn = TripletLoss(loss_cfg)
+    loss_fn = build_loss(cfg)
     loss_fn.set_epoch(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     steps = []

@@ -398,9 +398,9 @@ def test_head_is_fp32_under_autocast():
 
 
 @pytest.mark.parametrize("head, rows", [("softmax", 5), ("arcface", 5), ("subcenter_arcface", 15)])
-def test_build_net_head_follows_loss_config(head, rows):
+def test_build_net_head_follows_model_config(head, rows):
     cfg = load_config(None, ["features.kind=npy", f"features.n_mels={N_MELS}", "model.cnn.depth=2",
-                             "loss.ce_weight=1", f"loss.head={head}"])
+                             f"model.head={head}"])
     net = build_net(cfg, 5)
     assert net.head.linear.weight.shape == (rows, cfg.model.embedding_dim)
     assert net.head.scale == (16.0 if head == "softmax" else 30.0)

@@ -2,7 +2,7 @@
 
 One `Augmenter` per dataset; a training item goes through it in two calls around the crop:
 
-    augment = Augmenter(cfg.augment, cfg.features)          # in the main process; picklable
+    augment = Augmenter(cfg.augment, cfg.features, crop_samples)  # in the main process; picklable
     wave = augment.before_crop(load_audio(path, sr), rng)   # speed perturbation
     wave = augment.after_crop(crop_or_pad(wave, n, rng), rng)   # reverb, EQ, noise, gain
     feats = augment.log_mel(read_npy_crop(...), rng)        # features.kind=npy: EQ, gain
@@ -38,7 +38,7 @@ Finally, a crop whose peak exceeds 1.0 (full scale of the files it came from) is
 peak 1.0: scaled, not clipped, so no distortion is added. Only a positive gain or loud noise can
 get there; the log-mel front end itself would not mind larger values.
 
-For precomputed log-mel features (natural log of mel power, as `audioclf.models.frontend.log_mel`
+For precomputed log-mel features (natural log of mel power, as `audioclf.spectrogram.log_mel`
 writes them) `log_mel` applies the same EQ curve, evaluated at the mel bands' centre
 frequencies, and the gain, as per-bin offsets (dB · ln(10) / 10). Speed, reverb and noise have
 no faithful feature-domain equivalent and are skipped there; SpecAugment stays in the front end.
@@ -101,10 +101,10 @@ class Augmenter:
     into each DataLoader worker; decoded noise files are cached lazily per process.
     """
 
-    def __init__(self, cfg: AugmentConfig, features: FeaturesConfig):
+    def __init__(self, cfg: AugmentConfig, features: FeaturesConfig, crop_samples: int):
         self.cfg = cfg
         self.sample_rate = features.sample_rate
-        self.crop_samples = features.crop_samples
+        self.crop_samples = crop_samples
         self.mel_centres_hz = mel_centre_frequencies(features)
         self.mel_eq_basis = eq_basis(self.mel_centres_hz, self.sample_rate, cfg.eq_bands)
         # factor = orig / new with small integers: 0.9 → 9/10 reads 9 samples as 10.

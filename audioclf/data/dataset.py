@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from audioclf.config import FeaturesConfig
+from audioclf.config import ClipsConfig, Config, FeaturesConfig
 from audioclf.data.augment import Augmenter
+from audioclf.data.index import Index
 from audioclf.data.readers import (
     AudioReadError,
     FeatureFileError,
@@ -24,7 +25,6 @@ from audioclf.data.readers import (
     load_audio,
     read_npy_crop,
 )
-from audioclf.models.frontend import eval_max_frames
 
 log = logging.getLogger("audioclf")
 
@@ -34,8 +34,8 @@ Item = tuple[Tensor, int, int]  # (waveform [S] or features [T, F], label, posit
 class AudioDataset(torch.utils.data.Dataset):
     """Clips at `paths` with integer `labels`; returns `(x, label, position)`.
 
-    Training (`train=True`): a crop of `features.crop_seconds` (random, seeded per item).
-    Evaluation: the whole clip cut centred to `features.eval_max_seconds`
+    Training (`train=True`): a crop of `clips.crop_seconds` (random, seeded per item).
+    Evaluation: the whole clip cut centred to `clips.eval_max_seconds`
     (`eval_crop="full"`), or a centred crop of `crop_seconds` (`eval_crop="center"`).
     x is a float32 waveform [samples] (`kind="audio"`) or log-mel [frames, n_mels] (`kind="npy"`).
 
@@ -50,6 +50,7 @@ class AudioDataset(torch.utils.data.Dataset):
         paths: Sequence[str],
         labels: np.ndarray,
         cfg: FeaturesConfig,
+        clips: ClipsConfig,
         *,
         train: bool,
         rows: Sequence[int] | None = None,
@@ -73,10 +74,21 @@ class AudioDataset(torch.utils.data.Dataset):
         self.labels = labels.astype(np.int64)
         self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
         self.cfg = cfg
+        self.clips = clips
         self.train = train
         self.skip_bad_files = skip_bad_files
         self.augment = augment if augment is not None and augment.enabled and train else None
         self.skipped = 0
+
+    @classmethod
+    def from_index(cls, index: Index, cfg: Config, *, train: bool,
+                   augment: Augmenter | None = None) -> AudioDataset:
+        """The rows of a validated index (labels: its class codes), read as `cfg` says
+        (features, clips, data.skip_bad_files)."""
+        table = index.table
+        return cls(table["path"].tolist(), index.labels(), cfg.features, cfg.clips, train=train,
+                   rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files,
+                   augment=augment)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -85,11 +97,11 @@ class AudioDataset(torch.utils.data.Dataset):
         """(x [2, ...], lengths [2]): two silent training crops, what the loop feeds the model when
         a batch has no readable item, so every rank still takes part in the step (two rows:
         BatchNorm refuses a batch of one in training mode)."""
-        cfg = self.cfg
+        cfg, clips = self.cfg, self.clips
         if cfg.kind == "audio":
-            x = torch.zeros(2, cfg.crop_samples)
+            x = torch.zeros(2, clips.crop_samples(cfg))
         else:
-            x = torch.zeros(2, cfg.crop_frames, cfg.n_mels)
+            x = torch.zeros(2, clips.crop_frames(cfg), cfg.n_mels)
         return x, torch.full((2,), x.shape[1], dtype=torch.int64)
 
     def __getitem__(self, key: int | tuple[int, int]) -> Item | None:
@@ -117,24 +129,27 @@ class AudioDataset(torch.utils.data.Dataset):
         return x, int(self.labels[position]), position
 
     def _read(self, path: str, rng: np.random.Generator | None) -> Tensor:
-        cfg, augment = self.cfg, self.augment
+        cfg, clips, augment = self.cfg, self.clips, self.augment
+        cropped = self.train or clips.eval_crop == "center"
         if cfg.kind == "audio":
             wave = load_audio(path, cfg.sample_rate)
             if augment is not None:
                 wave = augment.before_crop(wave, rng)
-            if self.train or cfg.eval_crop == "center":
-                crop = crop_or_pad(wave, cfg.crop_samples, rng, cfg.pad_mode)
+            if cropped:
+                crop = crop_or_pad(wave, clips.crop_samples(cfg), rng, clips.pad_mode)
                 return crop if augment is None else augment.after_crop(crop, rng)
-            max_samples = int(round(cfg.eval_max_seconds * cfg.sample_rate))
+            max_samples = cfg.samples(clips.eval_max_seconds)
             if wave.shape[0] > max_samples:
-                wave = crop_or_pad(wave, max_samples, None, cfg.pad_mode)
+                wave = crop_or_pad(wave, max_samples, None, clips.pad_mode)
             return wave
-        if self.train or cfg.eval_crop == "center":
-            feats = read_npy_crop(path, cfg.crop_frames, rng, cfg.npy_layout, cfg.n_mels, cfg.pad_mode)
+        if cropped:
+            feats = read_npy_crop(path, clips.crop_frames(cfg), rng, clips.npy_layout, cfg.n_mels,
+                                  clips.pad_mode)
             if augment is not None:
                 feats = augment.log_mel(feats, rng)
         else:
-            feats = read_npy_crop(path, eval_max_frames(cfg), None, cfg.npy_layout, cfg.n_mels, "none")
+            feats = read_npy_crop(path, clips.eval_max_frames(cfg), None, clips.npy_layout,
+                                  cfg.n_mels, "none")
         return torch.from_numpy(feats)
 
 

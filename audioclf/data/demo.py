@@ -14,7 +14,7 @@ recognisable across items (after training), but no two samples of a class are al
 Writes wav/<cls>/<item>/<id>.wav (16-bit PCM), index.xlsx (a_cls, a_item, a_id, path relative
 to the sheet) and demo.json (the parameters; a rerun with the same parameters does nothing).
 With --features also features/<cls>/<item>/<id>.npy (log-mel, frames x bins, float32, from
-audioclf.models.frontend.log_mel with FeaturesConfig defaults at the demo's sample rate) and
+audioclf.spectrogram.log_mel with FeaturesConfig defaults at the demo's sample rate) and
 index_features.xlsx. Everything is generated in a temp folder that is renamed into place, so an
 interrupted run leaves nothing half-written.
 """
@@ -262,7 +262,7 @@ def generate_demo(
 
 
 def _write_dataset(folder: Path, parameters: dict, features: bool) -> None:
-    from audioclf.models.frontend import one_torch_thread
+    from audioclf.spectrogram import one_torch_thread
 
     with one_torch_thread() if features else nullcontext():
         rows, feature_rows = _write_clips(folder, parameters, features)
@@ -285,7 +285,7 @@ def _write_clips(folder: Path, parameters: dict, features: bool) -> tuple[list, 
     if features:
         import torch
 
-        from audioclf.models.frontend import log_mel
+        from audioclf.spectrogram import log_mel
     rows, feature_rows = [], []
     for cls in tqdm(range(classes), desc="demo classes", unit="class", disable=None):
         waves = render_class(seed, cls, items, ids, sample_rate)

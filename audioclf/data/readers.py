@@ -21,10 +21,10 @@ import torch.nn.functional as F
 import torchaudio
 from torch import Tensor
 
-from audioclf.config import FeaturesConfig, choices
+from audioclf.config import ClipsConfig, choices
 
-PAD_MODES = choices(FeaturesConfig, "pad_mode")
-NPY_LAYOUTS = choices(FeaturesConfig, "npy_layout")
+PAD_MODES = choices(ClipsConfig, "pad_mode")
+NPY_LAYOUTS = choices(ClipsConfig, "npy_layout")
 
 
 class AudioReadError(ValueError):
@@ -210,7 +210,7 @@ def _check_feature_array(path, shape: tuple, dtype: np.dtype, layout: str, n_bin
         raise FeatureFileError(
             f"feature file {path} has shape {tuple(shape)} and dtype {dtype}; expected a "
             f"non-empty float array of shape {expected.format(n_bins)} "
-            f"(features.npy_layout={layout}, features.n_mels={n_bins})"
+            f"(clips.npy_layout={layout}, features.n_mels={n_bins})"
         )
 
 

@@ -45,13 +45,14 @@ def build_model(cfg: ModelConfig, n_mels: int) -> nn.Module:
 
 
 def build_net(cfg: Config, num_classes: int) -> EmbeddingNet:
-    """Front end + embedder (+ a classifier head over `num_classes` when loss.ce_weight > 0,
-    with loss.head's scale and sub-centers)."""
-    embedder = build_model(cfg.model, cfg.features.n_mels)
-    head_classes = num_classes if cfg.loss.ce_weight > 0 else 0
-    return EmbeddingNet(FeatureFrontend(cfg.features), embedder, num_classes=head_classes,
-                        head_scale=cfg.loss.effective_head_scale,
-                        head_subcenters=cfg.loss.head_subcenters)
+    """The architecture (cfg.model with its head, cfg.features) with cfg.spec_augment's masks:
+    front end + embedder (+ model.head over `num_classes`, unless model.head=none)."""
+    model = cfg.model
+    embedder = build_model(model, cfg.features.n_mels)
+    head_classes = num_classes if model.head != "none" else 0
+    return EmbeddingNet(FeatureFrontend(cfg.features, cfg.spec_augment), embedder,
+                        num_classes=head_classes, head_scale=model.effective_head_scale,
+                        head_subcenters=model.head_subcenters)
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

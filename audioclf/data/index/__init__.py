@@ -5,7 +5,7 @@ A sheet has a class column, an item column (a source/recording inside the class)
 `load_index` reads it, validates it (one `IndexValidationError` naming the file, the rows and
 the fix) and caches the validated table next to it, so the next run re-reads it in milliseconds.
 
-    index = load_index(cfg.data)          # or load_index_distributed(cfg.data) under DDP
+    index = load_index(cfg.data)
     splits = split_index(index, cfg.data)  # {"train": Index, "val": Index[, "test": Index]}
 
 Cache. The table is stored as an uncompressed Arrow IPC (feather) file in `data.cache_dir` or
@@ -25,7 +25,6 @@ import os
 import warnings
 from pathlib import Path
 
-from audioclf import distributed
 from audioclf.config import DataConfig
 from audioclf.data.index.cache import _cache_file, _read_cache, _root, _stamp, _write_cache
 from audioclf.data.index.reader import read_table
@@ -44,7 +43,7 @@ from audioclf.data.index.validate import _check_files, _validate
 log = logging.getLogger("audioclf")
 
 __all__ = ["SPLITS", "SUPPORTED_FORMATS", "TABLE_COLUMNS", "Codes", "Index", "IndexValidationError",
-           "load_index", "load_index_distributed", "read_table", "split_index", "stratified_subset",
+           "load_index", "read_table", "split_index", "stratified_subset",
            "table_codes"]
 
 
@@ -85,10 +84,3 @@ def _warn(messages: list[str], source: Path) -> None:
         warnings.warn_explicit(message, UserWarning, filename=str(source), lineno=1,
                                module="audioclf.data.index")
 
-
-def load_index_distributed(cfg: DataConfig) -> Index:
-    """load_index on rank 0 first (it builds the cache), then on the other ranks (they read it).
-
-    A validation error on rank 0 is raised on every rank at once, not after a timeout.
-    """
-    return distributed.primary_first(load_index, cfg)
