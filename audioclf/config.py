@@ -29,6 +29,7 @@ class DataConfig:
     index: str = "data/demo/index.xlsx"  # index sheet: .xlsx, .csv or .parquet
     root: str = ""  # folder that relative paths are resolved against; "" = the index's folder
     sheet: int | str = 0  # Excel sheet name or position
+    header_row: int | None = None  # sheet row (1-based) holding the column names; null = the first of the first 20 rows that holds the class, item and id columns
     class_column: str = "a_cls"  # column holding the class label
     item_column: str = "a_item"  # column holding the source/recording inside a class
     id_column: str = "a_id"  # column holding the unique sample id
@@ -48,6 +49,8 @@ class DataConfig:
     prefetch_factor: int = 2  # batches prefetched per worker
 
     def __post_init__(self) -> None:
+        _check(self.header_row is None or self.header_row >= 1, "data.header_row",
+               self.header_row, "a row number >= 1, or null to find the header row")
         _check(0.0 <= self.val_ratio < 1.0, "data.val_ratio", self.val_ratio, "a number in [0, 1)")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
         _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, ">= 1")
