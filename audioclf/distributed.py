@@ -1,7 +1,9 @@
 """Everything that talks to torch.distributed or unwraps `.module` lives here.
 
-Process-group set-up and teardown, the rank-0 guard, model wrapping (DDP / DataParallel /
-SyncBN), gathers that keep gradients, reductions, and the parameter-consistency check.
+Process-group set-up and teardown (the launcher's ranks come from audioclf.launch), model
+wrapping (DDP / DataParallel / SyncBN), gathers that keep gradients, reductions, the failure
+protocol between ranks, and the parameter-consistency check. Every function here that runs a
+collective says so: every rank must call it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from audioclf import launch
 
 log = logging.getLogger("audioclf")
 
@@ -51,123 +55,6 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
 
-def is_primary() -> bool:
-    """True on the process that logs, evaluates and writes checkpoints (global rank 0)."""
-    return get_rank() == 0
-
-
-def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) of this process, from whichever launcher started it.
-
-    torchrun and the legacy launcher (which passes --local_rank) set RANK / WORLD_SIZE /
-    LOCAL_RANK, and these win whenever present: torchrun started by srun sees SLURM's variables
-    too. A task of `srun python -m audioclf.train` has only SLURM's; they are then exported
-    under torchrun's names, with MASTER_ADDR and MASTER_PORT, for the env:// rendezvous of the
-    process group (see _slurm_ranks). Anything else is one process.
-    """
-    if not any(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        slurm = _slurm_ranks()
-        if slurm is not None:
-            return slurm
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
-    return rank, local_rank, world_size
-
-
-def _slurm_ranks() -> tuple[int, int, int] | None:
-    """env_ranks of a task in an srun job step of several tasks; None for anything else.
-
-    Only srun's tasks carry SLURM_STEP_ID. The batch script and an salloc shell also have
-    SLURM_PROCID=0 and the allocation's SLURM_NTASKS, but nobody started their peers: waiting
-    for them would hang until the timeout, so they train alone (with a warning).
-    """
-    env = os.environ
-    if "SLURM_PROCID" not in env:
-        return None
-    # SLURM_STEP_NUM_TASKS is the step's own count, also under `srun --export-env` (-E).
-    world_size = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
-    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
-        if world_size > 1:
-            log.warning(
-                "SLURM_NTASKS=%d but this process was not started by srun (no SLURM_STEP_ID): "
-                "training in one process. Start one task per GPU with `srun python -m "
-                "audioclf.train ...`, or one torchrun per node (scripts/slurm/train.sbatch)",
-                world_size)
-        return None
-    if world_size == 1:
-        return None
-    rank = int(env["SLURM_PROCID"])
-    if not 0 <= rank < world_size:
-        raise RuntimeError(f"SLURM_PROCID={rank} is outside the step's {world_size} tasks")
-    local_rank = _slurm_device_index(int(env.get("SLURM_LOCALID", "0")))
-    if "MASTER_ADDR" not in env:
-        env["MASTER_ADDR"] = _slurm_master_addr()
-    env.setdefault("MASTER_PORT", _slurm_master_port())
-    env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
-    return rank, local_rank, world_size
-
-
-def _slurm_device_index(local_id: int) -> int:
-    """The CUDA index for SLURM_LOCALID: under `srun --gpus-per-task` (or --gpu-bind) a task's
-    CUDA_VISIBLE_DEVICES lists only its own GPU, which it sees as cuda:0."""
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return local_id if not visible or local_id < len(visible) else 0
-
-
-def _slurm_master_addr() -> str:
-    """First host of the step's node list: task 0 runs there under srun's block or cyclic layout."""
-    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-        nodelist = os.environ.get(name, "").strip()
-        if nodelist:
-            return _first_host(nodelist) or _scontrol_first_host(nodelist)
-    raise RuntimeError("started by srun, but SLURM_JOB_NODELIST is not set: set MASTER_ADDR to "
-                       "the address of the node that runs SLURM_PROCID=0")
-
-
-def _first_host(nodelist: str) -> str | None:
-    """First host of a compressed SLURM node list ("gpu[01-04,07],cpu3" → "gpu01"), or None
-    when the list is malformed. Parsed here because scontrol is often absent inside containers."""
-    host, rest = "", nodelist.strip()
-    while rest and rest[0] != ",":
-        if rest[0] == "[":
-            ranges, closed, rest = rest[1:].partition("]")
-            bounds = [part.split("-") for part in ranges.split(",")]
-            if not closed or not all(len(b) <= 2 and all(x.isascii() and x.isdigit() for x in b)
-                                     for b in bounds):
-                return None
-            host += bounds[0][0]  # as written: keeps the zero padding of "gpu[01-04]"
-        elif rest[0] == "]" or rest[0].isspace():
-            return None
-        else:
-            host, rest = host + rest[0], rest[1:]
-    return host or None
-
-
-def _scontrol_first_host(nodelist: str) -> str:
-    """First host of a node list that _first_host could not read, from `scontrol show hostnames`."""
-    import subprocess
-
-    try:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                               text=True, timeout=60, check=True).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        hosts = []
-    if not hosts:
-        raise RuntimeError(
-            f"cannot read the first host of the SLURM node list {nodelist!r}, and `scontrol show "
-            "hostnames` gave none: set MASTER_ADDR to the address of the node that runs "
-            "SLURM_PROCID=0")
-    return hosts[0]
-
-
-def _slurm_master_port() -> str:
-    """10000 + job id mod 20000: jobs sharing a node get different ports, all below Linux's
-    ephemeral range (32768 and up) that outgoing connections draw from."""
-    job_id = os.environ.get("SLURM_JOB_ID", "")
-    return str(10000 + int(job_id) % 20000) if job_id.isascii() and job_id.isdigit() else "29500"
-
-
 def setup(
     *,
     strategy: str = "auto",
@@ -181,7 +68,7 @@ def setup(
     NCCL on CUDA (after `torch.cuda.set_device(local_rank)`), gloo on CPU. The timeout bounds
     every collective, including the barrier other ranks wait at while rank 0 evaluates.
     """
-    rank, local_rank, world_size = env_ranks(local_rank_arg)
+    rank, local_rank, world_size = launch.env_ranks(local_rank_arg)
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
@@ -378,7 +265,7 @@ def primary_first(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     error = None
     result = None
-    if is_primary():
+    if get_rank() == 0:
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:  # re-raised below on every rank
@@ -388,7 +275,7 @@ def primary_first(fn, *args, **kwargs):
         raise error
     if message is not None:
         raise RuntimeError(f"rank 0 failed: {message}")
-    if not is_primary():
+    if get_rank() != 0:
         result = fn(*args, **kwargs)
     return result
 

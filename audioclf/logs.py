@@ -13,6 +13,7 @@ import logging
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -20,14 +21,35 @@ import pandas as pd
 
 from audioclf.data.index import stratified_subset
 from audioclf.fileio import DiskWriteError, atomic_write_bytes, write_failure_message
+from audioclf.metrics import RETRIEVAL_KEYS
 
 log = logging.getLogger("audioclf")
 
-METRIC_COLUMNS = [
-    "epoch", "step", "train_loss", "lr", "samples_per_s", "epoch_seconds", "nonfinite_steps",
-    "overflow_steps", "skipped_files", "skipped_batches", "precision_at_1", "map_at_r",
-    "r_precision",
-]
+
+
+@dataclass
+class EpochRow:
+    """One epoch of a run: a metrics.csv row, a TensorBoard point, an entry of the history a
+    checkpoint keeps (as `as_dict()`)."""
+
+    epoch: int
+    step: int
+    train_loss: float
+    lr: float
+    samples_per_s: float
+    epoch_seconds: float
+    nonfinite_steps: int
+    overflow_steps: int
+    skipped_files: int
+    skipped_batches: int
+    metrics: dict[str, float] = field(default_factory=dict)  # validation (RETRIEVAL_KEYS)
+
+    def as_dict(self) -> dict:
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "metrics"}
+        return {**row, **self.metrics}
+
+
+METRIC_COLUMNS = [f.name for f in fields(EpochRow) if f.name != "metrics"] + list(RETRIEVAL_KEYS)
 # Most validation embeddings given to TensorBoard's projector per validation: a class-stratified
 # sample. tensors.tsv is text, about 2,000 x D x 9 bytes (2.3 MB at D = 128) per validation.
 PROJECTOR_POINTS = 2000
@@ -90,6 +112,7 @@ class MetricsWriter:
             self.tb.add_scalar(name, value, step)
 
     def epoch_row(self, row: dict) -> None:
+        """An EpochRow.as_dict(): appended to metrics.csv, its numbers to TensorBoard."""
         if not self.enabled:
             return
         try:

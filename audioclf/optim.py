@@ -32,6 +32,18 @@ def base_lr(cfg: OptimConfig, world_size: int) -> float:
     return cfg.lr * lr_scale(world_size, cfg.ref_world_size, cfg.lr_scaling)
 
 
+def param_groups(net: nn.Module, cfg: OptimConfig) -> list:
+    """All parameters; with optim.freeze_epochs, in two groups: the embedding layer and head
+    ("output", `net.output_parameters()`), and the rest ("body"), which LRSchedule keeps at
+    lr 0 while the freeze lasts."""
+    if not cfg.freeze_epochs:
+        return list(net.parameters())
+    output = net.output_parameters()
+    chosen = {id(p) for p in output}
+    body = [p for p in net.parameters() if id(p) not in chosen]
+    return [{"params": body, "name": "body"}, {"params": output, "name": "output"}]
+
+
 def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: OptimConfig,
                     device: torch.device) -> torch.optim.Optimizer:
     """The optimizer named by optim.name; its learning rate is set by LRSchedule.apply.

@@ -18,7 +18,7 @@ crop_seconds=3 -> 301 frames, sampler.batch_size=128, m=4, one rank, the default
               train AudioDataset as the trainer builds it, and audioclf.trainer.build_data whole;
   ceiling     read_npy_crop in a loop in this process on the very (path, crop seed) pairs the
               loader reads: the fastest one process can go (warm and cold);
-  loader      MPerClassSampler + SeededBatches + build_train_loader + collate_padded with 0 (in
+  loader      MPerClassSampler + TrainLoader (SeededBatches) + collate_padded with 0 (in
               process) and each of --workers DataLoader workers: crops/s, time to the first
               batch, workers' CPU use; warm (every file read once first, then checked resident
               with mincore) and cold (each file dropped from the page cache with posix_fadvise
@@ -64,9 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from audioclf import trainer as trainer_module  # noqa: E402
 from audioclf.config import load_config  # noqa: E402
-from audioclf.data.dataset import collate_padded  # noqa: E402
+from audioclf.data.dataset import AudioDataset, collate_padded  # noqa: E402
 from audioclf.data.index import load_index, split_index  # noqa: E402
-from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs  # noqa: E402
+from audioclf.data.loader import SeededBatches, TrainLoader, loader_kwargs  # noqa: E402
 from audioclf.data.readers import read_npy_crop  # noqa: E402
 from audioclf.sampler import MPerClassSampler  # noqa: E402
 
@@ -351,11 +351,10 @@ class LoaderRun:
     def __init__(self, cfg, dataset, sampler: MPerClassSampler, workers: int):
         sampler.set_epoch(EPOCH)
         self.sampler = sampler
-        batches = SeededBatches(sampler, cfg.train.seed)
         kwargs = loader_kwargs(workers, cfg.data.pin_memory, cfg.data.persistent_workers,
                                cfg.data.prefetch_factor, torch.device("cpu"))
         self.workers = workers
-        self.loader = build_train_loader(dataset, batches, seed=cfg.train.seed, **kwargs)
+        self.loader = TrainLoader(dataset, sampler, seed=cfg.train.seed, **kwargs)
         self.batch_size = cfg.sampler.batch_size
         self.shape = (cfg.sampler.batch_size, cfg.clips.crop_frames(cfg.features),
                       cfg.features.n_mels)
@@ -467,7 +466,7 @@ def main() -> int:
         train.codes.class_codes, train.codes.item_codes, batch_size=cfg.sampler.batch_size,
         m=cfg.sampler.m, rank=0, world_size=1, seed=cfg.train.seed, split=cfg.sampler.split,
         small_classes=cfg.sampler.small_classes))
-    _, dataset_s = timed(lambda: trainer_module._dataset(train, cfg, train=True))
+    _, dataset_s = timed(lambda: AudioDataset.from_index(train, cfg, train=True))
     data, build_s = timed(lambda: trainer_module.build_data(cfg))
     index = splits = None  # the trainer keeps only build_data's result
     train = data.train
@@ -486,7 +485,7 @@ def main() -> int:
         ("load_index cached (median of 3)", cached_s),
         ("split_index", split_s),
         ("MPerClassSampler (with the index's codes)", sampler_s),
-        ("AudioDataset of the train split (trainer._dataset)", dataset_s),
+        ("AudioDataset.from_index of the train split", dataset_s),
         ("trainer.build_data (cached load, split, both datasets)", build_s),
     ):
         print(f"  {label:76s} {seconds:7.3f} s")

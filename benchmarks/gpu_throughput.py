@@ -6,7 +6,7 @@ data loader, and peak GPU memory.
 
 For configs/cnn.yaml and configs/conformer.yaml (model, batch size, crop and features as
 shipped) and each precision (fp32, bf16, fp16):
-  - synthetic: training steps (audioclf's train_one_epoch: forward, triplet loss, backward,
+  - synthetic: training steps (audioclf's TrainStep: forward, triplet loss, backward,
     clip, optimizer) on batches already on the device — the model's own speed;
   - loader: the same steps fed by the real pipeline (npy crops read by the shipped number of
     DataLoader workers through the m-per-class sampler, pinned memory), over a generated
@@ -34,13 +34,13 @@ sys.path.insert(0, str(ROOT))
 
 from audioclf.config import load_config  # noqa: E402
 from audioclf.data.dataset import AudioDataset  # noqa: E402
-from audioclf.data.loader import SeededBatches, build_train_loader, loader_kwargs  # noqa: E402
-from audioclf.engine import NonFiniteGuard, train_one_epoch  # noqa: E402
-from audioclf.losses import TripletLoss  # noqa: E402
+from audioclf.data.loader import TrainLoader, loader_kwargs  # noqa: E402
+from audioclf.losses import build_loss  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
 from audioclf.optim import build_optimizer  # noqa: E402
 from audioclf.precision import resolve_precision  # noqa: E402
 from audioclf.sampler import MPerClassSampler  # noqa: E402
+from audioclf.step import NonFiniteGuard, TrainStep  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 BF16_TARGET = 1.8
@@ -56,7 +56,7 @@ def recipe(model: str, precision: str, device: torch.device, overrides: list[str
 def synthetic_batches(cfg, steps: int, device: torch.device, seed: int = 0):
     """Log-mel batches of the recipe's shape on the device (npy recipes take features)."""
     g = torch.Generator().manual_seed(seed)
-    frames = cfg.features.crop_frames
+    frames = cfg.clips.crop_frames(cfg.features)
     classes = cfg.sampler.batch_size // cfg.sampler.m
     labels = torch.arange(classes).repeat_interleave(cfg.sampler.m)
     out = []
@@ -73,20 +73,33 @@ def train_steps(cfg, device: torch.device, batches) -> tuple[float, int]:
     net = build_net(cfg, 0).to(device)
     optimizer = build_optimizer(net.parameters(), cfg.optim, device)
     precision = resolve_precision(cfg.train, device)
-    loss_core = TripletLoss(cfg.loss)
+    loss_core = build_loss(cfg)
 
     def loss_fn(output, labels):
         return loss_core(output[0], labels, output[1])
 
-    common = dict(guard=NonFiniteGuard(10), max_grad_norm=cfg.optim.max_grad_norm,
-                  sync_every=cfg.train.log_every_steps)
+    step = TrainStep(net, optimizer, precision, loss_fn, guard=NonFiniteGuard(10),
+                     max_grad_norm=cfg.optim.max_grad_norm)
     warm = iter(batches)
-    train_one_epoch(net, [next(warm) for _ in range(3)], loss_fn, optimizer, precision, **common)
+    run_steps(step, [next(warm) for _ in range(3)], cfg.train.log_every_steps)
     _synchronize(device)
     start = time.perf_counter()
-    result = train_one_epoch(net, batches, loss_fn, optimizer, precision, **common)
+    result = run_steps(step, batches, cfg.train.log_every_steps)
     _synchronize(device)
     return time.perf_counter() - start, result.samples
+
+
+def run_steps(step: TrainStep, batches, sync_every: int):
+    """The Trainer's loop without a loader: an update per batch, a sync every `sync_every`."""
+    step.start_epoch()
+    count = 0
+    for count, batch in enumerate(batches, start=1):
+        step.micro_batch(batch)
+        step.update()
+        if count % max(1, sync_every) == 0:
+            step.sync(False, count)
+    step.sync(False, count)
+    return step.end_epoch(0.0, stopped=False)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -111,21 +124,21 @@ def feature_set(cfg, folder: Path, files: int, seconds: float) -> tuple[np.ndarr
 
 def loader_batches(cfg, device: torch.device, classes, items, paths, steps: int):
     """The real input pipeline as the trainer builds it, cut to `steps` batches."""
-    dataset = AudioDataset(paths, classes, cfg.features, train=True)
+    dataset = AudioDataset(paths, classes, cfg.features, cfg.clips, train=True)
     sampler = MPerClassSampler(classes, items, batch_size=cfg.sampler.batch_size, m=cfg.sampler.m,
                                seed=0, split=cfg.sampler.split)
     options = loader_kwargs(cfg.data.num_workers, cfg.data.pin_memory, cfg.data.persistent_workers,
                             cfg.data.prefetch_factor, device)
-    batches = SeededBatches(sampler, 0)
-    loader = build_train_loader(dataset, batches, seed=0, **options)
+    loader = TrainLoader(dataset, sampler, seed=0, **options)
     served, epoch = 0, 0
     while True:
-        batches.set_epoch(epoch)
+        loader.set_epoch(epoch)
         for batch in loader:
             yield batch
             served += 1
             if served == steps:
                 return
+        loader.end_epoch()
         epoch += 1
 
 

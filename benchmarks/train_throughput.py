@@ -1,4 +1,4 @@
-"""Training-step throughput: audioclf's train_one_epoch versus a bare hand-written loop.
+"""Training-step throughput: audioclf's TrainStep (the Trainer's step) versus a bare hand-written loop.
 
     .venv/bin/python benchmarks/train_throughput.py [--model cnn|conformer] [--steps 30]
 
@@ -24,11 +24,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from audioclf.config import load_config  # noqa: E402
-from audioclf.engine import NonFiniteGuard, train_one_epoch  # noqa: E402
-from audioclf.losses import TripletLoss  # noqa: E402
+from audioclf.losses import build_loss  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
 from audioclf.optim import LRSchedule, build_optimizer  # noqa: E402
 from audioclf.precision import resolve_precision  # noqa: E402
+from audioclf.step import NonFiniteGuard, TrainStep  # noqa: E402
 
 
 def make_config(model: str):
@@ -38,7 +38,7 @@ def make_config(model: str):
 
 def make_batches(cfg, steps: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    n = cfg.features.crop_samples
+    n = cfg.clips.crop_samples(cfg.features)
     classes = cfg.sampler.batch_size // cfg.sampler.m
     out = []
     for _ in range(steps):
@@ -52,7 +52,7 @@ def fresh(cfg):
     torch.manual_seed(0)
     net = build_net(cfg, num_classes=0)
     opt = build_optimizer(net.parameters(), cfg.optim, torch.device("cpu"))
-    return net, opt, TripletLoss(cfg.loss)
+    return net, opt, build_loss(cfg)
 
 
 def time_bare(cfg, batches) -> float:
@@ -77,10 +77,16 @@ def time_audioclf(cfg, batches, model=None) -> float:
     def loss_fn(output, labels):
         return loss_core(output[0], labels, output[1])
 
+    step = TrainStep(model, opt, precision, loss_fn, guard=NonFiniteGuard(10),
+                     max_grad_norm=cfg.optim.max_grad_norm)
     start = time.perf_counter()
-    train_one_epoch(model, batches, loss_fn, opt, precision,
-                    set_lr=lambda step: schedule.apply(step, epoch=0),
-                    guard=NonFiniteGuard(10), max_grad_norm=cfg.optim.max_grad_norm)
+    step.start_epoch()
+    for number, batch in enumerate(batches):  # the Trainer's loop, without a loader
+        step.micro_batch(batch)
+        schedule.apply(number, epoch=0)
+        step.update()
+    step.sync(False, len(batches))
+    step.end_epoch(0.0, stopped=False)
     return time.perf_counter() - start
 
 

@@ -40,8 +40,7 @@ def feature_batches(cfg, steps: int):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("model", ["cnn", "conformer"])
 def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
-    from audioclf.engine import NonFiniteGuard, train_one_epoch
-    from audioclf.losses import TripletLoss
+    from audioclf.losses import build_loss
     from audioclf.models import build_net
     from audioclf.optim import build_optimizer
     from audioclf.precision import resolve_precision
@@ -53,17 +52,20 @@ def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
     before = [p.detach().clone() for p in net.parameters()]
     optimizer = build_optimizer(net.parameters(), cfg.optim, CUDA)
     assert optimizer.param_groups[0]["fused"] is True
-    loss_core = TripletLoss(cfg.loss)
+    loss_core = build_loss(cfg)
     seen = []
 
     def loss_fn(output, labels):
         seen.append(output[0].dtype)
         return loss_core(output[0], labels, output[1])
 
+    from audioclf.step import NonFiniteGuard
+    from tests.test_engine import run_epoch
+
     guard = NonFiniteGuard(5)
-    result = train_one_epoch(net, feature_batches(cfg, 6), loss_fn, optimizer,
-                             resolve_precision(cfg.train, CUDA), guard=guard, sync_every=3)
-    assert result.steps == 6 and torch.isfinite(torch.tensor(result.loss))
+    result, steps = run_epoch(net, feature_batches(cfg, 6), loss_fn, optimizer,
+                              resolve_precision(cfg.train, CUDA), guard=guard, sync_every=3)
+    assert steps == 6 and torch.isfinite(torch.tensor(result.loss))
     assert guard.consecutive == 0
     assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
     assert all(p.isfinite().all() for p in net.parameters())

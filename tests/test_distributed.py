@@ -56,7 +56,7 @@ def _accumulation_worker(rank, world):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from audioclf.config import TrainConfig
-    from audioclf.engine import train_one_epoch
+    from tests.test_engine import run_epoch
     from audioclf.precision import resolve_precision
 
     out = {}
@@ -75,11 +75,11 @@ def _accumulation_worker(rank, world):
         loader = [(torch.randn(8, 4), torch.full((8,), 4), torch.randint(0, 2, (8,)),
                    torch.arange(8)) for _ in range(4)]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = train_one_epoch(
+        _, steps = run_epoch(
             model, loader, nn.functional.cross_entropy, opt,
             resolve_precision(TrainConfig(), torch.device("cpu")), accumulate=accumulate)
         drift = distributed.check_parameter_consistency(model, action="warn")
-        out[accumulate] = (len(calls), result.steps, drift)
+        out[accumulate] = (len(calls), steps, drift)
     return out
 
 
@@ -126,7 +126,7 @@ def test_primary_first_and_reductions(tmp_path):
 
 def _global_loss_worker(rank, world):
     from audioclf.config import TrainConfig
-    from audioclf.engine import train_one_epoch
+    from tests.test_engine import run_epoch
     from audioclf.precision import resolve_precision
 
     torch.manual_seed(0)
@@ -141,8 +141,8 @@ def _global_loss_worker(rank, world):
     def loss_fn(out, labels):
         return nn.functional.cross_entropy(out, labels)
 
-    result = train_one_epoch(model, loader, loss_fn, opt,
-                             resolve_precision(TrainConfig(), torch.device("cpu")))
+    result, _ = run_epoch(model, loader, loss_fn, opt,
+                          resolve_precision(TrainConfig(), torch.device("cpu")))
     with torch.no_grad():
         per_sample = torch.cat([nn.functional.cross_entropy(model(x, n), y, reduction="none")
                                 for x, n, y, _ in loader])

@@ -1,4 +1,5 @@
-"""The training loop: accumulation, exact loss, non-finite steps, host syncs, dropped batches."""
+"""The training step (audioclf.step): accumulation, exact loss, non-finite steps, host syncs,
+dropped batches; and the train loader's position and limit."""
 
 import math
 
@@ -7,11 +8,34 @@ import torch
 from torch import nn
 
 from audioclf.config import OptimConfig, TrainConfig
-from audioclf.engine import NonFiniteGuard, NonFiniteLossError, train_one_epoch
 from audioclf.optim import build_optimizer
 from audioclf.precision import resolve_precision
+from audioclf.step import NonFiniteGuard, NonFiniteLossError, TrainStep
 
 CPU = torch.device("cpu")
+
+
+def run_epoch(model, batches, objective, optimizer, precision, *, accumulate=1, guard=None,
+                    sync_every=1, batch_size=0, placeholder=None, should_stop=None):
+    """The Trainer's epoch loop over a list of batches: micro-batches, an update every
+    `accumulate`, a sync every `sync_every` updates and at the end. Returns (EpochResult,
+    optimizer steps taken)."""
+    step = TrainStep(model, optimizer, precision, objective,
+                     guard=guard or NonFiniteGuard(patience=10**9), accumulate=accumulate,
+                     batch_size=batch_size, placeholder=placeholder)
+    step.start_epoch()
+    steps = 0
+    for position, batch in enumerate(batches, start=1):
+        closes_group = position % accumulate == 0
+        step.micro_batch(batch, sync_grads=closes_group)
+        if closes_group:
+            step.update()
+            steps += 1
+            if steps % sync_every == 0:
+                step.sync(bool(should_stop and should_stop()), steps)
+    if steps % sync_every:
+        step.sync(False, steps)
+    return step.end_epoch(1.0, stopped=False), steps
 
 
 class Linear(nn.Module):
@@ -51,8 +75,8 @@ def test_accumulation_matches_one_update_on_the_union():
         model = Linear()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         precision = resolve_precision(TrainConfig(), CPU)
-        r = train_one_epoch(model, loader, mse, opt, precision, accumulate=accumulate)
-        assert r.steps == 1
+        r, steps = run_epoch(model, loader, mse, opt, precision, accumulate=accumulate)
+        assert steps == 1
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -62,7 +86,7 @@ def test_exact_mean_loss_and_sample_count():
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     loader = batches(3, 5)
-    r = train_one_epoch(model, loader, mse, opt, resolve_precision(TrainConfig(), CPU))
+    r, _ = run_epoch(model, loader, mse, opt, resolve_precision(TrainConfig(), CPU))
     expected = sum(mse(model(x, lengths), y).item() * len(y) for x, lengths, y, _ in loader) / 15
     assert r.samples == 15 and r.loss == pytest.approx(expected)
 
@@ -74,25 +98,93 @@ def test_nonfinite_steps_are_skipped_and_counted():
     bad = batches(2, 4)
     bad = [(torch.full_like(x, float("nan")), n, y, p) for x, n, y, p in bad]
     guard = NonFiniteGuard(patience=5)
-    r = train_one_epoch(model, bad, mse, opt, resolve_precision(TrainConfig(), CPU), guard=guard)
-    assert guard.total == 2 and r.steps == 2 and math.isnan(r.loss)
+    r, steps = run_epoch(model, bad, mse, opt, resolve_precision(TrainConfig(), CPU),
+                               guard=guard)
+    assert guard.total == 2 and steps == 2 and math.isnan(r.loss)
     for a, b in zip(before, model.parameters()):
         assert torch.equal(a, b)  # skipped: parameters untouched, not NaN
     with pytest.raises(NonFiniteLossError, match="3 consecutive steps.*nonfinite_patience"):
-        train_one_epoch(model, bad + bad, mse, opt, resolve_precision(TrainConfig(), CPU),
+        run_epoch(model, bad + bad, mse, opt, resolve_precision(TrainConfig(), CPU),
                         guard=NonFiniteGuard(patience=3))
 
 
-def test_on_step_can_stop_and_limit_batches():
+def test_the_stop_vote_and_the_guard_are_one_sync():
     model = Linear()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    seen = []
-    r = train_one_epoch(model, batches(6, 4), mse, opt, resolve_precision(TrainConfig(), CPU),
-                        on_step=lambda step, pos: seen.append((step, pos)) or step == 2)
-    assert r.stopped and seen == [(1, 1), (2, 2)]
-    r = train_one_epoch(model, batches(6, 4), mse, opt, resolve_precision(TrainConfig(), CPU),
-                        limit_batches=3)
-    assert r.batches == 3 and r.steps == 3
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     resolve_precision(TrainConfig(), CPU), mse, guard=NonFiniteGuard(5))
+    step.start_epoch()
+    step.micro_batch(batches(1, 4)[0])
+    step.update()
+    assert step.sync(False, 1)[0] is False
+    halt, loss = step.sync(True, 1)
+    assert halt is True and loss > 0
+    with pytest.raises(RuntimeError, match="needs a micro_batch"):
+        step.update()
+
+
+class _Sampler:
+    """A stand-in batch sampler with MPerClassSampler's epoch / length / state protocol."""
+
+    def __init__(self, batches=6):
+        self.batches, self.epoch, self.start = batches, 0, 0
+
+    def set_epoch(self, epoch):
+        if epoch != self.epoch:
+            self.epoch, self.start = epoch, 0
+
+    batches_per_epoch = property(lambda self: self.batches)
+
+    def __len__(self):
+        return self.batches - self.start
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        return iter([[2 * b, 2 * b + 1] for b in range(start, self.batches)])
+
+    def state_dict(self, position=0):
+        return {"epoch": self.epoch, "position": position}
+
+    def load_state_dict(self, state):
+        self.epoch, self.start = state["epoch"], state["position"]
+
+
+def _loader(**kwargs):
+    from audioclf.data.loader import TrainLoader
+
+    class Positions(torch.utils.data.Dataset):  # an item is its position (keys: position, seed)
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, key):
+            return key[0]
+
+    return TrainLoader(Positions(), _Sampler(), seed=0, collate_fn=list, **kwargs)
+
+
+def test_the_train_loader_counts_what_it_hands_out_and_resumes_there():
+    loader = _loader()
+    taken = []
+    for batch in loader:
+        taken.append(batch)
+        if len(taken) == 2:
+            break
+    assert loader.position == 2 and loader.state_dict() == {"epoch": 0, "position": 2}
+    resumed = _loader()
+    resumed.load_state_dict(loader.state_dict())
+    resumed.set_epoch(0)  # the same epoch: the position stays
+    assert len(resumed) == 4 and list(resumed)[0] == [4, 5] and resumed.position == 6
+    restarted = _loader(restart_epoch=True)
+    restarted.load_state_dict(loader.state_dict())
+    assert restarted.position == 0 and len(restarted) == 6
+    resumed.set_epoch(1)
+    assert resumed.position == 0
+
+
+def test_the_train_loader_limits_batches_and_groups_micro_batches():
+    limited = _loader(limit_batches=3)
+    assert len(limited) == 3 and len(list(limited)) == 3 and limited.position == 3
+    groups = [last for _, last in _loader().micro_batches(4)]
+    assert groups == [False, False, False, True, False, False]  # the trailing 2 close no group
 
 
 class WithBatchNorm(nn.Module):
@@ -122,14 +214,14 @@ def test_a_nonfinite_step_changes_no_state(precision):
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
     settings = resolve_precision(TrainConfig(precision=precision), CPU)
     good = batches(2, 8)
-    train_one_epoch(model, good, mse, optimizer, settings)  # optimizer state and scale exist
+    run_epoch(model, good, mse, optimizer, settings)  # optimizer state and scale exist
     before = _state_of(model, optimizer, settings.scaler)
     x, lengths, labels, positions = batches(1, 8, seed=5)[0]
     x[3, 1] = float("nan")  # one NaN sample, as a corrupt file would give
     guard = NonFiniteGuard(patience=5)
-    result = train_one_epoch(model, [(x, lengths, labels, positions)], mse, optimizer, settings,
-                             guard=guard)
-    assert result.steps == 1 and guard.total == 1 and guard.consecutive == 1
+    result, steps = run_epoch(model, [(x, lengths, labels, positions)], mse, optimizer,
+                                    settings, guard=guard)
+    assert steps == 1 and guard.total == 1 and guard.consecutive == 1
     after = _state_of(model, optimizer, settings.scaler)
     assert len(before) == len(after)
     for a, b in zip(before, after):
@@ -142,9 +234,9 @@ def test_fp16_overflow_steps_are_not_failures():
     settings = resolve_precision(TrainConfig(precision="fp16"), CPU)
     settings.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
     guard = NonFiniteGuard(patience=1)
-    result = train_one_epoch(model, batches(6, 8), mse, optimizer, settings, guard=guard,
-                             sync_every=2)
-    assert guard.overflow >= 1 and guard.total == 0 and result.steps == 6
+    result, steps = run_epoch(model, batches(6, 8), mse, optimizer, settings, guard=guard,
+                                    sync_every=2)
+    assert guard.overflow >= 1 and guard.total == 0 and steps == 6
     assert settings.scaler.get_scale() < 2.0**127  # GradScaler lowered the scale as designed
 
 
@@ -179,9 +271,9 @@ def test_the_loop_reads_the_device_once_per_sync_interval():
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
     settings = resolve_precision(TrainConfig(), CPU)
     loader = batches(40, 4)
-    train_one_epoch(model, loader[:2], mse, optimizer, settings)  # warm-up
-    syncs = _count_host_syncs(lambda: train_one_epoch(
-        model, loader, sync_free_mse, optimizer, settings, sync_every=10, progress=True,
+    run_epoch(model, loader[:2], mse, optimizer, settings)  # warm-up
+    syncs = _count_host_syncs(lambda: run_epoch(
+        model, loader, sync_free_mse, optimizer, settings, sync_every=10,
         should_stop=lambda: False))
     # 40 steps, a sync every 10, plus the epoch's all-reduced totals (and no per-step reads)
     assert syncs <= 40 // 10 + 1, syncs
@@ -196,11 +288,12 @@ def test_a_batch_with_no_readable_item_is_dropped_and_counted():
     short = tuple(t[:5] for t in batches(1, 8, seed=3)[0])
     running = model.bn.running_mean.clone()
     placeholder = (torch.zeros(2, 4), torch.tensor([4, 4]))
-    result = train_one_epoch(model, [empty], mse, optimizer, resolve_precision(TrainConfig(), CPU),
-                             batch_size=8, placeholder=placeholder)
+    result, _ = run_epoch(model, [empty], mse, optimizer,
+                                resolve_precision(TrainConfig(), CPU), batch_size=8,
+                                placeholder=placeholder)
     assert torch.equal(model.bn.running_mean, running)  # the placeholder taught BatchNorm nothing
     assert (result.skipped_batches, result.skipped_items, result.samples) == (1, 8, 0)
-    result = train_one_epoch(model, [loader[0], short, loader[1]], mse, optimizer,
-                             resolve_precision(TrainConfig(), CPU), batch_size=8,
-                             placeholder=placeholder)
+    result, _ = run_epoch(model, [loader[0], short, loader[1]], mse, optimizer,
+                                resolve_precision(TrainConfig(), CPU), batch_size=8,
+                                placeholder=placeholder)
     assert (result.skipped_batches, result.skipped_items, result.samples) == (0, 3, 21)

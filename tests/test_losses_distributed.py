@@ -154,7 +154,7 @@ def _margin_head_steps(rank, world_size, heads):
 def _steps_with(head, rank):
     from torch.nn.parallel import DistributedDataParallel
 
-    from audioclf.engine import _empty_output  # the training loop's cut for a batch with no rows
+    from audioclf.step import _empty_output  # the training step's cut for a batch with no rows
 
     net, cfg = _margin_net(head)
     model = DistributedDataParallel(net)
@@ -167,7 +167,7 @@ def _steps_with(head, rank):
         x, lengths, labels = _margin_batch(rank, step)
         if len(labels):
             output = model(x, lengths)
-        else:  # as train_one_epoch: run a placeholder, keep no rows
+        else:  # as TrainStep: run a placeholder, keep no rows
             output = _empty_output(model(torch.randn(2, 20, 16), torch.tensor([20, 20])))
         optimizer.zero_grad()
         embeddings, logits = output

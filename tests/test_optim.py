@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from audioclf.config import OptimConfig, TrainConfig
-from audioclf.engine import train_one_epoch
 from audioclf.optim import (
     LRSchedule,
     OptimizerState,
@@ -18,7 +17,7 @@ from audioclf.optim import (
     lr_scale,
 )
 from audioclf.precision import resolve_precision
-from tests.test_engine import Linear, mse
+from tests.test_engine import Linear, mse, run_epoch
 
 CPU = torch.device("cpu")
 STUBS = Path(__file__).parent / "stubs"
@@ -90,9 +89,9 @@ def test_apex_fused_adam_trains_through_the_loop(apex_stub):
     model = Linear()
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="fused_adam"), CPU)
     assert type(optimizer).__module__ == "apex.optimizers"
-    result = train_one_epoch(model, _step_batches(), mse, optimizer,
-                             resolve_precision(TrainConfig(), CPU))
-    assert result.steps == 3 and optimizer.param_groups[0]["step"] == 3
+    _, steps = run_epoch(model, _step_batches(), mse, optimizer,
+                         resolve_precision(TrainConfig(), CPU))
+    assert steps == 3 and optimizer.param_groups[0]["step"] == 3
 
 
 def test_torch_optimizers_run_fused():
@@ -107,25 +106,25 @@ def test_a_cpu_written_state_keeps_the_fused_kernel_and_fp16_scaling():
     # "Expected grad_scale and found_inf to be None".
     plain_model = Linear()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
-    train_one_epoch(plain_model, _step_batches(), mse, plain, resolve_precision(TrainConfig(), CPU))
+    run_epoch(plain_model, _step_batches(), mse, plain, resolve_precision(TrainConfig(), CPU))
     model = Linear()
     fused = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
     OptimizerState(fused).load_state_dict(plain.state_dict())
     assert fused.param_groups[0]["fused"] is True
     fp16 = resolve_precision(TrainConfig(precision="fp16"), CPU)
-    result = train_one_epoch(model, _step_batches(), mse, fused, fp16)
-    assert result.steps == 3 and int(fused.state[model.fc.weight]["step"]) == 6
+    _, steps = run_epoch(model, _step_batches(), mse, fused, fp16)
+    assert steps == 3 and int(fused.state[model.fc.weight]["step"]) == 6
 
 
 def test_adam_state_moves_between_apex_and_torch(apex_stub):
     apex_model = Linear()
     apex = build_optimizer(apex_model.parameters(), OptimConfig(name="fused_adam"), CPU)
-    train_one_epoch(apex_model, _step_batches(), mse, apex, resolve_precision(TrainConfig(), CPU))
+    run_epoch(apex_model, _step_batches(), mse, apex, resolve_precision(TrainConfig(), CPU))
     torch_model = Linear()
     adamw = build_optimizer(torch_model.parameters(), OptimConfig(name="adamw"), CPU)
     OptimizerState(adamw).load_state_dict(apex.state_dict())  # was KeyError: 'step'
     assert int(adamw.state[torch_model.fc.weight]["step"]) == 3
-    train_one_epoch(torch_model, _step_batches(), mse, adamw, resolve_precision(TrainConfig(), CPU))
+    run_epoch(torch_model, _step_batches(), mse, adamw, resolve_precision(TrainConfig(), CPU))
     assert int(adamw.state[torch_model.fc.weight]["step"]) == 6
     back_model = Linear()
     back = build_optimizer(back_model.parameters(), OptimConfig(name="fused_adam"), CPU)

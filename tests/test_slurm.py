@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from audioclf import checkpoint
-from audioclf.distributed import _first_host, env_ranks
+from audioclf.launch import _first_host, env_ranks
 from tests.conftest import tiny_config
 from tests.test_train import _cli
 

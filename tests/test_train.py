@@ -32,7 +32,8 @@ def untrained_metrics(cfg: Config) -> dict:
     """Validation metrics of the freshly initialised network, built as the trainer builds it."""
     from audioclf.inference import extract_embeddings
     from audioclf.models import build_net
-    from audioclf.trainer import build_data, retrieval_summary, seed_everything
+    from audioclf.metrics import retrieval_summary
+    from audioclf.trainer import build_data, seed_everything
 
     seed_everything(cfg.train.seed, False)
     data = build_data(cfg)

@@ -2,11 +2,13 @@
 
 Training batches carry a crop seed per sample, derived from (seed, epoch, batch, slot): random
 crops are then the same whatever the number of DataLoader workers, and a resumed run reads the
-very same crops as an uninterrupted one.
+very same crops as an uninterrupted one. `TrainLoader` is stateful: it counts the batches it
+has handed out, so a checkpoint resumes at the very next batch (torchtitan's stateful loader).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator
 
@@ -15,6 +17,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from audioclf.data.dataset import collate_padded
+
+log = logging.getLogger("audioclf")
 
 
 class SeededBatches:
@@ -27,15 +31,6 @@ class SeededBatches:
     def __init__(self, batch_sampler, seed: int):
         self.batch_sampler = batch_sampler
         self.seed = seed
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
-
-    def state_dict(self, position: int) -> dict:
-        return self.batch_sampler.state_dict(position=position)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.batch_sampler.load_state_dict(state)
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -69,11 +64,77 @@ def loader_kwargs(num_workers: int, pin_memory: bool, persistent_workers: bool,
     return kwargs
 
 
-def build_train_loader(dataset: Dataset, batches: SeededBatches, *, seed: int, **kwargs) -> DataLoader:
-    # Its own generator: creating the iterator must not consume the global torch RNG, or a
-    # resumed run would see different SpecAugment masks and dropout than a straight one.
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_sampler=batches, generator=generator, **kwargs)
+class TrainLoader:
+    """One rank's training batches, and how far the current epoch has been consumed.
+
+    Iterating yields the DataLoader's batches of the sampler's current epoch (from the resume
+    point on) and counts them in `position`; `limit_batches` ends an epoch early
+    (train.limit_batches). `state_dict()` is the sampler's state at `position`, so the
+    checkpointer saves and restores the loader like the model; with `restart_epoch` a state
+    saved in the middle of an epoch starts that epoch again (checkpoint.restart_epoch).
+    """
+
+    def __init__(self, dataset: Dataset, sampler, *, seed: int, limit_batches: int = 0,
+                 restart_epoch: bool = False, **kwargs):
+        self.sampler = sampler
+        self.limit_batches = limit_batches
+        self.restart_epoch = restart_epoch
+        self.position = 0  # batches of the current epoch handed out
+        # Its own generator: creating the iterator must not consume the global torch RNG, or a
+        # resumed run would see different SpecAugment masks and dropout than a straight one.
+        generator = torch.Generator().manual_seed(seed)
+        self.loader = DataLoader(dataset, batch_sampler=SeededBatches(sampler, seed),
+                                 generator=generator, **kwargs)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to iterate; a resumed epoch keeps its position."""
+        if epoch != self.sampler.epoch:
+            self.position = 0
+        self.sampler.set_epoch(epoch)
+
+    def end_epoch(self) -> None:
+        """The current epoch is done: the next one starts from its first batch."""
+        self.position = 0
+
+    def __len__(self) -> int:
+        """Batches the next iteration yields."""
+        left = len(self.sampler)
+        return min(left, max(0, self.limit_batches - self.position)) if self.limit_batches else left
+
+    def __iter__(self) -> Iterator:
+        for batch in self.loader:
+            if self.limit_batches and self.position >= self.limit_batches:
+                return
+            self.position += 1
+            yield batch
+
+    def micro_batches(self, accumulate: int) -> Iterator[tuple[object, bool]]:
+        """(batch, closes_group): groups of `accumulate` batches end at the epoch positions that
+        are multiples of `accumulate`, so a resumed epoch keeps the groups of the straight one."""
+        for batch in self:
+            yield batch, self.position % accumulate == 0
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict(position=self.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the saved epoch after its last consumed batch (nothing to do when it was
+        saved at an epoch's start or end, or with restart_epoch)."""
+        position = state.get("position", 0)
+        if position and self.restart_epoch:
+            log.info("checkpoint.restart_epoch: epoch %d starts again from its first batch (the "
+                     "checkpoint was at batch %d)", state["epoch"] + 1, position)
+        if not position or self.restart_epoch:
+            return
+        try:
+            self.sampler.load_state_dict(state)
+        except ValueError as exc:
+            raise ValueError(
+                f"the checkpoint was written in the middle of epoch {state['epoch'] + 1} (batch "
+                f"{position}) and cannot continue that epoch here ({exc}); set "
+                "checkpoint.restart_epoch=true to resume from the start of the epoch"
+            ) from None
+        self.position = position
 
 
 def build_eval_loader(dataset: Dataset, positions: list[int] | None = None, *, batch_size: int,

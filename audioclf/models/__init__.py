@@ -90,6 +90,12 @@ class EmbeddingNet(nn.Module):
             return embeddings, None
         return embeddings, self.head(embeddings)
 
+    @torch.jit.ignore
+    def output_parameters(self) -> list[nn.Parameter]:
+        """The embedding layer's and the head's parameters (what optim.freeze_epochs trains)."""
+        head = list(self.head.parameters()) if self.head is not None else []
+        return list(self.embedder.embedding.parameters()) + head
+
     @torch.jit.export
     def embed(self, x: Tensor, lengths: Tensor) -> Tensor:
         feats, feat_lengths = self.frontend(x, lengths)
