@@ -5,12 +5,18 @@ A sheet has a class column, an item column (a source/recording inside the class)
 `load_index` reads it, validates it (one `IndexValidationError` naming the file, the rows and
 the fix) and caches the validated table next to it, so the next run re-reads it in milliseconds.
 
+Forgiving about the header, strict about the content: column names match the configured ones
+ignoring case and spaces (`A_CLS`, ` a_cls `; two columns matching one name are an error), and
+a header below title or notes rows is found (data.header_row names it outright); each load
+logs what was assumed in one INFO line. Row numbers in messages and in the table's row column
+are the sheet's own, title rows included.
+
     index = load_index(cfg.data)
     splits = split_index(index, cfg.data)  # {"train": Index, "val": Index[, "test": Index]}
 
 Cache. The table is stored as an uncompressed Arrow IPC (feather) file in `data.cache_dir` or
 `<sheet folder>/.audioclf_cache/` (for 383k rows: 43 MB, re-read in ~4 ms; lz4 feather 11 ms,
-parquet 19 ms, npz 110 ms), named by the sheet's path and the column/root/template config,
+parquet 19 ms, npz 110 ms), named by the sheet's path and the header/column/root/template config,
 and stamped with the sheet's size, mtime_ns and blake2b content hash; any change to the sheet or
 that config makes it stale, and it is rebuilt. A file-existence check that passed is recorded in
 the cache and not repeated on a hit (re-checking 400k files would defeat the cache): a file
@@ -26,7 +32,7 @@ import warnings
 from pathlib import Path
 
 from audioclf.config import DataConfig
-from audioclf.data.index.cache import _cache_file, _read_cache, _root, _stamp, _write_cache
+from audioclf.data.index.cache import cache_path, data_root, read_cache, sheet_stamp, write_cache
 from audioclf.data.index.reader import read_table
 from audioclf.data.index.splits import split_index, stratified_subset
 from audioclf.data.index.table import (
@@ -36,9 +42,10 @@ from audioclf.data.index.table import (
     Codes,
     Index,
     IndexValidationError,
+    sheet_header,
     table_codes,
 )
-from audioclf.data.index.validate import _check_files, _validate
+from audioclf.data.index.validate import check_files, validate_table
 
 log = logging.getLogger("audioclf")
 
@@ -50,32 +57,44 @@ __all__ = ["SPLITS", "SUPPORTED_FORMATS", "TABLE_COLUMNS", "Codes", "Index", "In
 def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:
     """Read, validate and cache the sheet `cfg.index` (use_cache=None follows `cfg.cache`).
 
-    Raises IndexValidationError (and writes no cache) when the sheet cannot be used. Classes
-    with fewer than 2 items are reported with warnings.warn, on every load.
+    Raises IndexValidationError (and writes no cache) when the sheet cannot be used. What was
+    assumed about the header is logged (INFO), and classes with fewer than 2 items are reported
+    with warnings.warn, on every load.
     """
     use_cache = cfg.cache if use_cache is None else use_cache
     source = Path(os.path.abspath(cfg.index))
-    root = _root(cfg, source)
+    root = data_root(cfg, source)
     cache_file = stamp = None
     if use_cache and source.is_file():
-        cache_file, stamp = _cache_file(cfg, source, root), _stamp(source)
-        cached = _read_cache(cache_file, stamp)
+        cache_file, stamp = cache_path(cfg, source, root), sheet_stamp(source)
+        cached = read_cache(cache_file, stamp)
         if cached is not None:
             table, meta = cached
+            _log_assumptions(meta["notes"], source)
             if cfg.check_files and not meta["files_checked"]:
-                _check_files(table, source, root)
-                _write_cache(cache_file, table, {**meta, "files_checked": True})
+                check_files(table, source, root)
+                write_cache(cache_file, table, {**meta, "files_checked": True})
             _warn(meta["warnings"], source)
             return Index(table, source)
 
-    table, messages = _validate(read_table(source, cfg), cfg, source, root)
+    raw = read_table(source, cfg)
+    notes = list(sheet_header(raw).notes)
+    _log_assumptions(notes, source)  # before any error, which may be explained by them
+    table, messages = validate_table(raw, cfg, source, root)
     if cfg.check_files:
-        _check_files(table, source, root)
+        check_files(table, source, root)
     if cache_file is not None:
-        meta = {"stamp": stamp, "files_checked": cfg.check_files, "warnings": messages}
-        _write_cache(cache_file, table, meta)
+        meta = {"stamp": stamp, "files_checked": cfg.check_files, "warnings": messages,
+                "notes": notes}
+        write_cache(cache_file, table, meta)
     _warn(messages, source)
     return Index(table, source)
+
+
+def _log_assumptions(notes: list[str], source: Path) -> None:
+    """One line for everything read_table assumed about the sheet's header."""
+    if notes:
+        log.info("index file %s: %s", source, "; ".join(notes))
 
 
 def _warn(messages: list[str], source: Path) -> None:
@@ -83,4 +102,3 @@ def _warn(messages: list[str], source: Path) -> None:
     for message in messages:
         warnings.warn_explicit(message, UserWarning, filename=str(source), lineno=1,
                                module="audioclf.data.index")
-

@@ -13,34 +13,34 @@ import pandas as pd
 import pyarrow as pa
 
 from audioclf.config import DataConfig
-from audioclf.data.index.table import (
-    TABLE_COLUMNS,
-)
+from audioclf.data.index.table import TABLE_COLUMNS
 from audioclf.fileio import atomic_write
 
 log = logging.getLogger("audioclf")
 
 
-CACHE_VERSION = 1  # bump when the cached table's layout or the validation rules change
+# bump when the cached table's layout, its metadata or the validation rules change
+# (2: header rows found and column names matched loosely; "notes" in the metadata)
+CACHE_VERSION = 2
 _CACHE_META_KEY = b"audioclf.index"
 
 
-
-
-def _root(cfg: DataConfig, source: Path) -> str:
+def data_root(cfg: DataConfig, source: Path) -> str:
+    """The folder relative paths resolve against: data.root, or else the sheet's folder."""
     return os.path.abspath(cfg.root) if cfg.root else str(source.parent)
 
 
-def _cache_file(cfg: DataConfig, source: Path, root: str) -> Path:
+def cache_path(cfg: DataConfig, source: Path, root: str) -> Path:
     """One cache file per (sheet, config that shapes the table); the sheet's stamp goes inside."""
-    key = json.dumps([str(source), cfg.sheet, cfg.class_column, cfg.item_column, cfg.id_column,
-                      cfg.path_column, cfg.path_template, cfg.split_column, root, os.sep])
+    key = json.dumps([str(source), cfg.sheet, cfg.header_row, cfg.class_column, cfg.item_column,
+                      cfg.id_column, cfg.path_column, cfg.path_template, cfg.split_column, root,
+                      os.sep])
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     folder = Path(cfg.cache_dir) if cfg.cache_dir else source.parent / ".audioclf_cache"
     return folder / f"{source.stem}-{digest}.arrow"
 
 
-def _stamp(source: Path) -> dict:
+def sheet_stamp(source: Path) -> dict:
     """The sheet's size, mtime_ns and content hash (a 10 MB sheet hashes in ~5 ms)."""
     stat = source.stat()
     content = hashlib.blake2b(source.read_bytes(), digest_size=16).hexdigest()
@@ -48,7 +48,7 @@ def _stamp(source: Path) -> dict:
             "content": content}
 
 
-def _read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
+def read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
     """The cached table and its metadata, or None when absent, stale or unreadable."""
     if not path.is_file():
         return None
@@ -69,7 +69,7 @@ def _read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
         return None
 
 
-def _write_cache(path: Path, table: pd.DataFrame, meta: dict) -> None:
+def write_cache(path: Path, table: pd.DataFrame, meta: dict) -> None:
     """Atomically (temp file + os.replace); a cache that cannot be written is only logged."""
     try:
         arrow = pa.Table.from_pandas(table, preserve_index=False)

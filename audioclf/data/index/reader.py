@@ -1,19 +1,31 @@
 """Reading a sheet (.xlsx with python-calamine or openpyxl, .csv, .parquet) as a table of
-strings."""
+strings, named by its header row (see header.py)."""
 
 from __future__ import annotations
 
+import csv
 import datetime
 import importlib.util
+import itertools
 import logging
+from collections import defaultdict
 from pathlib import Path
 
 import pandas as pd
 
 from audioclf.config import DataConfig
+from audioclf.data.index.header import (
+    assumption_notes,
+    header_hint,
+    locate_header,
+    match_columns,
+    rows_to_scan,
+)
 from audioclf.data.index.table import (
+    HEADER_ATTR,
     SUPPORTED_FORMATS,
     IndexValidationError,
+    SheetHeader,
     gc_paused,
     names_text,
 )
@@ -28,8 +40,12 @@ def _excel_engine() -> str:
 def read_table(path: str | Path, cfg: DataConfig) -> pd.DataFrame:
     """The sheet as a table of strings: empty cells are "", ids like "007" stay text.
 
-    Column names are stripped of surrounding spaces; rows are kept in sheet order, blank ones
-    included, so position + FIRST_DATA_ROW is the row number a user sees.
+    The header is data.header_row, or else the first of the first HEADER_SEARCH_ROWS rows that
+    holds the class, item and id columns (row 1 when none does). Column names are stripped, and
+    a column matching a configured one ignoring case and spaces takes the configured name (two
+    such columns are an error). Rows are kept in sheet order, blank ones included, and the rows
+    above the header come back blank, so position + FIRST_DATA_ROW is the row a user sees.
+    `sheet_header(table)` tells where the header was and what was assumed.
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -45,7 +61,7 @@ def read_table(path: str | Path, cfg: DataConfig) -> pd.DataFrame:
         )
     try:
         with gc_paused():
-            raw = _parse(path, suffix, cfg.sheet)
+            raw, row, how = _parse(path, suffix, cfg)
     except IndexValidationError:
         raise
     except Exception as exc:  # every parser has its own error types; all mean "unreadable"
@@ -53,64 +69,119 @@ def read_table(path: str | Path, cfg: DataConfig) -> pd.DataFrame:
             f"index file {path} could not be read as {suffix} ({type(exc).__name__}: {exc}); "
             f"save it as one of {SUPPORTED_FORMATS} (csv as UTF-8)"
         ) from None
+    return _named(raw, path, cfg, row, how)
+
+
+def _named(raw: pd.DataFrame, path: Path, cfg: DataConfig, row: int, how: str) -> pd.DataFrame:
+    """The parsed rows below the header with their final names, padded and annotated."""
     raw.columns = [str(name).strip() for name in raw.columns]
+    renames, matched = match_columns(list(raw.columns), cfg, path, row)
+    if renames:
+        raw = raw.rename(columns=renames)
+    if row > 1:  # blank rows for sheet rows 2..row: position + FIRST_DATA_ROW stays the sheet row
+        blank = pd.DataFrame({name: [""] * (row - 1) for name in raw.columns}, dtype=str)
+        raw = pd.concat([blank, raw], ignore_index=True)
+    header = SheetHeader(row, how, assumption_notes(row, how, cfg, matched))
+    raw.attrs[HEADER_ATTR] = header.as_attrs()
     return raw
 
 
-def _parse(path: Path, suffix: str, sheet: int | str) -> pd.DataFrame:
+def _parse(path: Path, suffix: str, cfg: DataConfig) -> tuple[pd.DataFrame, int, str]:
+    """The rows below the header, named by it; the header's row and how it was chosen."""
     if suffix == ".csv":
-        # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark
-        return pd.read_csv(path, dtype=str, keep_default_na=False, skip_blank_lines=False,
-                           encoding="utf-8-sig")
+        return _read_csv(path, cfg)
     if suffix == ".parquet":
-        raw = pd.read_parquet(path)
-        return pd.DataFrame({name: _as_text(raw[name]) for name in raw.columns})
+        return _read_parquet(path, cfg), 1, "schema"
     if _excel_engine() == "calamine":
-        return _read_excel_calamine(path, sheet)
-    return pd.read_excel(path, sheet_name=sheet, engine="openpyxl", dtype=str,
+        return _read_excel_calamine(path, cfg)
+    return _read_excel_openpyxl(path, cfg)
+
+
+def _read_csv(path: Path, cfg: DataConfig) -> tuple[pd.DataFrame, int, str]:
+    # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark. csv.reader counts records as
+    # pandas' skiprows does (a quoted cell spanning lines is one row)
+    with open(path, newline="", encoding="utf-8-sig") as handle:
+        first = list(itertools.islice(csv.reader(handle), rows_to_scan(cfg)))
+    row, how = locate_header(first, cfg, path)
+    try:
+        raw = pd.read_csv(path, skiprows=row - 1, dtype=str, keep_default_na=False,
+                          skip_blank_lines=False, encoding="utf-8-sig")
+    except pd.errors.ParserError as exc:
+        if how != "default":
+            raise
+        hint = header_hint(SheetHeader(row, how), cfg)  # most likely a title row read as one
+        raise IndexValidationError(
+            f"index file {path} could not be read as .csv (ParserError: {str(exc).strip()}).{hint}"
+        ) from None
+    return raw, row, how
+
+
+def _read_parquet(path: Path, cfg: DataConfig) -> pd.DataFrame:
+    if cfg.header_row not in (None, 1):
+        raise IndexValidationError(
+            f"index file {path} is a parquet file, whose column names are its schema, not a "
+            f"row: data.header_row={cfg.header_row} does not apply; set data.header_row=null"
+        )
+    raw = pd.read_parquet(path)
+    return pd.DataFrame({name: _as_text(raw[name]) for name in raw.columns})
+
+
+def _read_excel_openpyxl(path: Path, cfg: DataConfig) -> tuple[pd.DataFrame, int, str]:
+    """What `pd.read_excel(engine="openpyxl", header=row - 1, dtype=str)` returns, with the row
+    found from one read of the sheet."""
+    grid = pd.read_excel(path, sheet_name=cfg.sheet, engine="openpyxl", header=None, dtype=str,
                          keep_default_na=False)
+    row, how = locate_header(grid.head(rows_to_scan(cfg)).to_numpy().tolist(), cfg, path)
+    if grid.empty:
+        return pd.DataFrame(), row, how
+    header = _header_names([str(cell).strip() for cell in grid.iloc[row - 1]])
+    return grid.iloc[row:].set_axis(header, axis=1).reset_index(drop=True), row, how
 
 
-def _read_excel_calamine(path: Path, sheet: int | str) -> pd.DataFrame:
-    """What `pd.read_excel(engine="calamine", dtype=str, keep_default_na=False)` returns.
+def _read_excel_calamine(path: Path, cfg: DataConfig) -> tuple[pd.DataFrame, int, str]:
+    """What `pd.read_excel(engine="calamine", header=row - 1, dtype=str, keep_default_na=False)`
+    returns, with the row found from one read of the sheet.
 
     Calls python-calamine directly: on a 383k-row sheet this parses in ~0.95 s of CPU where
     pandas' per-cell conversion and text parser take ~1.25 s (both with the GC paused; pandas
     alone, GC on: ~2.1 s). Cells convert as pandas converts them: integral floats print as ints,
-    everything else as str(value).
+    everything else as str(value); cells stored as text (an id "00123", "2026-01-02") stay text.
     """
     import python_calamine
 
     with python_calamine.CalamineWorkbook.from_path(str(path)) as book:
         try:
-            if isinstance(sheet, int):
-                worksheet = book.get_sheet_by_index(sheet)
+            if isinstance(cfg.sheet, int):
+                worksheet = book.get_sheet_by_index(cfg.sheet)
             else:
-                worksheet = book.get_sheet_by_name(sheet)
+                worksheet = book.get_sheet_by_name(cfg.sheet)
         except python_calamine.WorksheetNotFound:
             raise IndexValidationError(
-                f"index file {path} has no sheet {sheet!r}; its sheets are "
+                f"index file {path} has no sheet {cfg.sheet!r}; its sheets are "
                 f"{names_text(book.sheet_names, limit=20)} (set data.sheet to a name or position)"
             ) from None
         rows = worksheet.to_python(skip_empty_area=False)
+    first = [[_cell_text(cell) for cell in cells] for cells in rows[:rows_to_scan(cfg)]]
+    row, how = locate_header(first, cfg, path)
     if not rows:
-        return pd.DataFrame()
-    header = _header_names([_cell_text(cell).strip() for cell in rows[0]])
-    raw = pd.DataFrame(rows[1:], columns=range(len(header)), dtype=object)
-    return pd.DataFrame({name: _as_text(raw[i]) for i, name in enumerate(header)})
+        return pd.DataFrame(), row, how
+    header = _header_names([cell.strip() for cell in first[row - 1]])
+    raw = pd.DataFrame(rows[row:], columns=range(len(header)), dtype=object)
+    return pd.DataFrame({name: _as_text(raw[i]) for i, name in enumerate(header)}), row, how
 
 
 def _header_names(cells: list[str]) -> list[str]:
     """Header cells named as pandas names them: "Unnamed: 3" for blanks, "a_id.1" for repeats."""
-    names: list[str] = []
-    seen: dict[str, int] = {}
-    for position, cell in enumerate(cells):
-        name = cell or f"Unnamed: {position}"
-        if name in seen:
-            seen[name] += 1
-            name = f"{name}.{seen[name]}"
-        seen.setdefault(name, 0)
-        names.append(name)
+    names = [cell or f"Unnamed: {position}" for position, cell in enumerate(cells)]
+    counts: dict[str, int] = defaultdict(int)
+    for position, name in enumerate(names):  # pandas' _dedup_names
+        count = counts[name]
+        while count > 0:
+            counts[name] = count + 1
+            name = f"{name}.{count}"
+            count = counts[name]
+        names[position] = name
+        counts[name] = count + 1
     return names
 
 

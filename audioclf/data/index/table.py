@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -18,13 +18,43 @@ log = logging.getLogger("audioclf")
 TABLE_COLUMNS = ("cls", "item", "id", "path", "row", "split")
 SPLITS = ("train", "val", "test")
 SUPPORTED_FORMATS = ".xlsx, .xlsm, .csv, .parquet"
-FIRST_DATA_ROW = 2  # the header is row 1 in Excel (line 1 in a csv)
+# read_table's row at position p is sheet row p + FIRST_DATA_ROW (Excel's row, a csv's line), also
+# when the header is lower down: the rows above it and the header itself come back blank
+FIRST_DATA_ROW = 2
+HEADER_SEARCH_ROWS = 20  # the header is looked for in this many rows unless data.header_row says
 SHOW = 5  # rows/values quoted in a message before "and N more"
+HEADER_ATTR = "audioclf.header"  # read_table's DataFrame.attrs key holding its SheetHeader
 
 
 class IndexValidationError(ValueError):
     """An index sheet that cannot be used; the message names the file, the rows and the fix."""
 
+
+@dataclass(frozen=True)
+class SheetHeader:
+    """Where read_table took the column names from, and what it assumed on the way.
+
+    how: "given" (by data.header_row), "found" (the first of the first HEADER_SEARCH_ROWS rows
+    holding the class, item and id columns), "default" (no such row: row 1 was read), or
+    "schema" (a parquet file's names are its schema). notes: what to log once per load (the
+    header row found, column names matched ignoring case and spaces).
+    """
+
+    row: int = 1  # the sheet row holding the column names
+    how: str = "found"
+    notes: tuple[str, ...] = ()
+
+    def as_attrs(self) -> dict:
+        """A plain dict for DataFrame.attrs (pandas writes attrs into parquet metadata as JSON)."""
+        return {**asdict(self), "notes": list(self.notes)}
+
+
+def sheet_header(raw: pd.DataFrame) -> SheetHeader:
+    """The SheetHeader read_table recorded on `raw` (a table from elsewhere: a header on row 1)."""
+    attrs = raw.attrs.get(HEADER_ATTR)
+    if attrs is None:
+        return SheetHeader()
+    return SheetHeader(attrs["row"], attrs["how"], tuple(attrs["notes"]))
 
 
 @dataclass
@@ -32,8 +62,8 @@ class Index:
     """The validated table, one row per sample.
 
     Columns: cls, item, id, path (absolute), split ("" without a split column) as str, and
-    row (int64): the row a user sees in Excel (header = row 1), a csv's line number, or
-    position + 2 in a parquet file.
+    row (int64): the row a user sees in Excel, a csv's line number (both counting any title rows
+    above the header), or position + 2 in a parquet file.
     """
 
     table: pd.DataFrame

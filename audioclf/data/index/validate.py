@@ -5,88 +5,69 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import string
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from audioclf.config import DataConfig
+from audioclf.data.index.header import header_hint
+from audioclf.data.index.paths import render_template, resolve_paths, template_columns
 from audioclf.data.index.table import (
     FIRST_DATA_ROW,
     SHOW,
     SPLITS,
     IndexValidationError,
+    SheetHeader,
     gc_paused,
     names_text,
     rows_text,
+    sheet_header,
     table_codes,
 )
 
 log = logging.getLogger("audioclf")
 
 
-def _template_fields(template: str) -> tuple[list[tuple[str, str | None]], bool]:
-    """The template's (literal text, column) pieces, and whether plain concatenation renders it
-    (no format spec, conversion, attribute or index access)."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise IndexValidationError(
-            f"data.path_template {template!r} is not a valid format string ({exc}); "
-            "write columns in braces, e.g. features/{a_id}.npy"
-        ) from None
-    pieces, simple = [], True
-    for literal, field, spec, conversion in parsed:
-        column = None
-        if field is not None:
-            column = re.split(r"[.\[]", field, maxsplit=1)[0]
-            if not column or column.isdigit():
-                raise IndexValidationError(
-                    f"data.path_template {template!r} has a field {{{field}}} without a column "
-                    "name; name a column in the braces, e.g. features/{a_id}.npy"
-                )
-            simple = simple and column == field and not spec and not conversion
-        pieces.append((literal, column))
-    return pieces, simple
+@dataclass(frozen=True)
+class _Columns:
+    """The sheet columns validation reads."""
+
+    required: dict[str, str]  # column -> its role ("class", "item", "id", "path", ...), in order
+    split: str | None  # the split column, when the sheet has one
+    use_template: bool  # paths come from data.path_template (the sheet has no path column)
 
 
-def _render_template(template: str, cells: pd.DataFrame) -> pd.Series:
-    pieces, simple = _template_fields(template)
-    if not simple:  # format specs or attribute access: row by row
-        rendered = [template.format(**record) for record in cells.to_dict("records")]
-        return pd.Series(rendered, index=cells.index, dtype=str)
-    out = pd.Series("", index=cells.index, dtype=str)
-    for literal, column in pieces:
-        out = out + literal
-        if column is not None:
-            out = out + cells[column]
-    return out
-
-
-def _resolve_paths(paths: pd.Series, root: str) -> pd.Series:
-    """Absolute paths: relative ones are joined to `root`; '.', '..' and '//' are normalised."""
-    is_abs = paths.str.startswith("/")
-    if os.name == "nt":  # pragma: no cover - drive letters and UNC shares
-        is_abs = is_abs | paths.str.match(r"^[A-Za-z]:[\\/]|^\\\\")
-    prefix = root.rstrip("/\\") + os.sep
-    if not is_abs.any():
-        paths = prefix + paths
-    elif not is_abs.all():
-        paths = pd.Series(np.where(is_abs, paths, prefix + paths), index=paths.index, dtype=str)
-    messy = paths.str.contains(r"//|/\.\.?(?:/|$)", regex=True)
-    if messy.any():
-        paths = paths.copy()
-        paths[messy] = [os.path.normpath(p) for p in paths[messy]]
-    return paths
-
-
-def _validate(
+def validate_table(
     raw: pd.DataFrame, cfg: DataConfig, source: Path, root: str
 ) -> tuple[pd.DataFrame, list[str]]:
-    """The raw sheet as the index table, or one IndexValidationError; also the warnings to show."""
+    """The raw sheet (from read_table) as the index table, or one IndexValidationError; also
+    the warnings to show."""
+    header = sheet_header(raw)
+    columns = _columns(raw, cfg, source, header)
+    cells, rows = _data_rows(raw, columns, source, header)
+    _check_filled(cells, rows, columns.required, source)
+    _check_unique_ids(cells[cfg.id_column], rows, cfg.id_column, source)
+    split = _split_values(cells, rows, columns.split, source)
+    if columns.use_template:
+        paths = render_template(cfg.path_template, cells)
+    else:
+        paths = cells[cfg.path_column]
+    table = pd.DataFrame({
+        "cls": cells[cfg.class_column],
+        "item": cells[cfg.item_column],
+        "id": cells[cfg.id_column],
+        "path": resolve_paths(paths, root),
+        "row": rows,
+        "split": split,
+    }).reset_index(drop=True)
+    return table, _small_class_warnings(table, source)
+
+
+def _columns(raw: pd.DataFrame, cfg: DataConfig, source: Path, header: SheetHeader) -> _Columns:
+    """The columns to read; raises when the class, item or id column, or the paths, are missing."""
     present = names_text(raw.columns, limit=20) or "(none)"
     keys = {"data.class_column": cfg.class_column, "data.item_column": cfg.item_column,
             "data.id_column": cfg.id_column}
@@ -96,47 +77,58 @@ def _validate(
         raise IndexValidationError(
             f"index file {source} has no column {listed}; columns present: {present}. "
             "Rename the column in the sheet or set the config key to its name, "
-            f"e.g. {missing[0][0]}=<column>"
+            f"e.g. {missing[0][0]}=<column>.{header_hint(header, cfg)}"
         )
-
-    use_template = cfg.path_column not in raw.columns
-    template_columns: list[str] = []
-    if use_template:
-        if not cfg.path_template:
-            raise IndexValidationError(
-                f"index file {source} has no path column {cfg.path_column!r} and "
-                f"data.path_template is empty; columns present: {present}. Either add a path "
-                "column (or set data.path_column to the column holding paths), or set "
-                "data.path_template, e.g. data.path_template='features/{" + cfg.id_column + "}.npy'"
-            )
-        pieces, _ = _template_fields(cfg.path_template)
-        template_columns = list(dict.fromkeys(f for _, f in pieces if f is not None))
-        unknown = [c for c in template_columns if c not in raw.columns]
-        if unknown:
-            raise IndexValidationError(
-                f"data.path_template {cfg.path_template!r} names column(s) "
-                f"{names_text(unknown)} that {source} does not have; columns present: {present}. "
-                "Fix the template or add the column"
-            )
-
     required = {cfg.class_column: "class", cfg.item_column: "item", cfg.id_column: "id"}
-    if not use_template:
+    use_template = cfg.path_column not in raw.columns
+    if use_template:
+        for column in _template_columns(raw, cfg, source, present):
+            required.setdefault(column, "template field")
+    else:
         required[cfg.path_column] = "path"
-    for column in template_columns:
-        required.setdefault(column, "template field")
-    has_split = cfg.split_column in raw.columns
-    used = list(required) + ([cfg.split_column] if has_split else [])
+    split = cfg.split_column if cfg.split_column in raw.columns else None
+    return _Columns(required, split, use_template)
+
+
+def _template_columns(raw: pd.DataFrame, cfg: DataConfig, source: Path, present: str) -> list[str]:
+    """The columns data.path_template names (the sheet has no path column); all must exist."""
+    if not cfg.path_template:
+        raise IndexValidationError(
+            f"index file {source} has no path column {cfg.path_column!r} and "
+            f"data.path_template is empty; columns present: {present}. Either add a path "
+            "column (or set data.path_column to the column holding paths), or set "
+            "data.path_template, e.g. data.path_template='features/{" + cfg.id_column + "}.npy'"
+        )
+    columns = template_columns(cfg.path_template)
+    unknown = [c for c in columns if c not in raw.columns]
+    if unknown:
+        raise IndexValidationError(
+            f"data.path_template {cfg.path_template!r} names column(s) "
+            f"{names_text(unknown)} that {source} does not have; columns present: {present}. "
+            "Fix the template or add the column"
+        )
+    return columns
+
+
+def _data_rows(raw: pd.DataFrame, columns: _Columns, source: Path,
+               header: SheetHeader) -> tuple[pd.DataFrame, np.ndarray]:
+    """The used columns' cells, stripped, of the rows that hold data; and their sheet rows."""
+    used = list(columns.required) + ([columns.split] if columns.split else [])
     cells = pd.DataFrame({name: raw[name].str.strip() for name in dict.fromkeys(used)})
     rows = np.arange(len(cells), dtype=np.int64) + FIRST_DATA_ROW
-
     blank = (cells == "").all(axis=1).to_numpy()  # trailing/separator rows: not data
     if blank.any():
         cells, rows = cells[~blank], rows[~blank]
     if len(cells) == 0:
         raise IndexValidationError(
-            f"index file {source} has no data rows (the header is row 1, data starts at row 2)"
+            f"index file {source} has no data rows (the header is row {header.row}, data "
+            f"starts at row {header.row + 1})"
         )
+    return cells, rows
 
+
+def _check_filled(cells: pd.DataFrame, rows: np.ndarray, required: dict[str, str],
+                  source: Path) -> None:
     empty_parts = []
     for name, role in required.items():
         empty = (cells[name] == "").to_numpy()
@@ -150,48 +142,42 @@ def _validate(
             "Fill them in or delete those rows"
         )
 
-    ids = cells[cfg.id_column]
+
+def _check_unique_ids(ids: pd.Series, rows: np.ndarray, id_column: str, source: Path) -> None:
     repeated = ids.duplicated(keep=False).to_numpy()
-    if repeated.any():
-        where: dict[str, list[int]] = defaultdict(list)
-        for value, row in zip(ids[repeated].tolist(), rows[repeated].tolist(), strict=True):
-            where[value].append(row)
-        shown = "; ".join(f"{v!r} at {rows_text(r)}" for v, r in list(where.items())[:SHOW])
-        more = f"; and {len(where) - SHOW} more repeated ids" if len(where) > SHOW else ""
+    if not repeated.any():
+        return
+    where: dict[str, list[int]] = defaultdict(list)
+    for value, row in zip(ids[repeated].tolist(), rows[repeated].tolist(), strict=True):
+        where[value].append(row)
+    shown = "; ".join(f"{v!r} at {rows_text(r)}" for v, r in list(where.items())[:SHOW])
+    more = f"; and {len(where) - SHOW} more repeated ids" if len(where) > SHOW else ""
+    raise IndexValidationError(
+        f"index file {source}: column {id_column!r} (data.id_column) must be unique, "
+        f"but {len(where)} id(s) repeat: {shown}{more}. Remove the repeated rows or give "
+        "them distinct ids"
+    )
+
+
+def _split_values(cells: pd.DataFrame, rows: np.ndarray, split_column: str | None,
+                  source: Path) -> pd.Series:
+    """The split column lower-cased, or "" in every row without one (or with an empty one)."""
+    none = pd.Series("", index=cells.index, dtype=str)
+    if split_column is None:
+        return none
+    values = cells[split_column].str.lower()
+    if (values == "").all():
+        return none
+    bad = ~values.isin(SPLITS).to_numpy()
+    if bad.any():
+        bad_values = sorted(set(cells[split_column][bad].tolist()))
         raise IndexValidationError(
-            f"index file {source}: column {cfg.id_column!r} (data.id_column) must be unique, "
-            f"but {len(where)} id(s) repeat: {shown}{more}. Remove the repeated rows or give "
-            "them distinct ids"
+            f"index file {source}: column {split_column!r} (data.split_column) must "
+            f"hold train, val or test in every row, but has {names_text(bad_values)} at "
+            f"{rows_text(rows[bad])}. Fix those cells, or clear the whole column to "
+            "split by data.seed/data.val_ratio"
         )
-
-    split = pd.Series("", index=cells.index, dtype=str)
-    if has_split:
-        values = cells[cfg.split_column].str.lower()
-        if (values != "").any():
-            bad = ~values.isin(SPLITS).to_numpy()
-            if bad.any():
-                bad_values = sorted(set(cells[cfg.split_column][bad].tolist()))
-                raise IndexValidationError(
-                    f"index file {source}: column {cfg.split_column!r} (data.split_column) must "
-                    f"hold train, val or test in every row, but has {names_text(bad_values)} at "
-                    f"{rows_text(rows[bad])}. Fix those cells, or clear the whole column to "
-                    "split by data.seed/data.val_ratio"
-                )
-            split = values
-
-    if use_template:
-        paths = _render_template(cfg.path_template, cells)
-    else:
-        paths = cells[cfg.path_column]
-    table = pd.DataFrame({
-        "cls": cells[cfg.class_column],
-        "item": cells[cfg.item_column],
-        "id": ids,
-        "path": _resolve_paths(paths, root),
-        "row": rows,
-        "split": split,
-    }).reset_index(drop=True)
-    return table, _small_class_warnings(table, source)
+    return values
 
 
 def _small_class_warnings(table: pd.DataFrame, source: Path) -> list[str]:
@@ -237,7 +223,8 @@ def _missing_files(paths: pd.Series) -> np.ndarray:
     return ~found
 
 
-def _check_files(table: pd.DataFrame, source: Path, root: str) -> None:
+def check_files(table: pd.DataFrame, source: Path, root: str) -> None:
+    """Raises when files the table names do not exist (one error naming rows, paths, the fix)."""
     missing = _missing_files(table["path"])
     if not missing.any():
         return
