@@ -18,7 +18,7 @@ PY="$VENV/bin/python"
 
 die() { echo "run.sh: $*" >&2; exit 2; }
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 setup_venv() {
     local python="${PYTHON:-python3}"

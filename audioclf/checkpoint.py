@@ -4,6 +4,15 @@ A checkpoint holds everything needed to resume bit-exactly (model, optimizer, LR
 grad scaler, sampler position, every rank's RNG states) and to rebuild the model without the
 original config file (the resolved config travels inside).
 
+Checkpoints are data, not code. What audioclf writes is tensors and plain containers of
+numbers and strings (the numpy RNG state as a tensor, not an ndarray), and every load uses
+`torch.load(weights_only=True)`, which builds nothing else: a file carrying a pickled object
+(a payload whose unpickling would run code) is refused with one line naming the file and
+the opt-in (`trust=True`: --trust-checkpoint, checkpoint.trust=true) for a file one trusts.
+Checkpoints of audioclf 0.1 hold numpy arrays (RNG states); numpy's array constructors are
+allow-listed for every load (they build arrays, never run code), so those files load as
+they are.
+
 `Checkpointer` is built once with the run's stateful parts, by name (torchtitan's
 `states={...}`, timm's `CheckpointSaver(model=..., optimizer=...)`); the loop then only says
 `save_last()` or `save_epoch(epoch, metric)`, and a resume is one `restore(ckpt)`.
@@ -13,8 +22,10 @@ original config file (the resolved config travels inside).
 from __future__ import annotations
 
 import logging
+import pickle
 import platform
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,11 +51,11 @@ def library_versions() -> dict[str, str]:
 
     from audioclf import __version__
 
-    return {
-        "audioclf": __version__,
-        "torch": torch.__version__,
-        "torchaudio": torchaudio.__version__,
-        "numpy": np.__version__,
+    return {  # str(): torch's TorchVersion is a str subclass that weights_only does not build
+        "audioclf": str(__version__),
+        "torch": str(torch.__version__),
+        "torchaudio": str(torchaudio.__version__),
+        "numpy": str(np.__version__),
         "python": platform.python_version(),
     }
 
@@ -52,11 +63,15 @@ def library_versions() -> dict[str, str]:
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """This process's RNG states: python, numpy, torch CPU, and `device`'s when it is a GPU.
 
-    Only the process's own GPU: a checkpoint then resumes on a machine with fewer GPUs.
+    Only the process's own GPU: a checkpoint then resumes on a machine with fewer GPUs. Plain
+    data only (tuples, numbers, strings, tensors), so weights_only loading reads it.
     """
+    name, keys, position, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"bit_generator": name, "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "position": int(position), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(gauss)},
         "torch": torch.get_rng_state(),
     }
     if device is not None and device.type == "cuda":
@@ -66,7 +81,12 @@ def rng_state(device: torch.device | None = None) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["bit_generator"],
+                       numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)  # a tuple with an ndarray in checkpoints of audioclf 0.1
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda is None or device is None or device.type != "cuda":
@@ -175,13 +195,34 @@ def save_atomic(obj: dict, path: str | Path) -> Path:
     return atomic_write(path, lambda handle: torch.save(obj, handle), sync=True)
 
 
-def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
-    """Read a checkpoint written by audioclf; a clear error when missing, corrupt or foreign."""
+# Data-only constructors that checkpoints of audioclf 0.1 hold (numpy RNG states): they build
+# arrays and dtypes and cannot run code, so every weights_only load accepts them.
+_NUMPY_ARRAYS = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np.dtypes.Float64DType,
+                 np.dtypes.Int64DType, getattr(np, "_core", np.core).multiarray._reconstruct,
+                 getattr(np, "_core", np.core).multiarray.scalar]
+TRUST_HINT = ("if you trust the file and its source, load it with --trust-checkpoint "
+              "(training: checkpoint.trust=true)")
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu", *,
+         trust: bool = False) -> dict:
+    """Read a checkpoint written by audioclf; a clear error when missing, corrupt or foreign.
+
+    weights_only unless `trust`: a file that needs more than tensors and plain data (a foreign
+    pickle, or a payload) is refused before any of it runs.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check the path or the run name")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        with torch.serialization.safe_globals(_NUMPY_ARRAYS):
+            ckpt = torch.load(path, map_location=map_location, weights_only=not trust)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"checkpoint {path} holds Python objects beyond tensors and plain data "
+            f"({_first_global(exc)}), which could run code when loaded, so it was not loaded; "
+            f"{TRUST_HINT}"
+        ) from None
     except Exception as exc:  # torch raises many types for truncated/corrupt files
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); it may be truncated "
@@ -238,9 +279,15 @@ class CheckpointSaver:
             for old in sorted(self.run_dir.glob("epoch_*.pt"))[: -self.keep_last]:
                 old.unlink(missing_ok=True)
         if self.is_better(metric):
-            self.best_metric = metric
+            self.best_metric = float(metric)
             written.append(atomic_copy(written[0], self.run_dir / BEST))
         return written
+
+
+def _first_global(exc: BaseException) -> str:
+    """The object torch's weights_only unpickler refused, e.g. 'posix.system'."""
+    match = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return match.group(1) if match else "an object weights_only loading does not build"
 
 
 def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:

@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Overrides use dotted keys, e.g. train.epochs=3 sampler.m=4 optim.lr=5e-4 "
-               "model.name=conformer checkpoint.resume=auto. See README.md for every key.",
+               "model.name=conformer checkpoint.resume=auto. Every key: docs/configuration.md.",
     )
     parser.add_argument("--config", help="YAML config file (default: built-in defaults)")
     # Legacy torch.distributed.launch passes --local_rank / --local-rank; torchrun sets LOCAL_RANK.

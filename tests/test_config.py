@@ -106,13 +106,13 @@ def test_round_trip_through_yaml(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_readme_config_reference_is_current():
+def test_the_configuration_reference_is_current():
     from audioclf.config import readme_with_reference
 
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    text = page.read_text()
     assert text == readme_with_reference(text), (
-        "README.md config reference is stale: run python -m audioclf.config --update-readme")
+        "docs/configuration.md is stale: run python -m audioclf.config --update-readme")
 
 
 @pytest.mark.parametrize("override", ["optim.lr=inf", "optim.lr=.nan", "optim.max_grad_norm=-.inf",

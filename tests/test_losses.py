@@ -295,10 +295,21 @@ def test_head_scale_defaults_by_head():
 
 
 def test_configs_of_the_earlier_layout_are_read_with_a_warning():
-    with pytest.warns(UserWarning, match="loss.head / loss.ce_weight=1 -> model.head=arcface"):
+    with pytest.warns(UserWarning, match="loss.head -> model.head"):
         cfg = load_config(None, ["loss.ce_weight=1", "loss.head=arcface", "loss.subcenters=2",
                                  "features.crop_seconds=0.7", "features.spec_augment=false"])
     assert (cfg.model.head, cfg.model.subcenters, cfg.loss.ce_weight) == ("arcface", 2, 1.0)
     assert cfg.clips.crop_seconds == 0.7 and cfg.spec_augment.enabled is False
     with pytest.warns(UserWarning, match="model.head=none"):
         assert load_config(None, ["loss.head=softmax", "loss.ce_weight=0"]).model.head == "none"
+    with pytest.warns(UserWarning, match="model.head=softmax"):  # 0.1: ce_weight > 0 was a head
+        assert load_config(None, ["loss.ce_weight=0.5"]).model.head == "softmax"
+
+
+def test_an_earlier_override_applies_over_a_file_in_the_new_layout(tmp_path):
+    config = tmp_path / "new.yaml"
+    config.write_text("clips:\n  crop_seconds: 1.0\nmodel:\n  head: arcface\n")
+    with pytest.warns(UserWarning, match="features.crop_seconds -> clips.crop_seconds"):
+        cfg = load_config(config, ["features.crop_seconds=1.5", "loss.head=subcenter_arcface"])
+    assert cfg.clips.crop_seconds == 1.5 and cfg.model.head == "subcenter_arcface"
+    assert cfg.loss.ce_weight == 1.0

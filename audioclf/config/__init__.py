@@ -1,0 +1,62 @@
+"""Typed run configuration: YAML file + dotted command-line overrides.
+
+Every section is a dataclass; each field carries a one-line comment (the generated reference,
+docs/configuration.md, is made of them). Unknown keys and wrong types are rejected with one
+message naming the key and listing the valid keys of its section.
+
+    cfg = load_config("configs/demo_cnn.yaml", ["train.epochs=3", "sampler.m=4"])
+
+base: the error and the checks; inputs: data, sampler, features, clips, augmentation sections;
+sections: model, loss, optimizer, train, dist, eval, checkpoint and Config; loading: YAML,
+overrides, coercion, earlier layouts; reference: the generated reference.
+"""
+
+from audioclf.config.base import ConfigError, choices
+from audioclf.config.inputs import (
+    AugmentConfig,
+    ClipsConfig,
+    DataConfig,
+    FeaturesConfig,
+    SamplerConfig,
+    SpecAugmentConfig,
+)
+from audioclf.config.loading import (
+    MOVED_KEYS,
+    config_from_dict,
+    from_dict,
+    load_config,
+    merge,
+    migrate,
+    parse_overrides,
+    save_config,
+    to_dict,
+)
+from audioclf.config.reference import (
+    README_END,
+    README_START,
+    readme_with_reference,
+    reference_markdown,
+)
+from audioclf.config.sections import (
+    CheckpointConfig,
+    CNNConfig,
+    Config,
+    ConformerConfig,
+    DistConfig,
+    EvalConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    ResNetConfig,
+    TrainConfig,
+    architecture,
+)
+
+__all__ = [
+    "MOVED_KEYS", "README_END", "README_START", "AugmentConfig", "CNNConfig", "CheckpointConfig",
+    "ClipsConfig", "Config", "ConfigError", "ConformerConfig", "DataConfig", "DistConfig",
+    "EvalConfig", "FeaturesConfig", "LossConfig", "ModelConfig", "OptimConfig", "ResNetConfig",
+    "SamplerConfig", "SpecAugmentConfig", "TrainConfig", "architecture", "choices",
+    "config_from_dict", "from_dict", "load_config", "merge", "migrate", "parse_overrides",
+    "readme_with_reference", "reference_markdown", "save_config", "to_dict",
+]

@@ -1,0 +1,225 @@
+"""Config sections of the model and the run: model, loss, optimizer, loop, ranks, evaluation,
+checkpoints, and the whole Config."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from audioclf.config.base import check as _check
+from audioclf.config.inputs import (
+    AugmentConfig,
+    ClipsConfig,
+    DataConfig,
+    FeaturesConfig,
+    SamplerConfig,
+    SpecAugmentConfig,
+)
+
+
+@dataclass
+class CNNConfig:
+    width: int = 32  # channels of the first block; doubled every block
+    depth: int = 4  # number of conv blocks (each: 2 conv3x3 + BN + ReLU, then 2x2 pooling)
+    dropout: float = 0.1  # dropout before the embedding layer
+    pooling: Literal["mean_max", "attentive_stats"] = "mean_max"  # over time: masked mean + max (PANNs) or attentive mean + std
+
+    def __post_init__(self) -> None:
+        _check(self.width >= 1, "model.cnn.width", self.width, ">= 1")
+        _check(self.depth >= 1, "model.cnn.depth", self.depth, ">= 1")
+
+
+@dataclass
+class ResNetConfig:
+    width: int = 32  # channels of the first stage; doubled in each later stage (32 = WeSpeaker's ResNet-34)
+    blocks: list[int] = field(default_factory=lambda: [3, 4, 6, 3])  # BasicBlocks per stage; stages after the first stride 2 in time and frequency
+    pooling: Literal["stats", "attentive_stats"] = "stats"  # over time, frequency flattened into channels: masked mean + std, or attentive mean + std
+
+    def __post_init__(self) -> None:
+        _check(self.width >= 1, "model.resnet.width", self.width, ">= 1")
+        _check(len(self.blocks) >= 1 and all(b >= 1 for b in self.blocks), "model.resnet.blocks",
+               self.blocks, "a non-empty list of block counts >= 1, e.g. [3, 4, 6, 3]")
+
+
+@dataclass
+class ConformerConfig:
+    d_model: int = 144  # attention width
+    num_heads: int = 4  # attention heads
+    ffn_dim: int = 576  # feed-forward hidden size
+    num_layers: int = 4  # Conformer blocks
+    kernel_size: int = 31  # depthwise convolution kernel
+    dropout: float = 0.1  # dropout inside the blocks
+    pooling: Literal["attentive_stats", "mean"] = "attentive_stats"  # masked pooling over time
+
+    def __post_init__(self) -> None:
+        _check(
+            self.d_model % self.num_heads == 0,
+            "model.conformer.d_model",
+            self.d_model,
+            f"a multiple of model.conformer.num_heads={self.num_heads}",
+        )
+        _check(self.kernel_size % 2 == 1, "model.conformer.kernel_size", self.kernel_size, "odd")
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["cnn", "conformer", "resnet"] = "cnn"  # embedding network
+    embedding_dim: int = 128  # size of the L2-normalised embedding
+    head: Literal["none", "softmax", "arcface", "subcenter_arcface"] = "none"  # classifier head over the training classes beside the triplets, trained by cross-entropy weighted by loss.ce_weight: cosine softmax; arcface adds an angular margin to the target; subcenter_arcface also gives each class model.subcenters weights
+    head_scale: float | None = None  # logit scale s of the head; null = 16 for softmax, 30 for the arcface heads
+    subcenters: int = 3  # sub-centers per class (subcenter_arcface): a class's cosine is the largest of its K
+    sync_bn: bool = True  # SyncBatchNorm under multi-GPU DDP (plain BatchNorm on CPU)
+    init_from: str = ""  # fine-tune: start a new run from this checkpoint's or state_dict export's weights
+    cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
+    conformer: ConformerConfig = field(default_factory=ConformerConfig)  # settings of conformer
+    resnet: ResNetConfig = field(default_factory=ResNetConfig)  # settings of model.name=resnet
+
+    def __post_init__(self) -> None:
+        _check(self.embedding_dim >= 1, "model.embedding_dim", self.embedding_dim, ">= 1")
+        _check(self.head_scale is None or self.head_scale > 0, "model.head_scale",
+               self.head_scale, "> 0, or null for the head's default")
+        _check(self.subcenters >= 1, "model.subcenters", self.subcenters, ">= 1")
+
+    @property
+    def effective_head_scale(self) -> float:
+        """The head's logit scale: model.head_scale, or the head's default when it is null."""
+        if self.head_scale is not None:
+            return self.head_scale
+        return 16.0 if self.head == "softmax" else 30.0
+
+    @property
+    def head_subcenters(self) -> int:
+        """Weight vectors per class in the head (model.subcenters for subcenter_arcface, else 1)."""
+        return self.subcenters if self.head == "subcenter_arcface" else 1
+
+
+@dataclass
+class LossConfig:
+    margin: float = 0.2  # triplet margin (cosine distance)
+    miner: Literal["batch_hard", "semi_hard", "all"] = "semi_hard"  # which triplets are used
+    cross_rank: bool = False  # mine negatives from the global batch gathered from every rank
+    ce_weight: float = 1.0  # weight of the head's cross-entropy term beside the triplet term (model.head)
+    head_margin: float = 0.2  # additive angular margin m of the arcface heads, in radians: target logit s·cos(θ + m)
+    margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly up to their values at this epoch (from 1/(N+1) of them at the first); 0 = full at once
+
+    def __post_init__(self) -> None:
+        _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")
+        _check(self.ce_weight >= 0, "loss.ce_weight", self.ce_weight, ">= 0")
+        _check(self.head_margin >= 0, "loss.head_margin", self.head_margin, ">= 0 (radians)")
+        _check(self.margin_warmup_epochs >= 0, "loss.margin_warmup_epochs",
+               self.margin_warmup_epochs, ">= 0")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adam", "sgd", "fused_adam"] = "adamw"  # fused_adam needs NVIDIA apex
+    lr: float = 1e-3  # reference learning rate at ref_world_size ranks
+    ref_world_size: int = 1  # world size that lr was tuned for
+    lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"  # effective lr = lr * scale(world/ref)
+    weight_decay: float = 1e-4  # decoupled (adamw) or L2 (adam, sgd) weight decay
+    momentum: float = 0.9  # sgd momentum
+    warmup_steps: int = 0  # linear warm-up from 0 over this many optimizer steps
+    scheduler: Literal["cosine", "step", "plateau", "none"] = "cosine"  # per-epoch schedule
+    step_size: int = 10  # epochs between decays (scheduler=step)
+    gamma: float = 0.1  # decay factor (step, plateau)
+    plateau_patience: int = 3  # epochs without improvement before decaying (plateau)
+    min_lr: float = 0.0  # floor of cosine and plateau schedules
+    max_grad_norm: float = 0.0  # clip gradients to this norm; 0 = off
+    freeze_epochs: int = 0  # first train only the embedding layer (and head) for this many epochs
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "> 0")
+        _check(self.ref_world_size >= 1, "optim.ref_world_size", self.ref_world_size, ">= 1")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.freeze_epochs >= 0, "optim.freeze_epochs", self.freeze_epochs, ">= 0")
+
+
+@dataclass
+class TrainConfig:
+    name: str = "demo"  # run name: outputs go to <runs_dir>/<name>/
+    runs_dir: str = "runs"  # parent folder of run directories
+    epochs: int = 10  # epochs to train
+    limit_batches: int = 0  # stop each epoch after this many batches; 0 = full epoch
+    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast dtype (fp16 uses GradScaler)
+    opt_level: Literal["O0", "O1", "O2", "O3"] | None = None  # apex alias; overrides precision
+    seed: int = 0  # seed for python, numpy, torch and the sampler
+    deterministic: bool = False  # torch deterministic algorithms (slower)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available
+    tf32: bool = True  # TF32 matmuls and convolutions on Ampere+ GPUs (fp32 runs ~2-3x faster)
+    cudnn_benchmark: bool = True  # let cuDNN pick the fastest kernels (crops have fixed shapes)
+    nonfinite_patience: int = 10  # consecutive non-finite losses before training stops
+    consistency_every_steps: int = 0  # also check ranks' parameters every K steps; 0 = per epoch
+    consistency_action: Literal["error", "warn"] = "error"  # on drifting parameters
+    log_every_steps: int = 50  # steps between host syncs (progress-bar loss, TensorBoard, non-finite check, stop vote); 0 = every step
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "train.epochs", self.epochs, ">= 1")
+        _check(self.accumulate >= 1, "train.accumulate", self.accumulate, ">= 1")
+        _check(self.limit_batches >= 0, "train.limit_batches", self.limit_batches, ">= 0")
+        _check(bool(self.name.strip()) and "/" not in self.name, "train.name", self.name,
+               "a non-empty name without '/'")
+
+
+@dataclass
+class DistConfig:
+    strategy: Literal["auto", "ddp", "dp", "single"] = "auto"  # auto = ddp when WORLD_SIZE > 1
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto = nccl on CUDA, gloo on CPU
+    timeout_minutes: float = 30.0  # collective timeout; must cover rank-0 evaluation
+    find_unused_parameters: bool = False  # DDP flag for models with conditional branches
+
+
+@dataclass
+class EvalConfig:
+    every: int = 1  # evaluate every N epochs; 0 = never during training
+    distributed: bool = False  # shard embedding extraction across ranks (else rank 0 alone)
+    batch_size: int = 32  # clips per extraction batch
+    metric: Literal["precision_at_1", "map_at_r", "r_precision"] = "map_at_r"  # selects best.pt (cross-item)
+    split: str = "val"  # split evaluated during training
+    max_samples: int = 0  # validate on a fixed class-stratified subset of this size; 0 = all
+
+    def __post_init__(self) -> None:
+        _check(self.max_samples >= 0, "eval.max_samples", self.max_samples, ">= 0 (0 = all)")
+        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, ">= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    keep_last: int = 2  # epoch checkpoints kept besides last.pt and best.pt
+    every_steps: int = 0  # also write last.pt every N steps inside an epoch; 0 = off
+    resume: str = ""  # "" = fresh start, "auto" = <run dir>/last.pt if present, or a path
+    resume_strict: bool = True  # refuse to resume with other model / features settings than the checkpoint's
+    restart_epoch: bool = False  # resume a mid-epoch checkpoint from the start of its epoch (e.g. on another world size)
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)  # index sheet and loading
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # m-per-class batches
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)  # audio → log-mel (part of the architecture)
+    clips: ClipsConfig = field(default_factory=ClipsConfig)  # training crops and evaluation clips
+    spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)  # SpecAugment masks in the front end
+    augment: AugmentConfig = field(default_factory=AugmentConfig)  # waveform / feature augmentation (training only)
+    model: ModelConfig = field(default_factory=ModelConfig)  # embedding network and its head (the architecture)
+    loss: LossConfig = field(default_factory=LossConfig)  # triplet loss, mining, the head's weight
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and LR schedule
+    train: TrainConfig = field(default_factory=TrainConfig)  # loop, precision, seeds
+    dist: DistConfig = field(default_factory=DistConfig)  # multi-process settings
+    eval: EvalConfig = field(default_factory=EvalConfig)  # validation during training
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving, resume
+
+    def __post_init__(self) -> None:
+        _check(self.model.head == "none" or self.loss.ce_weight > 0, "loss.ce_weight",
+               self.loss.ce_weight, f"> 0 with model.head={self.model.head} (its cross-entropy "
+               "weight; e.g. 1.0), or set model.head=none")
+
+
+def architecture(cfg: Config) -> dict:
+    """What a checkpoint's tensors depend on: the model (with its head) and the features.
+
+    Resume compatibility, build_net and the export sidecar all read these two objects; crops,
+    evaluation clips, SpecAugment and the loss weights may change between runs of one model.
+    """
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "init_from"}
+    return {"model": model, "features": dataclasses.asdict(cfg.features)}
