@@ -1,7 +1,11 @@
 """Mixed precision, decided once per run.
 
 The loop always enters the same autocast context and calls the same GradScaler; both are no-ops
-in fp32, so the loop has no precision branches (nanoGPT's pattern).
+in fp32, so the loop has no precision branches (nanoGPT's pattern). `train.precision=auto`
+picks what fits the device: bf16 on GPUs with native bfloat16 (compute capability 8.0+ or ROCm),
+fp16 with loss scaling on older GPUs, fp32 on a CPU (bf16 autocast on a CPU measured 10-20x
+slower per training step than fp32: 44-51 s against 2.3-4.8 s for the cnn and conformer
+recipes, batch 16 x 3 s, 2 threads, on a 2-core x86 machine).
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from audioclf.config import TrainConfig
 _AUTOCAST_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+CPU_BF16_COST = ("bf16 autocast on a CPU measured 10-20x slower per training step than fp32 "
+                 "(44-51 s against 2.3-4.8 s, batch 16 x 3 s, 2 threads)")
+
+
 @dataclass
 class Precision:
     """The autocast context and GradScaler for one run (fp32: both are no-ops)."""
@@ -25,6 +33,7 @@ class Precision:
     device: torch.device
     dtype: torch.dtype | None
     scaler: torch.amp.GradScaler
+    reason: str = ""  # why train.precision=auto chose it ("" when given outright)
 
     def autocast(self):
         if self.dtype is None:
@@ -33,8 +42,10 @@ class Precision:
 
 
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
-    """precision: fp32 | fp16 | bf16; the apex alias opt_level O0..O3 overrides it."""
-    name = cfg.precision
+    """precision: auto | fp32 | fp16 | bf16; the apex alias opt_level O0..O3 overrides it."""
+    name, reason = cfg.precision, ""
+    if name == "auto":
+        name, reason = auto_precision(device)
     if cfg.opt_level is not None:
         if cfg.opt_level in ("O2", "O3"):
             warnings.warn(
@@ -49,8 +60,21 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
             f"e.g. A100, H100); {torch.cuda.get_device_name(device)} only emulates it, much "
             "slower than fp32: use train.precision=fp16 (with loss scaling) or fp32"
         )
+    if name == "bf16" and device.type == "cpu" and cfg.precision == "bf16":
+        warnings.warn(f"train.precision=bf16 on a CPU: {CPU_BF16_COST}; train.precision=auto "
+                      "(or fp32) trains in fp32 here", UserWarning, stacklevel=2)
     scaler = torch.amp.GradScaler(device.type, enabled=(name == "fp16"))
-    return Precision(name, device, _AUTOCAST_DTYPES[name], scaler)
+    return Precision(name, device, _AUTOCAST_DTYPES[name], scaler, reason)
+
+
+def auto_precision(device: torch.device) -> tuple[str, str]:
+    """(precision, why) for train.precision=auto on `device`."""
+    if device.type != "cuda":
+        return "fp32", f"auto on {device.type}: {CPU_BF16_COST}"
+    gpu = torch.cuda.get_device_name(device)
+    if _native_bf16(device):
+        return "bf16", f"auto: {gpu} has native bfloat16"
+    return "fp16", f"auto: {gpu} has no native bfloat16 (compute capability below 8.0): fp16 with loss scaling"
 
 
 def full_precision(device: torch.device) -> Precision:

@@ -202,9 +202,9 @@ class Trainer:
         self.schedule = LRSchedule(self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size),
                                    cfg.train.epochs)
         log.info("effective lr %.4g = optim.lr %.4g × %.4g (%s scaling, %d ranks, reference %d); "
-                 "precision %s", self.schedule.base, cfg.optim.lr, self.schedule.base / cfg.optim.lr,
+                 "precision %s%s", self.schedule.base, cfg.optim.lr, self.schedule.base / cfg.optim.lr,
                  cfg.optim.lr_scaling, env.world_size, cfg.optim.ref_world_size,
-                 self.precision.name)
+                 self.precision.name, f" ({self.precision.reason})" if self.precision.reason else "")
         self.guard = NonFiniteGuard(cfg.train.nonfinite_patience)
         self.step = TrainStep(self.model, self.optimizer, self.precision, self._objective,
                               guard=self.guard, accumulate=cfg.train.accumulate,

@@ -63,3 +63,32 @@ def test_tf32_and_cudnn_benchmark_follow_the_config():
     finally:
         (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
          torch.backends.cudnn.benchmark) = flags
+
+
+def test_auto_fits_the_device(monkeypatch):
+    cpu = resolve_precision(TrainConfig(precision="auto"), CPU)
+    assert cpu.name == "fp32" and "slower" in cpu.reason
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_precision(TrainConfig(precision="auto"), torch.device("cuda", 0)).name == "bf16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    older = resolve_precision(TrainConfig(precision="auto"), torch.device("cuda", 0))
+    assert older.name == "fp16" and "Some GPU" in older.reason  # (GradScaler needs a real GPU)
+
+
+def test_explicit_bf16_on_a_cpu_runs_with_one_warning_giving_the_cost():
+    with pytest.warns(UserWarning, match=r"precision=bf16 on a CPU: .*10-20x slower"):
+        assert resolve_precision(TrainConfig(precision="bf16"), CPU).name == "bf16"
+
+
+def test_the_gpu_recipes_choose_fp32_on_a_cpu():
+    from pathlib import Path
+
+    from audioclf.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    for recipe in ("cnn", "conformer"):
+        cfg = load_config(root / "configs" / f"{recipe}.yaml")
+        assert cfg.train.precision == "auto"
+        assert resolve_precision(cfg.train, CPU).name == "fp32"

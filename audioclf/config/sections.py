@@ -142,7 +142,7 @@ class TrainConfig:
     epochs: int = 10  # epochs to train
     limit_batches: int = 0  # stop each epoch after this many batches; 0 = full epoch
     accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"  # autocast dtype (fp16 uses GradScaler)
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"  # autocast dtype (fp16 uses GradScaler); auto = bf16 on GPUs with native bf16, fp16 on older GPUs, fp32 on CPUs
     opt_level: Literal["O0", "O1", "O2", "O3"] | None = None  # apex alias; overrides precision
     seed: int = 0  # seed for python, numpy, torch and the sampler
     deterministic: bool = False  # torch deterministic algorithms (slower)
