@@ -200,6 +200,7 @@ def save_atomic(obj: dict, path: str | Path) -> Path:
 _NUMPY_ARRAYS = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np.dtypes.Float64DType,
                  np.dtypes.Int64DType, getattr(np, "_core", np.core).multiarray._reconstruct,
                  getattr(np, "_core", np.core).multiarray.scalar]
+_OTHER_CHECKPOINT = "use another checkpoint of the run (last.pt, best.pt, epoch_*.pt)"
 TRUST_HINT = ("if you trust the file and its source, load it with --trust-checkpoint "
               "(training: checkpoint.trust=true)")
 
@@ -218,6 +219,9 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", *,
         with torch.serialization.safe_globals(_NUMPY_ARRAYS):
             ckpt = torch.load(path, map_location=map_location, weights_only=not trust)
     except pickle.UnpicklingError as exc:
+        if "GLOBAL" not in str(exc):  # not a refused object: a damaged file
+            raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(exc)}); it may be "
+                                  f"truncated — {_OTHER_CHECKPOINT}") from None
         raise CheckpointError(
             f"checkpoint {path} holds Python objects beyond tensors and plain data "
             f"({_first_global(exc)}), which could run code when loaded, so it was not loaded; "
@@ -226,7 +230,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", *,
     except Exception as exc:  # torch raises many types for truncated/corrupt files
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); it may be truncated "
-            "— use another checkpoint of the run (last.pt, best.pt, epoch_*.pt)"
+            f"— {_OTHER_CHECKPOINT}"
         ) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise CheckpointError(
@@ -282,6 +286,12 @@ class CheckpointSaver:
             self.best_metric = float(metric)
             written.append(atomic_copy(written[0], self.run_dir / BEST))
         return written
+
+
+def _reason(exc: BaseException) -> str:
+    """torch's weights_only failure, cut to its own last line (it adds advice about torch 2.6)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else exc}"
 
 
 def _first_global(exc: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""What the command-line entry points share: the error policy, devices, the export sidecar.
+"""What the command-line entry points share: the error policy and devices.
 
 Every `python -m audioclf.<tool>` parses its arguments and hands its body to `run_cli`:
 
@@ -14,15 +14,11 @@ bug should. AUDIOCLF_DEBUG=1 shows every traceback.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -35,7 +31,9 @@ class AlreadyReported(Exception):
 
 
 class UsageError(ValueError):
-    """Bad command-line input (flags, paths); the CLI prints it as one line and exits 2."""
+    """Bad command-line input (flags, paths) found by a CLI's own checks; the CLI prints it as
+    one line and exits 2. The library under the tools raises plain ValueError (or a subclass)
+    instead, which the same policy prints the same way."""
 
 
 def one_line(exc: BaseException) -> str:
@@ -91,60 +89,3 @@ def resolve_device(name: str) -> torch.device:
     elif device.type != "cpu":
         raise UsageError(f"--device {name!r} is not supported; use cpu, cuda, cuda:N or auto")
     return device
-
-
-# ---------------------------------------------------------------------------------------------
-# The export sidecar: what `export` writes next to an artefact and `embed` reads back
-
-
-def sidecar_path(artefact: str | Path) -> Path:
-    """<artefact>.json"""
-    artefact = Path(artefact)
-    return artefact.with_name(artefact.name + ".json")
-
-
-@dataclass
-class ExportSidecar:
-    """Everything needed to run an exported model without audioclf's training config."""
-
-    format: str  # torchscript | onnx | state_dict
-    file: str  # the artefact's file name
-    input_kind: str  # "waveform" or "log_mel"
-    inputs: dict[str, str]  # input name -> what it holds
-    outputs: dict[str, str]  # output name -> what it holds
-    output_names: list[str]
-    embedding_dim: int
-    sample_rate: int
-    features: dict[str, Any]  # the FeaturesConfig the model was trained with
-    model: dict[str, Any]  # the ModelConfig
-    classes: list[str]  # names of the classifier head's outputs ([] without a head)
-    data_columns: dict[str, Any]  # index sheet column settings (for reading a gallery)
-    checkpoint: dict[str, Any]  # source checkpoint path, epoch, step
-    parity: dict[str, Any]  # max_abs_diff, tolerance, input_shapes
-    versions: dict[str, str]
-    opset: int | None = None  # ONNX only
-    clips: dict[str, Any] = dataclasses.field(default_factory=dict)  # how evaluation reads files
-
-    def to_json(self) -> str:
-        fields = dataclasses.asdict(self)
-        if self.opset is None:
-            del fields["opset"]
-        return json.dumps(fields, indent=2) + "\n"
-
-    @classmethod
-    def read(cls, path: str | Path) -> ExportSidecar:
-        """Parse a sidecar; ValueError / KeyError / TypeError when it is not one."""
-        data = json.loads(Path(path).read_text())
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-
-def sidecar_config(meta: ExportSidecar):
-    """A Config holding what a sidecar records (features, clips, the sheet's columns); older
-    sidecars' features sections are read as their release wrote them. Raises ConfigError."""
-    from audioclf.config import config_from_dict
-
-    return config_from_dict({"features": meta.features, "clips": meta.clips,
-                             "data": meta.data_columns})

@@ -3,6 +3,8 @@
 A crash or an error mid-write leaves the previous file (or none), never half a file, and no
 temporary file behind. Temporary names are unique per process and call, and files are created
 with the usual umask (not mkstemp's 0600), so reports stay readable by others.
+
+Also `tsv_cell`, the one way a value becomes a cell of the TSV files the projectors read.
 """
 
 from __future__ import annotations
@@ -106,3 +108,9 @@ def atomic_copy(source: str | Path, path: str | Path) -> Path:
     """Copy a file's bytes to `path` atomically."""
     with open(source, "rb") as src:
         return atomic_write(path, lambda handle: shutil.copyfileobj(src, handle))
+
+
+def tsv_cell(text) -> str:
+    """One cell of a TSV file for TensorBoard's / the web projector: tabs and line breaks would
+    shift its columns and rows, and an empty cell reads as a missing value."""
+    return " ".join(str(text).split()) or "-"

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from audioclf.data.index import stratified_subset
-from audioclf.fileio import DiskWriteError, atomic_write_bytes, write_failure_message
+from audioclf.fileio import DiskWriteError, atomic_write_bytes, tsv_cell, write_failure_message
 from audioclf.metrics import RETRIEVAL_KEYS
 
 log = logging.getLogger("audioclf")
@@ -145,7 +145,7 @@ class MetricsWriter:
                              f"and {len(items)} items; give one class and item per embedding")
         keep = stratified_subset(pd.factorize(classes)[0], limit, seed)
         points = np.round(np.asarray(embeddings, dtype=np.float64)[keep], PROJECTOR_DECIMALS)
-        metadata = [[_tsv_cell(c), _tsv_cell(i)] for c, i in zip(classes[keep], items[keep],
+        metadata = [[tsv_cell(c), tsv_cell(i)] for c, i in zip(classes[keep], items[keep],
                                                                    strict=True)]
         tag = f"validation/epoch_{epoch:03d}"
         try:
@@ -161,11 +161,6 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
-
-
-def _tsv_cell(text: str) -> str:
-    """A metadata.tsv cell: tabs and line breaks would shift columns or rows."""
-    return " ".join(str(text).split()) or "-"
 
 
 # SummaryWriter keeps the projector's list of embeddings in memory and rewrites

@@ -79,39 +79,6 @@ _LOG_MEL_CACHE: dict[tuple, LogMel] = {}
 def log_mel(wave: Tensor, cfg: FeaturesConfig) -> np.ndarray:
     """Un-normalised log-mel of one waveform [S] as float32 [T, n_mels] (for offline .npy files).
 
-    Gives the same frames as the training front end's LogMel, so precomputed features and
-    on-the-fly features are interchangeable (normalisation happens later, per utterance).
-    """
-    key = (cfg.sample_rate, cfg.n_fft, cfg.win_length, cfg.hop_length, cfg.n_mels, cfg.f_min, cfg.f_max)
-    if key not in _LOG_MEL_CACHE:
-        _LOG_MEL_CACHE[key] = LogMel(cfg)
-    wave = torch.as_tensor(wave, dtype=torch.float32)
-    if wave.dim() != 1:
-        raise ValueError(f"log_mel expects a 1-D waveform, got shape {tuple(wave.shape)}")
-    with torch.no_grad():
-        feats, frames = _LOG_MEL_CACHE[key](wave.unsqueeze(0), torch.tensor([wave.shape[0]]))
-    return feats[0, : int(frames[0])].numpy()  # only the valid frames, as the front end counts them
-
-
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """torch on one thread for the block: log_mel of one clip is too small to share between
-    threads, and on a busy machine idle OpenMP threads spinning made it 100x slower (demo,
-    prepare)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-_LOG_MEL_CACHE: dict[tuple, LogMel] = {}
-
-
-def log_mel(wave: Tensor, cfg: FeaturesConfig) -> np.ndarray:
-    """Un-normalised log-mel of one waveform [S] as float32 [T, n_mels] (for offline .npy files).
-
     Gives the same frames as the training front end's LogMel (T = cfg.valid_frames(S)), so
     precomputed and on-the-fly features are interchangeable (normalisation happens later, per
     utterance, in the model).

@@ -56,8 +56,8 @@ def _accumulation_worker(rank, world):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from audioclf.config import TrainConfig
-    from tests.test_engine import run_epoch
     from audioclf.precision import resolve_precision
+    from tests.test_engine import run_epoch
 
     out = {}
     for accumulate in (1, 2, 4):
@@ -126,8 +126,8 @@ def test_primary_first_and_reductions(tmp_path):
 
 def _global_loss_worker(rank, world):
     from audioclf.config import TrainConfig
-    from tests.test_engine import run_epoch
     from audioclf.precision import resolve_precision
+    from tests.test_engine import run_epoch
 
     torch.manual_seed(0)
     env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")

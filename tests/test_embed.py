@@ -9,10 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from audioclf import embed
 from audioclf.embed import main
 from audioclf.export import export_model
-from tests.test_export import make_checkpoint
+from audioclf.inference import gallery, index_embedding
+from audioclf.inference.gallery import find_files
+from tests.helpers import make_checkpoint
 
 CLASSES = ("c00", "c01", "c02", "c03")
 
@@ -102,7 +103,7 @@ def test_save_writes_embeddings_and_file_names(setup, capsys, tmp_path):
 
 
 def test_gallery_embeddings_are_cached_per_sheet_content(setup, capsys):
-    cache = setup["model"].parent / embed.CACHE_DIR
+    cache = setup["model"].parent / gallery.CACHE_DIR
     shutil.rmtree(cache, ignore_errors=True)
     first, ranked_first = embed_cli(capsys, setup)
     assert "cached" not in first.splitlines()[0] and len(list(cache.glob("gallery-*.npz"))) == 1
@@ -190,6 +191,17 @@ def test_errors_exit_2_with_one_line(setup, capsys, tmp_path, case, message):
         assert str(tmp_path / "broken.wav") in err
 
 
+def test_folders_are_searched_for_every_audio_format_prepare_reads(tmp_path):
+    from audioclf.config import FeaturesConfig
+
+    for name in ("a.aiff", "b.flac", "sub/c.WAV", "d.mp3", "notes.txt", "e.npy"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    found = find_files([tmp_path], FeaturesConfig())
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == ["a.aiff", "b.flac", "d.mp3",
+                                                                  "sub/c.WAV"]
+
+
 def test_help_explains_inputs(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -254,7 +266,7 @@ def saved(prefix) -> tuple[np.ndarray, pd.DataFrame]:
 def test_index_mode_matches_embed_files_row_for_row(setup, sheet, capsys, tmp_path, monkeypatch):
     from audioclf.inference import embed_files, load_trained
 
-    monkeypatch.setattr(embed, "CHUNK_ROWS", 16)
+    monkeypatch.setattr(index_embedding, "CHUNK_ROWS", 16)
     prefix = tmp_path / "out" / "all"
     code, out, err = index_cli(capsys, setup, sheet, prefix, "--batch-size", 8,
                                "--num-workers", 1)
@@ -288,12 +300,12 @@ class Killed(Exception):
 
 def test_a_killed_run_resumes_without_recomputing_finished_chunks(setup, sheet, capsys, tmp_path,
                                                                   monkeypatch):
-    monkeypatch.setattr(embed, "CHUNK_ROWS", 8)  # 6 chunks
+    monkeypatch.setattr(index_embedding, "CHUNK_ROWS", 8)  # 6 chunks
     code, _, err = index_cli(capsys, setup, sheet, tmp_path / "straight")
     assert code == 0, err
     reference, reference_rows = saved(tmp_path / "straight")
 
-    real_write = embed.write_part
+    real_write = index_embedding.write_part
     writes = []
 
     def dying_write(path, part):
@@ -302,7 +314,7 @@ def test_a_killed_run_resumes_without_recomputing_finished_chunks(setup, sheet, 
         writes.append(path.name)
         return real_write(path, part)
 
-    monkeypatch.setattr(embed, "write_part", dying_write)
+    monkeypatch.setattr(index_embedding, "write_part", dying_write)
     prefix = tmp_path / "resumed"
     with pytest.raises(Killed):
         index_cli(capsys, setup, sheet, prefix)
@@ -313,13 +325,13 @@ def test_a_killed_run_resumes_without_recomputing_finished_chunks(setup, sheet, 
     (parts / "chunk-000002.npz").write_bytes(b"half a file")  # a damaged part is embedded again
     table = pd.read_csv(sheet, dtype=str)
     ids, paths = table["a_id"].to_numpy(str)[8:16], table["path"].to_numpy(str)[8:16]
-    assert embed.read_part(parts / "chunk-000001.npz", ids, paths, 8, 16) is not None
+    assert index_embedding.read_part(parts / "chunk-000001.npz", ids, paths, 8, 16) is not None
     edited = ids.copy()
     edited[3] = "renamed"  # a part made for other rows (an edited sheet) is not taken
-    assert embed.read_part(parts / "chunk-000001.npz", edited, paths, 8, 16) is None
-    assert embed.read_part(parts / "chunk-000001.npz", ids, paths[::-1], 8, 16) is None
-    assert embed.read_part(parts / "chunk-000002.npz", ids, paths, 16, 16) is None
-    monkeypatch.setattr(embed, "write_part", real_write)
+    assert index_embedding.read_part(parts / "chunk-000001.npz", edited, paths, 8, 16) is None
+    assert index_embedding.read_part(parts / "chunk-000001.npz", ids, paths[::-1], 8, 16) is None
+    assert index_embedding.read_part(parts / "chunk-000002.npz", ids, paths, 16, 16) is None
+    monkeypatch.setattr(index_embedding, "write_part", real_write)
 
     # Another model must not finish this run.
     other = make_checkpoint(tmp_path / "other.pt", "conformer", seed=1)
@@ -329,13 +341,13 @@ def test_a_killed_run_resumes_without_recomputing_finished_chunks(setup, sheet, 
     assert f"{parts} holds the unfinished work of another run" in err and "model" in err
 
     embedded = []
-    real_extract = embed.extract_embeddings
+    real_extract = index_embedding.extract_embeddings
 
     def recording_extract(*args, positions, **kwargs):
         embedded.extend(positions)
         return real_extract(*args, positions=positions, **kwargs)
 
-    monkeypatch.setattr(embed, "extract_embeddings", recording_extract)
+    monkeypatch.setattr(index_embedding, "extract_embeddings", recording_extract)
     code, out, err = index_cli(capsys, setup, sheet, prefix)
     assert code == 0, err
     assert embedded == list(range(16, 48))  # chunks 0 and 1 were taken as they were

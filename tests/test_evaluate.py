@@ -16,8 +16,10 @@ import torch
 from audioclf import evaluate
 from audioclf.checkpoint import CheckpointError
 from audioclf.data.index import load_index
-from audioclf.evaluate import enrollment_split, main
+from audioclf.evaluate import main
 from audioclf.inference import embed_files, load_trained
+from audioclf.inference.evaluation import enrollment_split, select_data
+from audioclf.report import REPORT_FILES
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,13 +136,13 @@ def test_a_later_evaluation_leaves_nothing_of_an_earlier_one(trained, closed_set
     assert code == 0, err
     assert not (out / "confusion.png").exists()  # a stale plot does not pass for this run
     cfg = load_trained(trained)[1]
-    val_ids = set(evaluate.select_data(cfg).evaluated.table["id"])
+    val_ids = set(select_data(cfg).evaluated.table["id"])
     rows = (out / "metadata.tsv").read_text().splitlines()
     assert {line.split("\t")[2] for line in rows[1:]} == val_ids != first_ids
     page = (out / "embeddings.html").read_text()
     assert all(f"id: {i}\n" not in page and f"id: {i}<" not in page for i in first_ids - val_ids)
-    assert set(read_report(out)["files"]) == set(evaluate.REPORT_FILES) - {"confusion.png"}
-    assert {p.name for p in out.iterdir()} == set(evaluate.REPORT_FILES) - {"confusion.png"}
+    assert set(read_report(out)["files"]) == set(REPORT_FILES) - {"confusion.png"}
+    assert {p.name for p in out.iterdir()} == set(REPORT_FILES) - {"confusion.png"}
 
 
 def test_gallery_sheet(trained, closed_set_sheet, tmp_path, capsys):

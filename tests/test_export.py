@@ -10,41 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from audioclf import export
-from audioclf.config import config_from_dict, to_dict
 from audioclf.export import main
-from audioclf.inference import load_trained
+from audioclf.inference import exporting, load_trained
 from audioclf.spectrogram import log_mel
+from tests.helpers import make_checkpoint
 
 TOL = 1e-4
-TINY_MODELS = {
-    "cnn": {"name": "cnn", "embedding_dim": 16, "cnn": {"width": 8, "depth": 2}},
-    "conformer": {"name": "conformer", "embedding_dim": 16,
-                  "conformer": {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 2,
-                                "kernel_size": 7}},
-}
-
-
-def make_checkpoint(path: Path, name: str = "cnn", classes: tuple[str, ...] = (), seed: int = 0
-                    ) -> Path:
-    """A checkpoint as the trainer writes it (model, config, classes), of an untrained model
-    with non-trivial BatchNorm statistics."""
-    from audioclf.models import build_net
-
-    cfg = config_from_dict({
-        "features": {"sample_rate": 8000, "n_fft": 256, "win_length": 200, "hop_length": 80,
-                     "n_mels": 32},
-        "model": {**TINY_MODELS[name], "head": "softmax" if classes else "none"},
-    })
-    torch.manual_seed(seed)
-    net = build_net(cfg, len(classes))
-    for module in net.modules():
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-            module.running_mean.uniform_(-0.2, 0.2)
-            module.running_var.uniform_(0.5, 2.0)
-    torch.save({"model": net.state_dict(), "config": to_dict(cfg), "classes": list(classes),
-                "epoch": 3, "step": 30}, path)
-    return path
 
 
 def waves(seconds: float, fractions: list[float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,18 +171,33 @@ def test_onnx_round_trip_with_dynamic_batch_and_time(tmp_path, capsys, name, fro
 
 def test_parity_failure_exits_1_and_removes_the_artefact(tmp_path, capsys, monkeypatch):
     ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
-    real_loader = export.load_torchscript
+    real_loader = exporting.load_torchscript
 
     def perturbed_loader(path, device="cpu"):
         run = real_loader(path, device)
         return lambda x, lengths: tuple(o + 1e-3 for o in run(x, lengths))
 
-    monkeypatch.setattr(export, "load_torchscript", perturbed_loader)
+    monkeypatch.setattr(exporting, "load_torchscript", perturbed_loader)
     out = tmp_path / "out" / "model.pt"
     code, stdout, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript",
                                 "--out", out)
     assert code == 1 and stdout == ""
     assert "parity check failed" in err and "0.001" in err
+    assert sorted(p.name for p in out.parent.iterdir()) == []  # no artefact, sidecar or temp
+
+
+def test_a_scripting_failure_is_one_line_naming_the_network(tmp_path, capsys, monkeypatch):
+    def failing_script(module):
+        raise RuntimeError("Python builtin <built-in function id> is currently not supported")
+
+    monkeypatch.setattr(torch.jit, "script", failing_script)
+    ckpt = make_checkpoint(tmp_path / "best.pt", "conformer")
+    out = tmp_path / "out" / "model.pt"
+    code, stdout, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript",
+                                "--out", out)
+    assert code == 2 and stdout == "" and err.count("\n") == 1
+    assert err.startswith("python -m audioclf.export: error: torch.jit.script failed for the "
+                          "ConformerEmbedder: Python builtin")
     assert sorted(p.name for p in out.parent.iterdir()) == []  # no artefact, sidecar or temp
 
 
@@ -271,5 +257,5 @@ def test_a_nan_model_fails_export_with_one_line(tmp_path, capsys):
 
 def test_parity_counts_nan_in_the_artefact_as_a_failure():
     x = (torch.zeros(2, 4), torch.tensor([4, 4]))
-    assert export.parity_difference(lambda *_: torch.zeros(2, 3),
+    assert exporting.parity_difference(lambda *_: torch.zeros(2, 3),
                                     lambda *_: (torch.full((2, 3), float("nan")),), [x]) == float("inf")

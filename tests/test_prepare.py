@@ -18,7 +18,8 @@ from audioclf.data.demo import generate_demo
 from audioclf.data.index import load_index, read_table
 from audioclf.data.readers import load_audio
 from audioclf.models.frontend import FeatureFrontend
-from audioclf.prepare import PROG, feature_paths, feature_settings, main
+from audioclf.precompute import feature_paths, feature_settings
+from audioclf.prepare import PROG, main
 
 ROWS = 36  # 6 classes x 2 items x 3 ids
 

@@ -31,8 +31,8 @@ def _fit_worker(rank, world, cfg: Config):
 def untrained_metrics(cfg: Config) -> dict:
     """Validation metrics of the freshly initialised network, built as the trainer builds it."""
     from audioclf.inference import extract_embeddings
-    from audioclf.models import build_net
     from audioclf.metrics import retrieval_summary
+    from audioclf.models import build_net
     from audioclf.trainer import build_data, seed_everything
 
     seed_everything(cfg.train.seed, False)
@@ -155,6 +155,61 @@ def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, ti
     ckpt = checkpoint.load(tmp_path / "runs" / "t" / "last.pt")
     assert ckpt["step"] > 0 and ckpt["epoch"] < 100
     assert "stopped on request" in log.read_text()
+
+
+def _start_training(cfg: Config) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "audioclf.train", *_cli(cfg)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(log: Path, text: str, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline and text not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.5)
+    assert text in log.read_text()
+
+
+def test_a_second_run_into_a_live_run_folder_stops_before_writing(tmp_path, tiny_demo):
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
+    first = _start_training(cfg)
+    run_dir = tmp_path / "runs" / "t"
+    try:
+        _wait_for(run_dir / "train.log", "epoch 1/100")
+        for extra in ([], ["checkpoint.resume=auto"]):
+            second = subprocess.run(
+                [sys.executable, "-m", "audioclf.train", *_cli(cfg), *extra], cwd=ROOT,
+                env=_env(), capture_output=True, text=True, timeout=120)
+            lines = second.stderr.strip().splitlines()
+            assert second.returncode == 2, second.stderr[-2000:]
+            assert lines[-1].startswith("python -m audioclf.train: error: run folder ")
+            assert f"in use by another run (pid {first.pid} on " in lines[-1]
+            assert "another train.name" in lines[-1] and "./run.sh stop t" in lines[-1]
+        first.send_signal(signal.SIGTERM)
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err[-3000:]
+    assert checkpoint.load(run_dir / "last.pt")["step"] > 0
+    assert (run_dir / "train.log").read_text().count("run directory ") == 1
+
+
+def test_ctrl_c_is_a_clean_stop_with_status_130(tmp_path, tiny_demo):
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
+    proc = _start_training(cfg)
+    run_dir = tmp_path / "runs" / "t"
+    try:
+        _wait_for(run_dir / "train.log", "epoch 1/100")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    ckpt = checkpoint.load(run_dir / "last.pt")
+    log = (run_dir / "train.log").read_text()
+    assert f"stopped on request at epoch {ckpt['epoch'] + 1}, step {ckpt['step']}; last.pt " \
+           "saved; resume with checkpoint.resume=auto" in log
+    assert not (run_dir / "best.pt").exists()  # no partial epoch stands in for the best
 
 
 def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):

@@ -29,6 +29,8 @@ from audioclf.data.readers import (
 log = logging.getLogger("audioclf")
 
 Item = tuple[Tensor, int, int]  # (waveform [S] or features [T, F], label, position)
+# How an unreadable file's message says to skip such files; a tool passes its own flag instead.
+SKIP_HINT = "set data.skip_bad_files=true"
 
 
 class AudioDataset(torch.utils.data.Dataset):
@@ -43,6 +45,7 @@ class AudioDataset(torch.utils.data.Dataset):
     `skip_bad_files=True` the item is None instead (dropped by `collate_padded`) and counted in
     `self.skipped`. The counter lives in the process that read the item: with DataLoader
     workers each worker counts its own skips, and the main process sees them as shorter batches.
+    `skip_hint` is how that message says to skip unreadable files (default: the config key).
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class AudioDataset(torch.utils.data.Dataset):
         rows: Sequence[int] | None = None,
         skip_bad_files: bool = False,
         augment: Augmenter | None = None,
+        skip_hint: str | None = None,
     ):
         labels = np.asarray(labels)
         if labels.ndim != 1 or len(labels) != len(paths):
@@ -77,18 +81,21 @@ class AudioDataset(torch.utils.data.Dataset):
         self.clips = clips
         self.train = train
         self.skip_bad_files = skip_bad_files
+        self.skip_hint = skip_hint or SKIP_HINT
         self.augment = augment if augment is not None and augment.enabled and train else None
         self.skipped = 0
 
     @classmethod
     def from_index(cls, index: Index, cfg: Config, *, train: bool,
-                   augment: Augmenter | None = None) -> AudioDataset:
+                   augment: Augmenter | None = None, skip_bad_files: bool | None = None,
+                   skip_hint: str | None = None) -> AudioDataset:
         """The rows of a validated index (labels: its class codes), read as `cfg` says
-        (features, clips, data.skip_bad_files)."""
+        (features, clips, data.skip_bad_files unless `skip_bad_files` is given)."""
         table = index.table
+        skip = cfg.data.skip_bad_files if skip_bad_files is None else skip_bad_files
         return cls(table["path"].tolist(), index.labels(), cfg.features, cfg.clips, train=train,
-                   rows=table["row"].tolist(), skip_bad_files=cfg.data.skip_bad_files,
-                   augment=augment)
+                   rows=table["row"].tolist(), skip_bad_files=skip, augment=augment,
+                   skip_hint=skip_hint)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -120,8 +127,8 @@ class AudioDataset(torch.utils.data.Dataset):
             where = f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
             if not self.skip_bad_files:
                 raise type(exc)(
-                    f"{where}: {exc}. Fix or remove the file, or set "
-                    "data.skip_bad_files=true to skip unreadable files"
+                    f"{where}: {exc}. Fix or remove the file, or {self.skip_hint} to skip "
+                    "unreadable files"
                 ) from exc
             self.skipped += 1
             log.warning("skipping unreadable file at %s (%s): %s", where, path, exc)

@@ -25,6 +25,12 @@ from audioclf.config import ClipsConfig, choices
 
 PAD_MODES = choices(ClipsConfig, "pad_mode")
 NPY_LAYOUTS = choices(ClipsConfig, "npy_layout")
+# Audio file suffixes: those libsndfile reads, plus their usual aliases (RAW needs its format
+# spelled out). What prepare accepts in a sheet and embed finds in a folder.
+AUDIO_SUFFIXES = frozenset(
+    {f".{name.lower()}" for name in soundfile.available_formats() if name != "RAW"}
+    | {".aif", ".aifc", ".oga", ".opus", ".snd"}
+)
 
 
 class AudioReadError(ValueError):
@@ -40,7 +46,7 @@ class FeatureFileError(ValueError):
 
 
 def load_audio(path: str | Path, sample_rate: int) -> Tensor:
-    """Read an audio file (wav/flac/ogg/...), mix down to mono, resample: float32 [samples].
+    """Read an audio file (any AUDIO_SUFFIXES format), mix down to mono, resample: float32 [samples].
 
     A file whose samples are not all finite (float wavs can hold NaN / inf) or a wav cut short
     behind an intact header raises AudioReadError naming it: both would otherwise go on silently.
@@ -152,25 +158,7 @@ def read_npy_crop(
     except OSError as exc:
         raise FeatureFileError(f"cannot open feature file {path}: {exc}") from exc
     try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past the window
-        shape, fortran_order, dtype, data_offset = read_npy_header(fd)
-        _check_feature_array(path, shape, dtype, layout, n_bins)
-        promised, actual = data_offset + int(np.prod(shape)) * dtype.itemsize, os.fstat(fd).st_size
-        if actual < promised:
-            raise FeatureFileError(
-                f"feature file {path} is truncated: {actual} bytes, its header promises {promised}"
-            )
-        total = shape[0] if layout == "frames_bins" else shape[1]
-        length = total if n_frames is None else min(n_frames, total)
-        start = _crop_start(total, length, rng)
-        # On disk, frames are the outer axis of C-order frames_bins and Fortran-order
-        # bins_frames files: the window is then one contiguous block.
-        frames_outer = (layout == "frames_bins") != fortran_order
-        window = _read_window(fd, data_offset, dtype, total, n_bins, start, length, frames_outer)
-        if not np.isfinite(window).all():
-            raise FeatureFileError(f"feature file {path} has non-finite values (NaN or inf) in "
-                                   f"frames {start}..{start + length - 1}")
+        window, total = _read_npy_window(fd, path, n_frames, rng, layout, n_bins)
     except FeatureFileError:
         raise
     except (OSError, ValueError, EOFError) as exc:
@@ -182,6 +170,32 @@ def read_npy_crop(
     if pad_mode == "repeat":
         return np.resize(window, (n_frames, n_bins))  # np.resize tiles whole frames
     return np.pad(window, ((0, n_frames - total), (0, 0)))
+
+
+def _read_npy_window(fd: int, path, n_frames: int | None, rng: np.random.Generator | None,
+                     layout: str, n_bins: int) -> tuple[np.ndarray, int]:
+    """(the checked window float32 [<= n_frames, n_bins], the file's frame count) of an open
+    .npy file; FeatureFileError for a file of the wrong shape, truncated or non-finite."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past the window
+    shape, fortran_order, dtype, data_offset = read_npy_header(fd)
+    _check_feature_array(path, shape, dtype, layout, n_bins)
+    promised, actual = data_offset + int(np.prod(shape)) * dtype.itemsize, os.fstat(fd).st_size
+    if actual < promised:
+        raise FeatureFileError(
+            f"feature file {path} is truncated: {actual} bytes, its header promises {promised}"
+        )
+    total = shape[0] if layout == "frames_bins" else shape[1]
+    length = total if n_frames is None else min(n_frames, total)
+    start = _crop_start(total, length, rng)
+    # On disk, frames are the outer axis of C-order frames_bins and Fortran-order
+    # bins_frames files: the window is then one contiguous block.
+    frames_outer = (layout == "frames_bins") != fortran_order
+    window = _read_window(fd, data_offset, dtype, total, n_bins, start, length, frames_outer)
+    if not np.isfinite(window).all():
+        raise FeatureFileError(f"feature file {path} has non-finite values (NaN or inf) in "
+                               f"frames {start}..{start + length - 1}")
+    return window, total
 
 
 def read_npy_header(fd: int) -> tuple[tuple[int, ...], bool, np.dtype, int]:

@@ -1,0 +1,102 @@
+"""Load any model artefact as one embedding function: a checkpoint (.pt from audioclf.train), a
+state_dict export, or a TorchScript / ONNX export with its sidecar <artefact>.json.
+
+    model = load_embedder("runs/demo/best.pt", torch.device("cpu"))
+    emb = embed_files(model.embed_fn, model.cfg, files, input_kind=model.input_kind)
+
+evaluate, embed (and search) read files through what this returns; the features, clips and
+sheet columns come from the checkpoint's config or from the sidecar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from audioclf.checkpoint import CheckpointError
+from audioclf.config import Config, DataConfig, FeaturesConfig
+from audioclf.inference.checkpoints import describe_checkpoint, load_trained
+from audioclf.inference.extract import EmbedFn, input_kind_of
+from audioclf.inference.formats import load_onnx, load_torchscript
+from audioclf.inference.sidecar import ExportSidecar, sidecar_config, sidecar_path
+
+
+class ArtefactError(ValueError):
+    """A model artefact that cannot be loaded; the message names the file and the fix."""
+
+
+@dataclass
+class LoadedEmbedder:
+    """What embedding needs from a checkpoint or an export."""
+
+    embed_fn: EmbedFn
+    cfg: Config  # features and clips to read files as evaluation does; data: the sheet columns
+    input_kind: str  # WAVEFORM or LOG_MEL
+    path: Path
+    description: str
+    device: torch.device
+    # A checkpoint's data settings hold the training's split rules (data.val_ratio, holdout,
+    # seed); an export's sidecar holds only the column names.
+    knows_splits: bool = False
+
+    @property
+    def features(self) -> FeaturesConfig:
+        return self.cfg.features
+
+    @property
+    def data(self) -> DataConfig:
+        return self.cfg.data
+
+
+def load_embedder(path: str | Path, device: torch.device, *,
+                  flag: str = "--model") -> LoadedEmbedder:
+    """An audioclf checkpoint or state_dict export, or an export with its sidecar <path>.json.
+
+    ONNX runs on the CPU whatever `device` says. `flag` is how the caller's user named the
+    file (messages say "--model x.pt does not exist"). ArtefactError / CheckpointError name
+    the file and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ArtefactError(f"{flag} {path} does not exist")
+    sidecar = sidecar_path(path)
+    if sidecar.is_file():
+        try:
+            meta = ExportSidecar.read(sidecar)
+            cfg = sidecar_config(meta)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ArtefactError(f"the sidecar {sidecar} of {flag} {path} cannot be read "
+                                f"({type(exc).__name__}: {exc}); export the model again") from None
+        if meta.format in ("torchscript", "onnx"):
+            return _load_export(path, meta, cfg, device, flag)
+    if path.suffix.lower() == ".onnx":
+        raise ArtefactError(f"{flag} {path}: an ONNX export needs its sidecar {sidecar} "
+                            "(written by audioclf.export)")
+    try:
+        net, cfg, ckpt = load_trained(path, device)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc} (a TorchScript export needs its sidecar {sidecar.name} "
+                              "next to it)") from None
+    return LoadedEmbedder(net.embed, cfg, input_kind_of(cfg.features), path,
+                          describe_checkpoint(ckpt, cfg), device, knows_splits=True)
+
+
+def _load_export(path: Path, meta: ExportSidecar, cfg: Config, device: torch.device,
+                 flag: str) -> LoadedEmbedder:
+    fmt = meta.format
+    if fmt == "onnx":
+        device = torch.device("cpu")  # the onnxruntime session runs on the CPU
+    loader = load_torchscript if fmt == "torchscript" else load_onnx
+    try:
+        run = loader(path, device)
+    except (RuntimeError, ValueError) as exc:
+        raise ArtefactError(f"{flag} {path} is not a loadable {fmt} export ({exc})") from None
+
+    def embed_fn(x: Tensor, lengths: Tensor) -> Tensor:
+        return run(x, lengths)[0].to(x.device)  # the embeddings (logits come second)
+
+    return LoadedEmbedder(embed_fn, cfg, meta.input_kind, path,
+                          f"{fmt} export, {meta.embedding_dim}-d", device)

@@ -1,0 +1,292 @@
+"""Exporting a trained model: the exported module, the parity check, the sidecar.
+
+    meta = export_model("runs/demo/best.pt", "torchscript", "model.pt")   # → ExportSidecar
+
+The artefact is written to a temporary name, loaded back and compared with the PyTorch model on
+random input at two lengths; only within the tolerance is it moved into place and its sidecar
+<out>.json written (see `python -m audioclf.export --help`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from audioclf import checkpoint
+from audioclf.checkpoint import CheckpointError
+from audioclf.config import Config, to_dict
+from audioclf.fileio import atomic_write_bytes
+from audioclf.inference.checkpoints import load_trained
+from audioclf.inference.extract import WAVEFORM, input_kind_of
+from audioclf.inference.formats import (
+    ExportError,
+    as_tuple,
+    load_onnx,
+    load_torchscript,
+    onnx_io_names,
+    onnx_modules,
+    write_onnx,
+    write_torchscript,
+)
+from audioclf.inference.sidecar import ExportSidecar, sidecar_path
+from audioclf.models import EmbeddingNet
+from audioclf.models.frontend import FeatureFrontend
+
+__all__ = ["DEFAULT_OPSET", "DEFAULT_TOLERANCE", "FORMATS", "ExportError", "ExportedEmbedder",
+           "ExportedEmbedderWithLogits", "ParityError", "export_model", "exportable",
+           "parity_difference"]
+
+FORMATS = ("torchscript", "onnx", "state_dict")
+DEFAULT_OPSET = 18  # the dynamo exporter's lowest opset (it cannot convert down to 17)
+DEFAULT_TOLERANCE = 1e-4  # max abs difference of fp32 unit-length embeddings
+# Parity inputs: (batch, seconds, valid fraction of each row); two lengths, varied padding.
+PARITY_INPUTS = ((2, 1.0, (1.0, 0.6)), (3, 2.3, (1.0, 0.45, 0.8)))
+
+
+class ParityError(RuntimeError):
+    """The exported artefact does not reproduce the PyTorch model within the tolerance."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What is exported
+
+
+class ExportedEmbedder(nn.Module):
+    """forward(x, lengths) -> embeddings of an EmbeddingNet (front end → embedder), eval mode."""
+
+    def __init__(self, net: EmbeddingNet):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        return self.net.embed(x, lengths)
+
+
+class ExportedEmbedderWithLogits(ExportedEmbedder):
+    """forward(x, lengths) -> (embeddings, logits of the classifier head)."""
+
+    def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        embeddings = self.net.embed(x, lengths)
+        return embeddings, self.net.head(embeddings)
+
+
+def exportable(net: EmbeddingNet, cfg: Config, frontend: bool = True) -> ExportedEmbedder:
+    """The module that is exported: with or without the log-mel, with logits if a head.
+
+    Without the log-mel the trained embedder and head sit behind a front end built for log-mel
+    input with the same settings, so normalisation stays inside the model.
+    """
+    if not frontend and net.frontend.log_mel is not None:
+        front = FeatureFrontend(dataclasses.replace(cfg.features, kind="npy"))
+        bare = EmbeddingNet(front, net.embedder)
+        bare.head = net.head
+        net = bare
+    if net.head is not None:
+        return ExportedEmbedderWithLogits(net).eval()
+    return ExportedEmbedder(net).eval()
+
+
+def random_inputs(cfg: Config, kind: str, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    """The parity inputs: noise of two lengths (PARITY_INPUTS), rows padded to varied lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = []
+    for batch, seconds, fractions in PARITY_INPUTS:
+        samples = int(round(seconds * cfg.features.sample_rate))
+        size = samples if kind == WAVEFORM else cfg.features.frames(samples)
+        lengths = torch.tensor([max(1, int(size * f)) for f in fractions[:batch]], dtype=torch.long)
+        shape = (batch, size) if kind == WAVEFORM else (batch, size, cfg.features.n_mels)
+        x = torch.randn(shape, generator=generator) * (0.1 if kind == WAVEFORM else 1.0)
+        for row, length in enumerate(lengths.tolist()):
+            x[row, length:] = 0  # zero padding, as collate_padded gives
+        inputs.append((x, lengths))
+    return inputs
+
+
+# ---------------------------------------------------------------------------------------------
+# The state_dict format (an audioclf checkpoint; TorchScript and ONNX are in formats.py)
+
+
+def write_state_dict(net: EmbeddingNet, cfg: Config, ckpt: dict, path: Path,
+                     source: Path) -> None:
+    """A loadable audioclf checkpoint without optimizer, scheduler, sampler or RNG state."""
+    slim = {
+        "model": net.state_dict(),
+        "config": to_dict(cfg),
+        "classes": list(ckpt.get("classes") or []),
+        "epoch": ckpt.get("epoch"),
+        "step": ckpt.get("step"),
+        "last_metrics": ckpt.get("last_metrics", {}),
+        "versions": checkpoint.library_versions(),
+        "exported_from": str(source),
+    }
+    with open(path, "wb") as fh:
+        torch.save(slim, fh)
+
+
+def load_state_dict_export(path: Path, frontend: bool) -> Callable:
+    net, cfg, _ = load_trained(path, "cpu")
+    module = exportable(net, cfg, frontend)
+    return lambda x, lengths: as_tuple(module(x, lengths))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export + parity
+
+
+def reference(net: EmbeddingNet, module: ExportedEmbedder, frontend: bool) -> Callable:
+    """The PyTorch model the artefact must reproduce: the trained EmbeddingNet itself (its
+    outputs without the None logits), or the exported module when it skips the log-mel."""
+    if not frontend and net.frontend.log_mel is not None:
+        return module
+    return lambda x, lengths: tuple(o for o in net(x, lengths) if o is not None)
+
+
+@torch.no_grad()
+def parity_difference(expected_fn: Callable, loaded: Callable, inputs) -> float:
+    """Max abs difference over every output of every input; inf when shapes differ or either
+    side gives NaN / inf (a broken model must not pass as "difference 0")."""
+    worst = 0.0
+    for x, lengths in inputs:
+        expected = as_tuple(expected_fn(x, lengths))
+        actual = loaded(x, lengths)
+        if len(actual) != len(expected):
+            return float("inf")
+        for a, e in zip(actual, expected, strict=True):
+            if tuple(a.shape) != tuple(e.shape):
+                return float("inf")
+            if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
+                return float("inf")
+            worst = max(worst, float((a.float() - e.float()).abs().max()))
+    return worst
+
+
+def check_export_request(fmt: str, out: Path, *, frontend: bool, opset: int,
+                         tolerance: float) -> None:
+    """ValueError for settings that do not fit together, before any work."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r} is invalid: use one of {', '.join(FORMATS)}")
+    if fmt == "state_dict" and not frontend:
+        raise ValueError("--no-frontend applies to torchscript and onnx exports; a state_dict "
+                         "export always holds the whole model")
+    if fmt == "onnx" and opset < DEFAULT_OPSET:
+        raise ValueError(f"--opset {opset}: torch's ONNX exporter writes opset {DEFAULT_OPSET} "
+                         "or newer")
+    if not tolerance >= 0:
+        raise ValueError(f"--tolerance must be >= 0, got {tolerance}")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file path such as {out / 'model.pt'}")
+    if fmt == "onnx":
+        onnx_modules()  # fail before any work when the optional packages are missing
+
+
+def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, frontend: bool = True,
+                 opset: int = DEFAULT_OPSET, tolerance: float = DEFAULT_TOLERANCE,
+                 model_name: str | None = None) -> ExportSidecar:
+    """Write the artefact and its sidecar; returns the sidecar.
+
+    Raises ParityError (nothing written) when the reloaded artefact differs from the PyTorch
+    model by more than `tolerance`; ValueError / CheckpointError / ExportError on bad input.
+    """
+    out, checkpoint_path = Path(out), Path(checkpoint_path)
+    check_export_request(fmt, out, frontend=frontend, opset=opset, tolerance=tolerance)
+    net, cfg, ckpt = load_trained(checkpoint_path, "cpu", model_name=model_name)
+    kind = input_kind_of(cfg.features, frontend)
+    module = exportable(net, cfg, frontend)
+    inputs = random_inputs(cfg, kind)
+    expected = reference(net, module, frontend)
+    with torch.no_grad():
+        if not all(torch.isfinite(o).all() for x, lengths in inputs
+                   for o in as_tuple(expected(x, lengths))):
+            raise CheckpointError(f"the model in {checkpoint_path} gives NaN/inf outputs (did "
+                                  "training diverge?); export another checkpoint")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        loaded = _write_and_load(fmt, tmp, net, module, cfg, ckpt, checkpoint_path,
+                                 kind=kind, example=inputs[0], opset=opset, frontend=frontend)
+        difference = parity_difference(expected, loaded, inputs)
+        del loaded  # release the file (onnxruntime session, mmap) before moving it
+        if not difference <= tolerance:
+            raise ParityError(
+                f"the exported {fmt} model differs from the PyTorch model by {difference:.3g} "
+                f"(max abs, tolerance {tolerance:g}; inf: an output is NaN/inf or of another "
+                f"shape); nothing was written to {out}"
+            )
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+    meta = sidecar(cfg, ckpt, checkpoint_path, fmt=fmt, out=out, kind=kind,
+                   with_logits=isinstance(module, ExportedEmbedderWithLogits), opset=opset,
+                   difference=difference, tolerance=tolerance, inputs=inputs)
+    atomic_write_bytes(sidecar_path(out), meta.to_json().encode())
+    return meta
+
+
+def _write_and_load(fmt: str, tmp: Path, net: EmbeddingNet, module: ExportedEmbedder,
+                    cfg: Config, ckpt: dict, source: Path, *, kind: str,
+                    example: tuple[Tensor, Tensor], opset: int, frontend: bool) -> Callable:
+    """Write the artefact at `tmp` and load it back as `(x, lengths) -> outputs`."""
+    if fmt == "torchscript":
+        write_torchscript(module, tmp, what=type(module.net.embedder).__name__)
+        return load_torchscript(tmp)
+    if fmt == "onnx":
+        write_onnx(module, tmp, kind=kind, example=example, opset=opset,
+                   with_logits=isinstance(module, ExportedEmbedderWithLogits))
+        return load_onnx(tmp)
+    write_state_dict(net, cfg, ckpt, tmp, source)
+    return load_state_dict_export(tmp, frontend)
+
+
+def sidecar(cfg: Config, ckpt: dict, checkpoint_path: Path, *, fmt: str, out: Path, kind: str,
+            with_logits: bool, opset: int, difference: float, tolerance: float,
+            inputs) -> ExportSidecar:
+    features = cfg.features
+    if kind == WAVEFORM:
+        x_doc = (f"float32 [batch, samples]: mono waveforms at {features.sample_rate} Hz in "
+                 "[-1, 1], zero-padded after each clip")
+        lengths_doc = "int64 [batch]: valid samples of each row"
+    else:
+        x_doc = (f"float32 [batch, frames, {features.n_mels}]: log-mel as "
+                 "audioclf.spectrogram.log_mel computes it (log(mel power + 1e-6), centred frames, "
+                 "not normalised), zero-padded after each clip")
+        lengths_doc = "int64 [batch]: valid frames of each row"
+    versions = checkpoint.library_versions()
+    if fmt == "onnx":
+        onnx, ort = onnx_modules()
+        versions.update(onnx=onnx.__version__, onnxruntime=ort.__version__)
+    input_names, output_names = (onnx_io_names(kind, with_logits) if fmt == "onnx"
+                                 else (["x", "lengths"], ["embeddings", "logits"][: 1 + with_logits]))
+    classes = list(ckpt.get("classes") or []) if with_logits else []
+    return ExportSidecar(
+        format=fmt,
+        file=out.name,
+        input_kind=kind,
+        inputs={input_names[0]: x_doc, input_names[1]: lengths_doc},
+        outputs={
+            "embeddings": f"float32 [batch, {cfg.model.embedding_dim}], L2-normalised",
+            **({"logits": f"float32 [batch, {len(classes)}], one per class in 'classes'"}
+               if with_logits else {}),
+        },
+        output_names=output_names,
+        embedding_dim=cfg.model.embedding_dim,
+        sample_rate=features.sample_rate,
+        features=dataclasses.asdict(features),
+        clips=dataclasses.asdict(cfg.clips),
+        model=dataclasses.asdict(cfg.model),
+        classes=classes,
+        data_columns={k: getattr(cfg.data, k) for k in (
+            "sheet", "class_column", "item_column", "id_column", "path_column", "path_template")},
+        checkpoint={"path": str(checkpoint_path), "epoch": ckpt.get("epoch"),
+                    "step": ckpt.get("step")},
+        parity={"max_abs_diff": difference, "tolerance": tolerance,
+                "input_shapes": [list(x.shape) for x, _ in inputs]},
+        versions=versions,
+        opset=opset if fmt == "onnx" else None,
+    )

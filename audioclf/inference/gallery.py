@@ -1,0 +1,210 @@
+"""embed's ranking mode: the classes of a gallery sheet ranked for each of some audio files by
+cosine similarity to each class centroid (see `python -m audioclf.embed --help`).
+
+    files = find_files(["clips/"], model.features)
+    files, emb, skipped = embed_readable(model, files, batch_size=16, progress=True)
+    gallery, classes, cached = load_gallery(model, "refs.xlsx", root=None, batch_size=16,
+                                            use_cache=True, progress=True)
+    names, scores = class_scores(emb, gallery, classes)
+
+A gallery's embeddings are cached in <model folder>/.audioclf_cache/, keyed by the sheet's
+content and path, the model file, and the features settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from audioclf.config import FeaturesConfig
+from audioclf.data.index import load_index
+from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError, FeatureFileError
+from audioclf.fileio import atomic_write_bytes
+from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.extract import embed_files
+from audioclf.metrics import class_centroids
+
+log = logging.getLogger("audioclf")
+
+FEATURE_SUFFIXES = (".npy",)
+# The suffixes an error message names when a folder holds no audio (AUDIO_SUFFIXES has ~30).
+SHOWN_AUDIO_SUFFIXES = (".wav", ".flac", ".ogg")
+CACHE_DIR = ".audioclf_cache"
+CACHE_VERSION = 1  # bump when the cached gallery layout changes
+
+
+# ---------------------------------------------------------------------------------------------
+# The files to rank
+
+
+def find_files(inputs: list[str | Path], features: FeaturesConfig) -> list[Path]:
+    """The files to embed: named files as given, folders searched recursively (sorted) for
+    audio (every suffix libsndfile reads) or .npy features, as the model takes."""
+    audio = features.kind == "audio"
+    wanted = AUDIO_SUFFIXES if audio else FEATURE_SUFFIXES
+    other = FEATURE_SUFFIXES if audio else AUDIO_SUFFIXES
+    what = "audio" if audio else ".npy log-mel features (features.kind=npy)"
+    files: list[Path] = []
+    skipped = 0
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file())
+            files += [p for p in found if p.suffix.lower() in wanted]
+            skipped += sum(p.suffix.lower() in other for p in found)
+        elif path.is_file():
+            if path.suffix.lower() in other:
+                raise ValueError(f"{path}: the model takes {what}, not {path.suffix} files")
+            files.append(path)
+        else:
+            raise ValueError(f"{path} does not exist")
+    if not files:
+        raise ValueError(_nothing_found(inputs, audio, skipped, what))
+    return files
+
+
+def _nothing_found(inputs: list, audio: bool, skipped: int, what: str) -> str:
+    shown = " / ".join(SHOWN_AUDIO_SUFFIXES if audio else FEATURE_SUFFIXES)
+    also = " (nor any other audio format libsndfile reads)" if audio else ""
+    other = "/".join(FEATURE_SUFFIXES) if audio else "audio"
+    hint = (f" (found {skipped} {other} file(s), but the model takes {what})" if skipped else "")
+    return f"no {shown} files found in {', '.join(map(str, inputs))}{also}{hint}"
+
+
+def embed_readable(model: LoadedEmbedder, files: list[Path], *, batch_size: int, progress: bool,
+                   num_workers: int = 0
+                   ) -> tuple[list[Path], np.ndarray, list[tuple[Path, str]]]:
+    """(files that could be read, their embeddings, [(file, reason)] of the others). One bad
+    file does not cost the call: after a failure the files are embedded one by one."""
+    def embed(paths: list[Path], show: bool, workers: int = 0) -> np.ndarray:
+        return embed_files(model.embed_fn, model.cfg, paths, batch_size=batch_size,
+                           device=model.device, input_kind=model.input_kind, progress=show,
+                           num_workers=workers)
+
+    try:
+        return files, embed(files, progress, num_workers), []
+    except (AudioReadError, FeatureFileError):
+        pass
+    kept, rows, skipped = [], [], []
+    for path in files:
+        try:
+            rows.append(embed([path], False))
+            kept.append(path)
+        except (AudioReadError, FeatureFileError) as exc:
+            skipped.append((path, str(exc)))
+    if not kept:
+        raise ValueError(f"none of the {len(files)} file(s) could be read; the first: "
+                         f"{skipped[0][1]}")
+    return kept, np.concatenate(rows), skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# The gallery
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def gallery_cache_file(model: LoadedEmbedder, sheet: Path, root: str) -> Path:
+    stat = model.path.stat()
+    key = json.dumps([
+        CACHE_VERSION, str(sheet.resolve()), _digest(sheet.read_bytes()), root,
+        str(model.path.resolve()), stat.st_mtime_ns, stat.st_size, model.input_kind,
+        dataclasses.asdict(model.features), dataclasses.asdict(model.cfg.clips),
+        dataclasses.asdict(model.data),
+    ], sort_keys=True, default=str)
+    return model.path.parent / CACHE_DIR / f"gallery-{sheet.stem}-{_digest(key.encode())}.npz"
+
+
+def load_gallery(model: LoadedEmbedder, sheet: str | Path, *, root: str | None, batch_size: int,
+                 use_cache: bool, progress: bool, num_workers: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(embeddings [n, D], class name per row, whether the cache was used)."""
+    sheet = Path(sheet)
+    data = dataclasses.replace(model.data, index=str(sheet), root=root or "", split_column="")
+    with warnings.catch_warnings():
+        # "classes with fewer than 2 items" is about training positives; a gallery may well
+        # hold one recording per class.
+        warnings.filterwarnings("ignore", message=".*fewer than 2 items")
+        index = load_index(data)
+    classes = index.table["cls"].to_numpy(dtype=str)
+    cache = gallery_cache_file(model, sheet, data.root) if use_cache else None
+    cached = _read_cache(cache, classes) if cache is not None else None
+    if cached is not None:
+        return cached, classes, True
+    embeddings = embed_files(model.embed_fn, model.cfg, index.table["path"].tolist(),
+                             batch_size=batch_size, device=model.device,
+                             input_kind=model.input_kind, progress=progress,
+                             num_workers=num_workers)
+    if cache is not None:
+        _write_cache(cache, embeddings, classes)
+    return embeddings, classes, False
+
+
+def _read_cache(cache: Path, classes: np.ndarray) -> np.ndarray | None:
+    """The cached embeddings when `cache` holds those of these very rows; None otherwise."""
+    if not cache.is_file():
+        return None
+    try:
+        with np.load(cache, allow_pickle=False) as stored:
+            if np.array_equal(stored["classes"], classes):
+                return stored["embeddings"]
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("gallery cache %s is unreadable (%s); embedding the gallery again",
+                    cache, exc)
+    return None
+
+
+def _write_cache(cache: Path, embeddings: np.ndarray, classes: np.ndarray) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, embeddings=embeddings, classes=classes)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(cache, buffer.getvalue())
+    except OSError as exc:  # a read-only model folder: work without the cache
+        log.warning("could not write the gallery cache %s (%s)", cache, exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking
+
+
+def class_scores(query: np.ndarray, gallery: np.ndarray, classes: np.ndarray
+                 ) -> tuple[list[str], np.ndarray]:
+    """(class names, cosine similarity [queries, classes] to each class centroid)."""
+    names, codes = np.unique(classes, return_inverse=True)
+    _, centroids = class_centroids(gallery, codes)
+    queries = torch.nn.functional.normalize(torch.from_numpy(query).float(), dim=1)
+    return names.tolist(), (queries @ centroids.T).numpy()
+
+
+def top_classes(scores: np.ndarray, top: int) -> np.ndarray:
+    """Column indices of the `top` best classes of each row, best first (ties: lower index)."""
+    return np.argsort(-scores, axis=1, kind="stable")[:, :top]
+
+
+def save_rankings(prefix: str | Path, files: list[Path], embeddings: np.ndarray,
+                  names: list[str], scores: np.ndarray, order: np.ndarray) -> tuple[Path, Path]:
+    """PREFIX.npy (embeddings float32 [files, D]) and PREFIX.csv (file, top class, its score),
+    atomically; returns their paths."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    np.save(buffer, embeddings.astype(np.float32))
+    table = pd.DataFrame({"file": [str(p) for p in files],
+                          "top_class": [names[o[0]] for o in order],
+                          "top_score": [float(scores[i, o[0]]) for i, o in enumerate(order)]})
+    npy = atomic_write_bytes(prefix.with_name(prefix.name + ".npy"), buffer.getvalue())
+    csv = atomic_write_bytes(prefix.with_name(prefix.name + ".csv"),
+                             table.to_csv(index=False).encode())
+    return npy, csv

@@ -1,0 +1,35 @@
+"""Embedding evaluation metrics, shared by the training loop and the offline evaluator.
+
+Every function takes float embeddings ``[N, D]`` (numpy or torch) and integer labels ``[N]``
+and scores them by cosine similarity: embeddings are L2-normalised here, whatever the model
+did. Nothing in this package talks to ``torch.distributed``; callers gather first.
+
+- ``retrieval_metrics`` (retrieval.py): leave-one-out retrieval inside one set (P@1, MAP@R,
+  R-precision), equal to pytorch-metric-learning's ``AccuracyCalculator`` with query =
+  reference; with ``items``, cross-item retrieval (a query never retrieves its own item).
+- ``knn_accuracy`` / ``centroid_accuracy`` (classification.py): classify queries against a
+  labelled gallery; ``class_centroids``: the per-class centroids the latter uses.
+- ``verification_metrics`` (verification.py): same/different pairs scored by cosine
+  similarity (EER, minDCF).
+- ``clustering_metrics`` (clustering.py): k-means with one cluster per class (NMI, AMI).
+- ``check_embeddings`` (checks.py): the input checks all of them run.
+"""
+
+from audioclf.metrics.checks import check_embeddings
+from audioclf.metrics.classification import centroid_accuracy, class_centroids, knn_accuracy
+from audioclf.metrics.clustering import KMEANS_N_INIT, clustering_metrics
+from audioclf.metrics.retrieval import (
+    RETRIEVAL_KEYS,
+    item_groups,
+    retrieval_metrics,
+    retrieval_summary,
+)
+from audioclf.metrics.verification import verification_metrics, verification_pairs
+
+# The name audioclf.search.retrieval imports (before it was public in metrics.retrieval).
+_item_groups = item_groups
+
+__all__ = ["KMEANS_N_INIT", "RETRIEVAL_KEYS", "centroid_accuracy", "check_embeddings",
+           "class_centroids", "clustering_metrics", "item_groups", "knn_accuracy",
+           "retrieval_metrics", "retrieval_summary", "verification_metrics",
+           "verification_pairs"]
