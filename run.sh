@@ -74,8 +74,9 @@ cmd_demo() {
     if [[ $stage -le 2 && $stop_stage -ge 2 ]]; then
         echo "== stage 2: train (2 processes)"
         # resume=auto: a second ./run.sh demo continues (or, when finished, keeps) the run.
-        "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
-            -m audioclf.train --config configs/demo_cnn.yaml checkpoint.resume=auto
+        run_foreground runs/demo_cnn "$PY" -m torch.distributed.run --standalone \
+            --nproc_per_node 2 -m audioclf.train --config configs/demo_cnn.yaml \
+            checkpoint.resume=auto
     fi
     if [[ $stage -le 3 && $stop_stage -ge 3 ]]; then
         echo "== stage 3: offline evaluation"
@@ -108,11 +109,11 @@ cmd_train() {
     [[ -f "$config" ]] || die "config $config not found"
     local launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc"
                   -m audioclf.train --config "$config" "$@")
-    if [[ $bg -eq 0 ]]; then
-        exec "${launch[@]}"
-    fi
     local name run_dir
     IFS=$'\t' read -r name run_dir < <(run_location "$config" "$@") || exit 2
+    if [[ $bg -eq 0 ]]; then
+        run_foreground "$run_dir" "${launch[@]}"
+    fi
     mkdir -p "$run_dir"
     if [[ -f "$run_dir/pid" ]] && alive "$(cat "$run_dir/pid")"; then
         die "run $name is already running (pid $(cat "$run_dir/pid")); ./run.sh stop $name first"
@@ -123,6 +124,41 @@ cmd_train() {
     echo "started $name in the background (pid $(cat "$run_dir/pid"))"
     echo "  follow:  tail -f $run_dir/nohup.log     (rank-0 log: $run_dir/train.log)"
     echo "  stop:    ./run.sh stop $name            (writes last.pt, then exits)"
+}
+
+run_foreground() {
+    # run_foreground RUN_DIR COMMAND...: torchrun in its own session, so the terminal's Ctrl-C
+    # does not reach it (it would die with a SignalException traceback and tear the workers
+    # down). Ctrl-C here sends its workers SIGTERM, as ./run.sh stop does: they finish the
+    # step, save last.pt and exit; then this exits 130. A second Ctrl-C kills the run at once.
+    local run_dir="$1"; shift
+    local interrupts=0 status=0 pid log_start
+    log_start="$(stat -c %s "$run_dir/train.log" 2>/dev/null || echo 0)"
+    setsid "$@" &
+    pid=$!
+    trap 'interrupts=$((interrupts + 1)); interrupt "$pid" "$interrupts"' INT TERM
+    while :; do
+        wait "$pid" && status=0 || status=$?
+        alive "$pid" || break
+    done
+    trap - INT TERM
+    [[ $interrupts -eq 0 ]] && exit "$status"
+    local stopped
+    stopped="$(tail -c "+$((log_start + 1))" "$run_dir/train.log" 2>/dev/null \
+               | grep "stopped on request" | tail -n 1 | sed 's/.*stopped on request at /stopped at /')"
+    echo "run.sh: ${stopped:-stopped before a step finished; see $run_dir/train.log}" >&2
+    exit 130
+}
+
+interrupt() {
+    # The first Ctrl-C (or SIGTERM) asks torchrun's workers to stop; the second kills the group.
+    if [[ $2 -eq 1 ]]; then
+        echo "run.sh: stopping: the workers finish their step and save last.pt (Ctrl-C again to kill at once)" >&2
+        pkill -TERM -P "$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null || true
+    else
+        echo "run.sh: second Ctrl-C: killing the run at once; last.pt is the last one saved" >&2
+        kill -KILL -- "-$1" 2>/dev/null || true
+    fi
 }
 
 alive() {

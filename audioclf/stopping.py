@@ -4,6 +4,7 @@ failure (what each rank logs and what its console shows)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 from audioclf import distributed
@@ -14,10 +15,13 @@ log = logging.getLogger("audioclf")
 
 
 class StopRequested:
-    """SIGTERM / SIGINT set a flag; the loop finishes the step, saves last.pt and exits 0."""
+    """SIGTERM / SIGINT set a flag; the loop finishes the step, saves last.pt and exits (0 after
+    SIGTERM, 130 after Ctrl-C). A second Ctrl-C stops the process at once: last.pt stays the
+    last one written (checkpoint writes are atomic, so it is whole)."""
 
     def __init__(self):
         self.flag = False
+        self.signal: str | None = None  # the signal that asked to stop, e.g. "SIGINT"
         self._previous = {}
 
     def __enter__(self):
@@ -29,10 +33,16 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.flag and signum == signal.SIGINT:
+            log.error("second Ctrl-C: stopping at once; last.pt is the last one saved")
+            os._exit(130)
         if not self.flag:
             log.warning("received %s: stopping at the next step boundary all ranks agree on, "
-                        "then saving last.pt", signal.Signals(signum).name)
+                        "then saving last.pt%s", name,
+                        " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "")
         self.flag = True
+        self.signal = self.signal or name
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

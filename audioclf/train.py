@@ -11,6 +11,7 @@ metrics.csv, tensorboard/, last.pt, best.pt, epoch_*.pt. Resume with checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from audioclf.cli import run_cli
@@ -44,10 +45,13 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
 
 def run(args: argparse.Namespace, hooks=None) -> int:
     cfg = load_config(args.config, args.overrides)
-    from audioclf.trainer import fit  # heavy imports after the config is known to be valid
+    from audioclf.trainer import fit  # noqa: PLC0415 - torch etc. once the config is valid
 
-    fit(cfg, hooks=hooks, local_rank_arg=args.local_rank)
-    return 0
+    summary = fit(cfg, hooks=hooks, local_rank_arg=args.local_rank)
+    # Ctrl-C exits 130, as shells expect; under torchrun a worker exits 0 (torchrun would
+    # report any other status as a failure), and ./run.sh turns the stop into 130 itself.
+    interrupted = summary.get("stop_signal") == "SIGINT"
+    return 130 if interrupted and "TORCHELASTIC_RUN_ID" not in os.environ else 0
 
 
 if __name__ == "__main__":

@@ -26,23 +26,24 @@ import torch
 from tqdm import tqdm
 
 from audioclf import checkpoint, distributed
-from audioclf.config import Config, save_config, to_dict
+from audioclf.config import Config, to_dict
 from audioclf.data.augment import Augmenter
 from audioclf.data.dataset import AudioDataset
-from audioclf.data.index import Index, load_index, split_index, stratified_subset
+from audioclf.data.index import Index, load_index, split_index
 from audioclf.data.loader import TrainLoader, loader_kwargs
-from audioclf.fileio import DiskWriteError, atomic_copy, remove_stale_temps, write_failure_message
-from audioclf.inference import extract_embeddings, init_weights
+from audioclf.fileio import atomic_copy
+from audioclf.inference import init_weights
 from audioclf.logs import EpochRow, MetricsWriter, setup_logging
 from audioclf.losses import build_loss
-from audioclf.metrics import RETRIEVAL_KEYS, retrieval_summary
 from audioclf.models import build_net, count_parameters
 from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer, param_groups
 from audioclf.precision import configure_backends, resolve_precision
 from audioclf.resume import resume_point
+from audioclf.rundir import RunLock, check_free, prepare_run_dir
 from audioclf.sampler import MPerClassSampler
 from audioclf.step import EpochResult, NonFiniteGuard, TrainStep
 from audioclf.stopping import StopRequested, reported
+from audioclf.validation import Validator
 
 log = logging.getLogger("audioclf")
 
@@ -126,6 +127,8 @@ def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | N
             raise
         raise shown from exc
     finally:
+        if trainer is not None:
+            trainer.close()
         distributed.teardown()
 
 
@@ -137,7 +140,9 @@ class Trainer:
                  hooks: TrainHooks):
         self.cfg, self.env, self.stop, self.hooks = cfg, env, stop, hooks
         self.run_dir = Path(cfg.train.runs_dir) / cfg.train.name
+        self.lock: RunLock | None = None
         setup_logging(None, env.rank)  # console only until the input is known to be valid
+        distributed.primary_first(check_free, self.run_dir)  # before reading what it holds
         resume_path, ckpt, resume_notes = resume_point(cfg, self.run_dir)
         seed_everything(cfg.train.seed + env.rank, cfg.train.deterministic)
         # Everything that can refuse the input comes before anything is written.
@@ -150,17 +155,26 @@ class Trainer:
             init_notes = init_weights(net, cfg.model.init_from, self.data.train.classes)
 
         self._prepare_run_dir()
-        for note in resume_notes:
-            log.warning(note)
-        for note in init_notes:
-            log.info(note)
+        try:
+            for note in resume_notes:
+                log.warning(note)
+            for note in init_notes:
+                log.info(note)
+            self._build_run(net, ckpt, resume_path)
+        except BaseException:
+            self.close()  # a failed set-up leaves the folder free at once
+            raise
+
+    def _build_run(self, net: torch.nn.Module, ckpt: dict | None, resume_path: Path | None) -> None:
+        cfg, env = self.cfg, self.env
         self._log_data()
         configure_backends(cfg.train, env.device)
         self._build_training(net)
-        self.val_positions = self._validation_positions()
-        self._said_leave_one_out = False
         self.state = TrainState()
         self.metrics = MetricsWriter(self.run_dir, enabled=env.is_primary)
+        self.validator = Validator(cfg, env, self.data.val, self.data.val_set,
+                                   precision=self.precision, loader_options=self.loader_options,
+                                   metrics=self.metrics)
         self.checkpointer = self._build_checkpointer(net)
         if ckpt is not None:
             self.checkpointer.restore(ckpt)
@@ -237,15 +251,10 @@ class Trainer:
         )
 
     def _prepare_run_dir(self) -> None:
+        """The run folder (rank 0 writes it and holds its lock), then logging into it."""
         stale: list[Path] = []
         if self.env.is_primary:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise DiskWriteError(exc.errno, write_failure_message(
-                    self.run_dir, exc.strerror or str(exc))) from exc
-            stale = remove_stale_temps(self.run_dir)  # left by a process killed mid-write
-            save_config(self.cfg, self.run_dir / "config.yaml")
+            self.lock, stale = prepare_run_dir(self.run_dir, self.cfg)
         distributed.barrier()
         setup_logging(self.run_dir, self.env.rank)
         log.info("run directory %s (rank 0 of %d, %s, device %s)", self.run_dir,
@@ -254,21 +263,36 @@ class Trainer:
             log.info("removed %d temporary file(s) of an interrupted write: %s", len(stale),
                      ", ".join(p.name for p in stale))
 
+    def close(self) -> None:
+        """Release the run folder (the lock goes with the process anyway)."""
+        if self.lock is not None:
+            self.lock.release()
+
     # ----------------------------------------------------------------------------- the loop
 
     def fit(self) -> dict:
-        """Run the remaining epochs; every rank calls it."""
+        """Run the remaining epochs; every rank calls it. A stop request ends the run at the
+        next step all ranks agree on (mid-epoch: last.pt at that step), or after the epoch
+        when it came during the epoch's end (validation, checkpoints)."""
         stopped = False
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             result = self.train_epoch(epoch)
             if result.stopped:
-                stopped = True
                 self.save_mid_epoch()
-                log.info("stopped on request at epoch %d, step %d; resume with "
+            else:
+                self.end_epoch(epoch, result)
+            stopped = result.stopped or self._stop_agreed()
+            if stopped:
+                log.info("stopped on request at epoch %d, step %d; last.pt saved; resume with "
                          "checkpoint.resume=auto", epoch + 1, self.state.step)
                 break
-            self.end_epoch(epoch, result)
         return self.finish(stopped)
+
+    def _stop_agreed(self) -> bool:
+        """Whether some rank was asked to stop (collective: every rank calls it)."""
+        vote = torch.tensor([1.0 if self.stop.flag else 0.0], dtype=torch.float64,
+                            device=self.env.device)
+        return bool(distributed.all_reduce_max(vote).item() > 0)
 
     def train_epoch(self, epoch: int) -> EpochResult:
         """One epoch (or its rest, after a resume): every rank calls it."""
@@ -335,7 +359,8 @@ class Trainer:
         cfg, state = self.cfg, self.state
         distributed.check_parameter_consistency(self.model, action=cfg.train.consistency_action,
                                                 device=self.env.device)
-        state.last_metrics = self.validate() if self._eval_due(epoch) else {}
+        state.last_metrics = (self.validator.run(self.model, epoch=epoch, step=state.step)
+                              if self._eval_due(epoch) else {})
         self.schedule.epoch_end(result.loss)
         state.epoch = epoch + 1
         self.train_loader.end_epoch()
@@ -375,69 +400,6 @@ class Trainer:
                      self.state.epoch, self.train_loader.position, self.state.step)
         distributed.barrier()
 
-    def validate(self) -> dict[str, float]:
-        """Cross-item retrieval metrics on the validation split, on rank 0 ({} elsewhere).
-
-        A query may not retrieve clips of its own item (recording). Every rank must call it:
-        rank 0 embeds alone while the others wait at a barrier (dist.timeout_minutes must cover
-        it), or with eval.distributed every rank embeds a shard and rank 0 gathers them.
-        eval.max_samples restricts it to a fixed class-stratified subset.
-        """
-        val_set, env = self.data.val_set, self.env
-        if val_set is None:
-            return {}
-        sharded = self.cfg.eval.distributed and env.distributed
-        if not sharded and not env.is_primary:
-            distributed.barrier()
-            return {}
-        embedded = self._embed_validation(sharded)
-        if not sharded:
-            distributed.barrier()  # the other ranks wait here
-        if embedded is None:  # another rank's shard, sent to rank 0
-            return {}
-        emb, labels, seen = embedded
-        summary = retrieval_summary(emb, labels, self.data.val.codes.item_codes[seen],
-                                    device=env.device)
-        if summary and not summary["cross_item"] and not self._said_leave_one_out:
-            self._said_leave_one_out = True
-            log.warning("validation: no class has clips of two items (recordings), so the "
-                        "metrics are leave-one-out: a clip may retrieve clips of its own item")
-        val = self.data.val  # a class-stratified sample for TensorBoard's projector (rank 0)
-        self.metrics.projector(emb, np.asarray(val.classes)[labels],
-                               val.table["item"].to_numpy()[seen], epoch=self.state.epoch + 1,
-                               step=self.state.step)
-        return {k: summary[k] for k in RETRIEVAL_KEYS if k in summary}
-
-    def _embed_validation(self, sharded: bool) -> tuple | None:
-        """(embeddings, labels, positions) of the validation clips on rank 0; with `sharded`
-        each rank embeds a share and rank 0 gathers them (collective; None elsewhere)."""
-        env, positions = self.env, self.val_positions
-        if sharded:
-            positions = positions[env.rank::env.world_size]
-        emb, labels, seen = extract_embeddings(
-            self.model, self.data.val_set, batch_size=self.cfg.eval.batch_size, device=env.device,
-            positions=positions, loader_options=self.loader_options, precision=self.precision,
-            progress=env.is_primary, description="validate")
-        if not sharded:
-            return emb, labels, seen
-        parts = distributed.gather_to_primary((emb, labels, seen))
-        if not env.is_primary:
-            return None
-        return (np.concatenate([e for e, lab, _ in parts if len(lab)]),
-                np.concatenate([lab for _, lab, _ in parts]),
-                np.concatenate([s for _, _, s in parts]))
-
-    def _validation_positions(self) -> np.ndarray:
-        """All validation rows, or a fixed class-stratified subset (eval.max_samples)."""
-        val, limit = self.data.val, self.cfg.eval.max_samples
-        if val is None:
-            return np.zeros(0, dtype=np.int64)
-        if not limit or limit >= len(val):
-            return np.arange(len(val))
-        log.info("validation on %d of %d samples (eval.max_samples, class-stratified)", limit,
-                 len(val))
-        return stratified_subset(val.codes.class_codes, limit, self.cfg.train.seed)
-
     def finish(self, stopped: bool) -> dict:
         run_dir, state = self.run_dir, self.state
         if self.env.is_primary and not stopped and not (run_dir / checkpoint.BEST).exists() \
@@ -448,6 +410,7 @@ class Trainer:
         distributed.barrier()
         summary = {"run_dir": str(run_dir), "metrics": state.last_metrics,
                    "history": state.history, "stopped": stopped, "step": state.step,
+                   "stop_signal": self.stop.signal if stopped else None,
                    "world_size": self.env.world_size}
         if self.hooks.on_end is not None:
             self.hooks.on_end(self, summary)

@@ -81,3 +81,31 @@ def test_stop_treats_a_zombie_as_stopped(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_demo):
+    runs = tmp_path / "runs"
+    cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=500", "eval.every=0", "train.name=fg")
+    save_config(cfg, tmp_path / "fg.yaml")
+    # A new session, as a terminal gives the foreground job; Ctrl-C reaches run.sh alone (its
+    # torchrun has a session of its own).
+    proc = subprocess.Popen(["./run.sh", "--nproc", "2", str(tmp_path / "fg.yaml")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    log = runs / "fg" / "train.log"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and "epoch 1/500" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.5)
+        assert "epoch 1/500" in log.read_text()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err
+    ckpt = checkpoint.load(runs / "fg" / "last.pt")
+    assert err.strip().splitlines()[-1] == (
+        f"run.sh: stopped at epoch {ckpt['epoch'] + 1}, step {ckpt['step']}; last.pt saved; "
+        "resume with checkpoint.resume=auto")
