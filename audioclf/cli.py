@@ -71,6 +71,14 @@ def run_cli(prog: str, run: Callable[[], int]) -> int:
         return 2
 
 
+def add_trust_flag(parser) -> None:
+    """--trust-checkpoint: the opt-in audioclf.checkpoint.load's refusal names."""
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="load a checkpoint that holds more than tensors and plain data "
+                        "(its Python objects can run code while loading): only for a file you "
+                        "trust")
+
+
 def resolve_device(name: str) -> torch.device:
     """'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available) → a device that exists here."""
     if name == "auto":

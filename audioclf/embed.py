@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from audioclf.cli import UsageError, resolve_device, run_cli
+from audioclf.cli import UsageError, add_trust_flag, resolve_device, run_cli
 from audioclf.data.index import IndexValidationError
 from audioclf.inference import LoadedEmbedder, load_embedder
 from audioclf.inference.extract import check_finite
@@ -98,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-cache", action="store_true",
                         help="embed the gallery again instead of using (and writing) the cache")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_trust_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -132,7 +133,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    model = load_embedder(args.model, resolve_device(args.device))
+    model = load_embedder(args.model, resolve_device(args.device), trust=args.trust_checkpoint)
     if args.index is not None:
         return run_index(args, model)
     return run_ranking(args, model)

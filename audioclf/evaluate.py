@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from audioclf.cli import UsageError, resolve_device, run_cli
+from audioclf.cli import UsageError, add_trust_flag, resolve_device, run_cli
 from audioclf.config import ModelConfig, choices
 from audioclf.inference import describe_checkpoint, load_trained
 
@@ -94,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of pair sampling, k-means and the enrollment split (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_trust_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -131,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_workers is not None and args.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
     device = resolve_device(args.device)
-    net, cfg, ckpt = load_trained(args.checkpoint, device, model_name=args.model_name)
+    net, cfg, ckpt = load_trained(args.checkpoint, device, model_name=args.model_name,
+                                  trust=args.trust_checkpoint)
     if args.skip_bad_files:
         cfg.data.skip_bad_files = True
     data = select_data(cfg, index=args.index, root=args.root, split=args.split,

@@ -39,7 +39,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from audioclf.cli import UsageError, run_cli
+from audioclf.cli import UsageError, add_trust_flag, run_cli
 from audioclf.config import ModelConfig, choices
 from audioclf.inference.exporting import (
     DEFAULT_OPSET,
@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{DEFAULT_TOLERANCE:g})")
     parser.add_argument("--model-name", choices=choices(ModelConfig, "name"),
                         help="fail unless the checkpoint holds this model")
+    add_trust_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         meta = export_model(args.checkpoint, args.format, args.out, frontend=not args.no_frontend,
                             opset=args.opset, tolerance=args.tolerance,
-                            model_name=args.model_name)
+                            model_name=args.model_name, trust=args.trust_checkpoint)
     except ParityError as exc:
         print(f"{PROG}: parity check failed: {exc}", file=sys.stderr)
         return 1

@@ -29,7 +29,7 @@ def resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict | None, 
         )
     if path is None:
         return None, None, []
-    ckpt = checkpoint.load(path)
+    ckpt = checkpoint.load(path, trust=cfg.checkpoint.trust)
     saved = config_from_dict(ckpt["config"])
     changed = [f"{key} {old!r} (now {new!r})"
                for key, (old, new) in differences(architecture(saved), architecture(cfg)).items()]

@@ -152,7 +152,8 @@ class Trainer:
         net = build_net(cfg, len(self.data.train.classes))
         init_notes = []
         if cfg.model.init_from and ckpt is None:  # a resume continues its own weights
-            init_notes = init_weights(net, cfg.model.init_from, self.data.train.classes)
+            init_notes = init_weights(net, cfg.model.init_from, self.data.train.classes,
+                                      trust=cfg.checkpoint.trust)
 
         self._prepare_run_dir()
         try:

@@ -191,6 +191,7 @@ class CheckpointConfig:
     resume: str = ""  # "" = fresh start, "auto" = <run dir>/last.pt if present, or a path
     resume_strict: bool = True  # refuse to resume with other model / features settings than the checkpoint's
     restart_epoch: bool = False  # resume a mid-epoch checkpoint from the start of its epoch (e.g. on another world size)
+    trust: bool = False  # load checkpoint.resume / model.init_from files holding more than tensors and plain data (their Python objects can run code): only files you trust
 
 
 @dataclass

@@ -51,8 +51,8 @@ class LoadedEmbedder:
         return self.cfg.data
 
 
-def load_embedder(path: str | Path, device: torch.device, *,
-                  flag: str = "--model") -> LoadedEmbedder:
+def load_embedder(path: str | Path, device: torch.device, *, flag: str = "--model",
+                  trust: bool = False) -> LoadedEmbedder:
     """An audioclf checkpoint or state_dict export, or an export with its sidecar <path>.json.
 
     ONNX runs on the CPU whatever `device` says. `flag` is how the caller's user named the
@@ -76,7 +76,7 @@ def load_embedder(path: str | Path, device: torch.device, *,
         raise ArtefactError(f"{flag} {path}: an ONNX export needs its sidecar {sidecar} "
                             "(written by audioclf.export)")
     try:
-        net, cfg, ckpt = load_trained(path, device)
+        net, cfg, ckpt = load_trained(path, device, trust=trust)
     except CheckpointError as exc:
         raise CheckpointError(f"{exc} (a TorchScript export needs its sidecar {sidecar.name} "
                               "next to it)") from None

@@ -27,16 +27,18 @@ _SHOW = 3  # keys quoted in a state-dict mismatch message
 
 
 def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
-                 model_name: str | None = None) -> tuple[EmbeddingNet, Config, dict]:
+                 model_name: str | None = None, trust: bool = False
+                 ) -> tuple[EmbeddingNet, Config, dict]:
     """Rebuild the model a checkpoint describes and load its weights.
 
     Returns (net in eval mode on `device`, its Config, the checkpoint dict). The architecture
     comes from the config stored in the checkpoint; `model_name` ("cnn", "conformer") only
     asserts what the caller expects. Raises CheckpointError naming the file when it is missing,
     corrupt, not an audioclf checkpoint, of another model, or its weights do not fit its config.
+    `trust` loads a file holding more than tensors and plain data (checkpoint.load).
     """
     path = Path(path)
-    ckpt = checkpoint.load(path, map_location="cpu")
+    ckpt = checkpoint.load(path, map_location="cpu", trust=trust)
     cfg = checkpoint_config(ckpt, path)
     if model_name is not None and model_name != cfg.model.name:
         raise CheckpointError(
@@ -62,7 +64,8 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
     return net.to(device).eval(), cfg, ckpt
 
 
-def init_weights(net: EmbeddingNet, path: str | Path, classes: list[str]) -> list[str]:
+def init_weights(net: EmbeddingNet, path: str | Path, classes: list[str], *,
+                 trust: bool = False) -> list[str]:
     """Fine-tuning: load the weights of a checkpoint or state_dict export into a new run's net.
 
     The architecture must be the same; a classifier head trained for other classes (or absent
@@ -70,7 +73,7 @@ def init_weights(net: EmbeddingNet, path: str | Path, classes: list[str]) -> lis
     the first tensor that does not fit.
     """
     path = Path(path)
-    ckpt = checkpoint.load(path, map_location="cpu")
+    ckpt = checkpoint.load(path, map_location="cpu", trust=trust)
     state = _strip_wrapper_prefixes(ckpt["model"])
     notes = []
     expected = net.state_dict()

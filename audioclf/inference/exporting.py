@@ -186,7 +186,7 @@ def check_export_request(fmt: str, out: Path, *, frontend: bool, opset: int,
 
 def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, frontend: bool = True,
                  opset: int = DEFAULT_OPSET, tolerance: float = DEFAULT_TOLERANCE,
-                 model_name: str | None = None) -> ExportSidecar:
+                 model_name: str | None = None, trust: bool = False) -> ExportSidecar:
     """Write the artefact and its sidecar; returns the sidecar.
 
     Raises ParityError (nothing written) when the reloaded artefact differs from the PyTorch
@@ -194,7 +194,7 @@ def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, fron
     """
     out, checkpoint_path = Path(out), Path(checkpoint_path)
     check_export_request(fmt, out, frontend=frontend, opset=opset, tolerance=tolerance)
-    net, cfg, ckpt = load_trained(checkpoint_path, "cpu", model_name=model_name)
+    net, cfg, ckpt = load_trained(checkpoint_path, "cpu", model_name=model_name, trust=trust)
     kind = input_kind_of(cfg.features, frontend)
     module = exportable(net, cfg, frontend)
     inputs = random_inputs(cfg, kind)
