@@ -273,7 +273,7 @@ def log_line(text: str, needle: str) -> str:
 def train_args(work: Work, runs_dir: Path, *extra: str, index: Path | None = None) -> list[str]:
     """The tiny test config (tests.conftest.tiny_config) as CLI overrides, then `extra`
     (appended as given, so an invalid value reaches the CLI's own validation)."""
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
     from tests.test_train import _cli
 
     return [*_cli(tiny_config(index or work.index, runs_dir, "cnn")), *extra]
@@ -284,7 +284,7 @@ def python_train(args: list[str]) -> list[str]:
 
 
 def torchrun(module_args: list[str], nproc: int = 2) -> list[str]:
-    from tests.distributed_utils import free_port
+    from tests.helpers import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
             f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
@@ -730,7 +730,7 @@ def case_stop_zombie(work: Work, case_dir: Path, keep: bool) -> list[Row]:
 
 def case_run_sh_stop(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     from audioclf.config import save_config
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
 
     ensure_demo(work)
     runs = case_dir / "runs"

@@ -1,12 +1,28 @@
-"""Helpers shared by several test files (test modules do not import each other)."""
+"""Helpers shared by several test files (test modules do not import each other): tiny
+configs and checkpoints, real process groups (gloo over spawn, no mocks), launching the tools
+as a user would, a stand-in epoch loop over TrainStep, and small index sheets."""
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import traceback
 from pathlib import Path
 
+import pandas as pd
 import torch
+import torch.multiprocessing as mp
+from torch import nn
 
-from audioclf.config import config_from_dict, to_dict
+from audioclf.config import Config, config_from_dict, load_config, to_dict
+from audioclf.step import NonFiniteGuard, TrainStep
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY_MODELS = {
     "cnn": {"name": "cnn", "embedding_dim": 16, "cnn": {"width": 8, "depth": 2}},
@@ -36,3 +52,215 @@ def make_checkpoint(path: Path, name: str = "cnn", classes: tuple[str, ...] = ()
     torch.save({"model": net.state_dict(), "config": to_dict(cfg), "classes": list(classes),
                 "epoch": 3, "step": 30}, path)
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny training configs
+
+
+TINY = {
+    "cnn": ["model.name=cnn", "model.cnn.width=8", "model.cnn.depth=2"],
+    "conformer": ["model.name=conformer", "model.conformer.d_model=32",
+                  "model.conformer.num_heads=2", "model.conformer.ffn_dim=64",
+                  "model.conformer.num_layers=1", "model.conformer.kernel_size=7"],
+}
+
+
+def tiny_config(index: Path, runs_dir: Path, model: str = "cnn", *extra: str) -> Config:
+    """A config that trains in seconds on CPU: tiny model, short crops, small batches."""
+    return load_config(None, [
+        f"data.index={index}", "data.num_workers=0", "data.val_ratio=0.25",
+        "sampler.batch_size=8", "sampler.m=2",
+        "features.n_mels=32", "clips.crop_seconds=0.5", "clips.eval_max_seconds=1.0",
+        "model.embedding_dim=16", *TINY[model],
+        "optim.lr=0.003", "optim.warmup_steps=0",
+        f"train.runs_dir={runs_dir}", "train.name=t", "train.epochs=2", "train.log_every_steps=0",
+        "eval.every=1", "eval.batch_size=16", "checkpoint.keep_last=1", *extra,
+    ])
+
+
+
+def fit(cfg: Config, hooks=None) -> dict:
+    """audioclf.trainer.fit in this process."""
+    from audioclf.trainer import fit as train  # noqa: PLC0415 - the trainer's stack only when a test trains
+
+    return train(cfg, hooks=hooks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real process groups and launched processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, out_dir, backend):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        extra = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=60),
+                                **extra)
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException as exc:  # reported to the parent, which asserts
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_in_group(fn, tmp_path, *args, world_size: int = 2, timeout: float = 120.0,
+                 backend: str = "gloo") -> list:
+    """fn(rank, world_size, *args) on each rank; returns results by rank; raises on any error."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, str(tmp_path), backend))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} rank(s) still running after {timeout} s (hang)"
+    results = []
+    for r in range(world_size):
+        status, value = pickle.loads(Path(tmp_path, f"rank{r}.pkl").read_bytes())
+        if status != "ok":
+            raise AssertionError(f"rank {r} failed: {value}")
+        results.append(value)
+    return results
+
+
+def cli_args(config: Config) -> list[str]:
+    """The config as command-line overrides for `python -m audioclf.train`."""
+    from audioclf.config import to_dict
+
+    def text(value) -> str:
+        if isinstance(value, (list, tuple)):
+            return json.dumps(list(value))
+        return "null" if value is None else str(value)
+
+    out = []
+    for section, values in to_dict(config).items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                out += [f"{section}.{key}.{k}={text(v)}" for k, v in value.items()]
+            else:
+                out.append(f"{section}.{key}={text(value)}")
+    return [o for o in out if not o.endswith("=")]
+
+
+def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """Run a launcher in its own session; on timeout kill the whole group (no orphan workers)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return -9, out + f"\n[timed out after {timeout} s]"
+    return proc.returncode, out
+
+
+def child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Trainer's epoch loop over plain batches
+
+
+def run_epoch(model, batches, objective, optimizer, precision, *, accumulate=1, guard=None,
+                    sync_every=1, batch_size=0, placeholder=None, should_stop=None):
+    """The Trainer's epoch loop over a list of batches: micro-batches, an update every
+    `accumulate`, a sync every `sync_every` updates and at the end. Returns (EpochResult,
+    optimizer steps taken)."""
+    step = TrainStep(model, optimizer, precision, objective,
+                     guard=guard or NonFiniteGuard(patience=10**9), accumulate=accumulate,
+                     batch_size=batch_size, placeholder=placeholder)
+    step.start_epoch()
+    steps = 0
+    for position, batch in enumerate(batches, start=1):
+        closes_group = position % accumulate == 0
+        step.micro_batch(batch, sync_grads=closes_group)
+        if closes_group:
+            step.update()
+            steps += 1
+            if steps % sync_every == 0:
+                step.sync(bool(should_stop and should_stop()), steps)
+    if steps % sync_every:
+        step.sync(False, steps)
+    return step.end_epoch(1.0, stopped=False), steps
+
+
+class Linear(nn.Module):
+    """Takes (x, lengths) like the real nets; no BatchNorm so accumulation is exact."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, lengths):
+        return self.fc(x)
+
+
+def mse(output, labels):
+    target = nn.functional.one_hot(labels, 3).float()
+    return nn.functional.mse_loss(output.float(), target)
+
+
+def random_batches(n_batches, size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        x = torch.randn(size, 4, generator=g)
+        labels = torch.randint(0, 3, (size,), generator=g)
+        out.append((x, torch.full((size,), 4), labels, torch.arange(size)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Small index sheets
+
+CLASSES, ITEMS, IDS = ["bird", "cat", "dog"], 2, 2  # sample_rows: classes x items x ids
+
+
+def sample_rows() -> pd.DataFrame:
+    """3 classes x 2 items x 2 ids; ids with leading zeros, paths relative to the sheet."""
+    rows = []
+    for cls in CLASSES:
+        for i in range(ITEMS):
+            for _ in range(IDS):
+                sample_id = f"{len(rows) + 1:03d}"
+                item = f"{cls}_rec{i}"
+                rows.append({"a_cls": cls, "a_item": item, "a_id": sample_id,
+                             "path": f"wav/{cls}/{item}/{sample_id}.wav"})
+    return pd.DataFrame(rows)
+
+
+def write_sheet(frame: pd.DataFrame, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".xlsx":
+        frame.to_excel(path, index=False, engine="openpyxl")
+    elif path.suffix == ".csv":
+        frame.to_csv(path, index=False)
+    else:
+        frame.to_parquet(path, index=False)
+    return path
+
+
+def make_files(frame: pd.DataFrame, root: Path) -> None:
+    for rel in frame["path"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).touch()

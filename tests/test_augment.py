@@ -94,6 +94,7 @@ def test_same_seed_same_output_other_seed_differs():
                               augment.log_mel(feats, np.random.default_rng(8)))
 
 
+@pytest.mark.slow
 def test_pickled_copy_in_another_process_gives_identical_output():
     # Another process with other thread counts (as the main process and a worker can differ).
     augment, wave = all_on(), signal(12000)

@@ -15,8 +15,7 @@ from torch import nn
 
 from audioclf import checkpoint, distributed
 from audioclf.config import load_config
-from tests.conftest import TINY, tiny_config
-from tests.distributed_utils import run_in_group
+from tests.helpers import TINY, run_in_group, tiny_config
 
 pytestmark = [
     pytest.mark.cuda,
@@ -60,7 +59,7 @@ def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
         return loss_core(output[0], labels, output[1])
 
     from audioclf.step import NonFiniteGuard
-    from tests.test_engine import run_epoch
+    from tests.helpers import run_epoch
 
     guard = NonFiniteGuard(5)
     result, steps = run_epoch(net, feature_batches(cfg, 6), loss_fn, optimizer,

@@ -172,6 +172,7 @@ def _read_all_paths(paths, queue):
     queue.put((_private_dirty_kb() - before, total))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux /proc")
 def test_workers_reading_the_paths_do_not_copy_them():
     # A forked DataLoader worker shares the dataset's pages; reading a Python list of str writes

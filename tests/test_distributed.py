@@ -1,10 +1,11 @@
 """distributed.py in real 2-process gloo groups: drift detection, no_sync, primary_first."""
 
+import pytest
 import torch
 from torch import nn
 
 from audioclf import distributed
-from tests.distributed_utils import run_in_group
+from tests.helpers import run_in_group
 
 
 def _ddp_mlp(rank, world):
@@ -36,6 +37,7 @@ def _consistency_worker(rank, world):
     return through_ddp, warned, raised
 
 
+@pytest.mark.slow
 def test_consistency_check_passes_ddp_and_catches_unwrapped_update(tmp_path):
     for through_ddp, warned, raised in run_in_group(_consistency_worker, tmp_path):
         assert through_ddp is None
@@ -57,7 +59,7 @@ def _accumulation_worker(rank, world):
 
     from audioclf.config import TrainConfig
     from audioclf.precision import resolve_precision
-    from tests.test_engine import run_epoch
+    from tests.helpers import run_epoch
 
     out = {}
     for accumulate in (1, 2, 4):
@@ -83,6 +85,7 @@ def _accumulation_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_accumulation_all_reduces_once_per_update(tmp_path):
     for per_rank in run_in_group(_accumulation_worker, tmp_path):
         for accumulate, (buckets, steps, drift) in per_rank.items():
@@ -112,6 +115,7 @@ def _collectives_worker(rank, world):
     return ok, failed, order, total, stop, gathered
 
 
+@pytest.mark.slow
 def test_primary_first_and_reductions(tmp_path):
     r0, r1 = run_in_group(_collectives_worker, tmp_path, timeout=60)
     assert r0[0] == "built by 0" and r1[0] == "built by 1"
@@ -127,7 +131,7 @@ def test_primary_first_and_reductions(tmp_path):
 def _global_loss_worker(rank, world):
     from audioclf.config import TrainConfig
     from audioclf.precision import resolve_precision
-    from tests.test_engine import run_epoch
+    from tests.helpers import run_epoch
 
     torch.manual_seed(0)
     env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")
@@ -149,6 +153,7 @@ def _global_loss_worker(rank, world):
     return result.loss, result.samples, per_sample.tolist()
 
 
+@pytest.mark.slow
 def test_epoch_loss_is_the_exact_global_mean(tmp_path):
     (loss0, n0, s0), (loss1, n1, s1) = run_in_group(_global_loss_worker, tmp_path)
     everything = torch.tensor(s0 + s1, dtype=torch.float64)
@@ -199,6 +204,7 @@ def _gather_worker(rank, world):
     return distributed.gather_to_primary({"rank": rank, "rows": list(range(rank + 1))})
 
 
+@pytest.mark.slow
 def test_gather_to_primary_reaches_rank_0_only(tmp_path):
     r0, r1 = run_in_group(_gather_worker, tmp_path, timeout=60)
     assert r0 == [{"rank": 0, "rows": [0]}, {"rank": 1, "rows": [0, 1]}]

@@ -11,63 +11,14 @@ from audioclf.config import OptimConfig, TrainConfig
 from audioclf.optim import build_optimizer
 from audioclf.precision import resolve_precision
 from audioclf.step import NonFiniteGuard, NonFiniteLossError, TrainStep
+from tests.helpers import Linear, mse, random_batches, run_epoch
 
 CPU = torch.device("cpu")
 
 
-def run_epoch(model, batches, objective, optimizer, precision, *, accumulate=1, guard=None,
-                    sync_every=1, batch_size=0, placeholder=None, should_stop=None):
-    """The Trainer's epoch loop over a list of batches: micro-batches, an update every
-    `accumulate`, a sync every `sync_every` updates and at the end. Returns (EpochResult,
-    optimizer steps taken)."""
-    step = TrainStep(model, optimizer, precision, objective,
-                     guard=guard or NonFiniteGuard(patience=10**9), accumulate=accumulate,
-                     batch_size=batch_size, placeholder=placeholder)
-    step.start_epoch()
-    steps = 0
-    for position, batch in enumerate(batches, start=1):
-        closes_group = position % accumulate == 0
-        step.micro_batch(batch, sync_grads=closes_group)
-        if closes_group:
-            step.update()
-            steps += 1
-            if steps % sync_every == 0:
-                step.sync(bool(should_stop and should_stop()), steps)
-    if steps % sync_every:
-        step.sync(False, steps)
-    return step.end_epoch(1.0, stopped=False), steps
-
-
-class Linear(nn.Module):
-    """Takes (x, lengths) like the real nets; no BatchNorm so accumulation is exact."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x, lengths):
-        return self.fc(x)
-
-
-def mse(output, labels):
-    target = nn.functional.one_hot(labels, 3).float()
-    return nn.functional.mse_loss(output.float(), target)
-
-
-def batches(n_batches, size, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_batches):
-        x = torch.randn(size, 4, generator=g)
-        labels = torch.randint(0, 3, (size,), generator=g)
-        out.append((x, torch.full((size,), 4), labels, torch.arange(size)))
-    return out
-
-
 def test_accumulation_matches_one_update_on_the_union():
     k, size = 4, 8
-    micro = batches(k, size)
+    micro = random_batches(k, size)
     union = [(torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro]),
               torch.cat([b[2] for b in micro]), torch.cat([b[3] for b in micro]))]
     results = []
@@ -85,7 +36,7 @@ def test_accumulation_matches_one_update_on_the_union():
 def test_exact_mean_loss_and_sample_count():
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    loader = batches(3, 5)
+    loader = random_batches(3, 5)
     r, _ = run_epoch(model, loader, mse, opt, resolve_precision(TrainConfig(), CPU))
     expected = sum(mse(model(x, lengths), y).item() * len(y) for x, lengths, y, _ in loader) / 15
     assert r.samples == 15 and r.loss == pytest.approx(expected)
@@ -95,7 +46,7 @@ def test_nonfinite_steps_are_skipped_and_counted():
     model = Linear()
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    bad = batches(2, 4)
+    bad = random_batches(2, 4)
     bad = [(torch.full_like(x, float("nan")), n, y, p) for x, n, y, p in bad]
     guard = NonFiniteGuard(patience=5)
     r, steps = run_epoch(model, bad, mse, opt, resolve_precision(TrainConfig(), CPU),
@@ -113,7 +64,7 @@ def test_the_stop_vote_and_the_guard_are_one_sync():
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      resolve_precision(TrainConfig(), CPU), mse, guard=NonFiniteGuard(5))
     step.start_epoch()
-    step.micro_batch(batches(1, 4)[0])
+    step.micro_batch(random_batches(1, 4)[0])
     step.update()
     assert step.sync(False, 1)[0] is False
     halt, loss = step.sync(True, 1)
@@ -213,10 +164,10 @@ def test_a_nonfinite_step_changes_no_state(precision):
     model = WithBatchNorm()
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
     settings = resolve_precision(TrainConfig(precision=precision), CPU)
-    good = batches(2, 8)
+    good = random_batches(2, 8)
     run_epoch(model, good, mse, optimizer, settings)  # optimizer state and scale exist
     before = _state_of(model, optimizer, settings.scaler)
-    x, lengths, labels, positions = batches(1, 8, seed=5)[0]
+    x, lengths, labels, positions = random_batches(1, 8, seed=5)[0]
     x[3, 1] = float("nan")  # one NaN sample, as a corrupt file would give
     guard = NonFiniteGuard(patience=5)
     result, steps = run_epoch(model, [(x, lengths, labels, positions)], mse, optimizer,
@@ -234,7 +185,7 @@ def test_fp16_overflow_steps_are_not_failures():
     settings = resolve_precision(TrainConfig(precision="fp16"), CPU)
     settings.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
     guard = NonFiniteGuard(patience=1)
-    result, steps = run_epoch(model, batches(6, 8), mse, optimizer, settings, guard=guard,
+    result, steps = run_epoch(model, random_batches(6, 8), mse, optimizer, settings, guard=guard,
                                     sync_every=2)
     assert guard.overflow >= 1 and guard.total == 0 and steps == 6
     assert settings.scaler.get_scale() < 2.0**127  # GradScaler lowered the scale as designed
@@ -270,7 +221,7 @@ def test_the_loop_reads_the_device_once_per_sync_interval():
     model = Linear()
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
     settings = resolve_precision(TrainConfig(), CPU)
-    loader = batches(40, 4)
+    loader = random_batches(40, 4)
     run_epoch(model, loader[:2], mse, optimizer, settings)  # warm-up
     syncs = _count_host_syncs(lambda: run_epoch(
         model, loader, sync_free_mse, optimizer, settings, sync_every=10,
@@ -284,8 +235,8 @@ def test_a_batch_with_no_readable_item_is_dropped_and_counted():
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
     empty = torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), \
         torch.zeros(0, dtype=torch.int64)
-    loader = batches(2, 8)
-    short = tuple(t[:5] for t in batches(1, 8, seed=3)[0])
+    loader = random_batches(2, 8)
+    short = tuple(t[:5] for t in random_batches(1, 8, seed=3)[0])
     running = model.bn.running_mean.clone()
     placeholder = (torch.zeros(2, 4), torch.tensor([4, 4]))
     result, _ = run_epoch(model, [empty], mse, optimizer,

@@ -20,7 +20,7 @@ from audioclf.evaluate import main
 from audioclf.inference import embed_files, load_trained
 from audioclf.inference.evaluation import enrollment_split, select_data
 from audioclf.report import REPORT_FILES
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("precision_at_1", "map_at_r", "r_precision", "knn_accuracy", "centroid_accuracy",
@@ -282,6 +282,7 @@ def test_enrollment_split_is_by_item_and_keeps_both_sides():
     np.testing.assert_array_equal(enroll, enrollment_split(classes, items, seed=0))
 
 
+@pytest.mark.slow
 def test_help_runs_as_a_module():
     result = subprocess.run([sys.executable, "-m", "audioclf.evaluate", "--help"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)

@@ -13,26 +13,26 @@ import torch
 from audioclf import checkpoint, fileio
 from audioclf.checkpoint import CheckpointError, CheckpointSaver
 from audioclf.fileio import DiskWriteError
-from tests.conftest import tiny_config
-from tests.distributed_utils import free_port, run_in_group
-from tests.test_train import _cli, _env, run_group
+from tests.helpers import (
+    child_env,
+    cli_args,
+    fit,
+    free_port,
+    run_group,
+    run_in_group,
+    tiny_config,
+)
 from tests.train_hooks import stop_at
-
-
-def _fit(cfg, hooks=None):
-    from audioclf.trainer import fit
-
-    return fit(cfg, hooks=hooks)
 
 
 def test_resuming_with_another_architecture_is_refused_with_the_keys(tmp_path, tiny_demo):
     common = ["train.epochs=1", "eval.every=0"]
-    _fit(tiny_config(tiny_demo, tmp_path, "cnn", *common))
+    fit(tiny_config(tiny_demo, tmp_path, "cnn", *common))
     with pytest.raises(CheckpointError, match=r"other settings: model\.cnn\.width 8 \(now 16\).*"
                                               r"checkpoint\.resume_strict=false"):
-        _fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=2", "eval.every=0",
+        fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=2", "eval.every=0",
                          "model.cnn.width=16", "checkpoint.resume=auto"))
-    done = _fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=2", "eval.every=0",
+    done = fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=2", "eval.every=0",
                             "model.cnn.width=16", "checkpoint.resume=auto",
                             "checkpoint.resume_strict=false"))
     assert done["history"][-1]["epoch"] == 2
@@ -90,7 +90,7 @@ def test_a_read_only_folder_reports_the_file_not_the_temporary_one(tmp_path, mon
 def test_an_unreadable_file_in_a_worker_is_one_line_in_train_log(tmp_path, tiny_demo):
     sheet = _broken_copy(tiny_demo, tmp_path)
     with pytest.raises(Exception, match="cannot read audio file"):
-        _fit(tiny_config(sheet, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
+        fit(tiny_config(sheet, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
                          "data.check_files=false", "data.num_workers=1"))
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "Original Traceback" not in log and "rank 0 stopped with AudioReadError" in log
@@ -110,7 +110,7 @@ def test_a_disk_error_mid_run_keeps_the_epoch_row_and_the_last_checkpoint(tmp_pa
 
     monkeypatch.setattr(checkpoint, "save_atomic", full_disk_on_second_save)
     with pytest.raises(DiskWriteError, match="No space left"):
-        _fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=3", "eval.every=0"))
+        fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=3", "eval.every=0"))
     run = tmp_path / "t"
     rows = (run / "metrics.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 2  # header, epoch 1, and epoch 2 although its checkpoint failed
@@ -118,10 +118,10 @@ def test_a_disk_error_mid_run_keeps_the_epoch_row_and_the_last_checkpoint(tmp_pa
 
 
 def test_temporary_files_of_a_killed_write_are_removed_on_resume(tmp_path, tiny_demo):
-    _fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=1", "eval.every=0"))
+    fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=1", "eval.every=0"))
     stale = tmp_path / "t" / ".last.pt.99999999.0123abcd.tmp"
     stale.write_bytes(b"")  # what kill -9 during torch.save leaves
-    _fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=2", "eval.every=0",
+    fit(tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=2", "eval.every=0",
                      "checkpoint.resume=auto"))
     assert not stale.exists()
     assert "removed 1 temporary file" in (tmp_path / "t" / "train.log").read_text()
@@ -144,9 +144,10 @@ def _broken_copy(tiny_demo: Path, root: Path) -> Path:
 
 
 def _fit_worker(rank, world, cfg):
-    return _fit(cfg)
+    return fit(cfg)
 
 
+@pytest.mark.slow
 def test_whole_batches_of_unreadable_files_are_dropped_on_every_rank_without_a_hang(tmp_path,
                                                                                  tiny_demo):
     sheet = _broken_copy(tiny_demo, tmp_path)
@@ -161,9 +162,10 @@ def test_whole_batches_of_unreadable_files_are_dropped_on_every_rank_without_a_h
     assert "unreadable file(s) skipped" in (tmp_path / "runs" / "t" / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_mid_epoch_checkpoint_restarts_its_epoch_on_another_world_size(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=2", "eval.every=0")
-    stopped = _fit(cfg, hooks=stop_at(3))
+    stopped = fit(cfg, hooks=stop_at(3))
     assert stopped["stopped"] and checkpoint.load(tmp_path / "t" / "last.pt")["position"] == 3
     resume = ["checkpoint.resume=auto"]
     (tmp_path / "a").mkdir()
@@ -178,11 +180,12 @@ def test_a_mid_epoch_checkpoint_restarts_its_epoch_on_another_world_size(tmp_pat
     assert "epoch 1 starts again from its first batch" in (tmp_path / "t" / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_rank_is_one_line_naming_it(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=2", "eval.every=0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "tests.train_hooks", "--fail-at-step=2", "--rank=1", "--", *_cli(cfg)]
-    returncode, output = run_group(cmd, _env(), timeout=240)
+           "-m", "tests.train_hooks", "--fail-at-step=2", "--rank=1", "--", *cli_args(cfg)]
+    returncode, output = run_group(cmd, child_env(), timeout=240)
     assert returncode != 0
     lines = [line for line in output.splitlines() if "python -m audioclf.train: error:" in line]
     assert lines == ["python -m audioclf.train: error: injected failure on rank 1 at step 2"], output
@@ -192,14 +195,15 @@ def test_a_failure_on_one_rank_is_one_line_naming_it(tmp_path, tiny_demo):
     assert all(line.startswith("20") for line in log.splitlines()), log  # records only
 
 
+@pytest.mark.slow
 def test_a_setup_error_under_torchrun_is_said_once_and_writes_nothing(tmp_path, tiny_demo):
     # 12 classes, 9 for training: a rank gets 4, fewer than batch_size / m = 8 per batch.
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "sampler.batch_size=16")
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "-m", "audioclf.train",
-           *_cli(cfg)]
-    returncode, output = run_group(cmd, _env(), timeout=240)
+           *cli_args(cfg)]
+    returncode, output = run_group(cmd, child_env(), timeout=240)
     assert returncode != 0
     errors = [line for line in output.splitlines() if "audioclf.train: error:" in line]
     assert len(errors) == 1 and "classes per batch" in errors[0], output

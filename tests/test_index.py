@@ -21,38 +21,7 @@ from audioclf.data.index import (
     read_table,
     split_index,
 )
-
-CLASSES, ITEMS, IDS = ["bird", "cat", "dog"], 2, 2
-
-
-def sample_rows() -> pd.DataFrame:
-    """3 classes x 2 items x 2 ids; ids with leading zeros, paths relative to the sheet."""
-    rows = []
-    for cls in CLASSES:
-        for i in range(ITEMS):
-            for _ in range(IDS):
-                sample_id = f"{len(rows) + 1:03d}"
-                item = f"{cls}_rec{i}"
-                rows.append({"a_cls": cls, "a_item": item, "a_id": sample_id,
-                             "path": f"wav/{cls}/{item}/{sample_id}.wav"})
-    return pd.DataFrame(rows)
-
-
-def write_sheet(frame: pd.DataFrame, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".xlsx":
-        frame.to_excel(path, index=False, engine="openpyxl")
-    elif path.suffix == ".csv":
-        frame.to_csv(path, index=False)
-    else:
-        frame.to_parquet(path, index=False)
-    return path
-
-
-def make_files(frame: pd.DataFrame, root: Path) -> None:
-    for rel in frame["path"]:
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).touch()
+from tests.helpers import make_files, sample_rows, write_sheet
 
 
 @pytest.fixture

@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch.multiprocessing as mp
 
 from audioclf.config import DataConfig
 from audioclf.data.index import load_index
-from tests.test_index import make_files, sample_rows, write_sheet
+from tests.helpers import make_files, sample_rows, write_sheet
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 WORLD_SIZE = 2
 JOIN_SECONDS = 50  # below the group's 60 s timeout: a rank stuck at a barrier fails the test

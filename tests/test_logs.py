@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_a_process_killed_by_abort_leaves_its_stack_in_train_log(tmp_path):
     # NCCL's watchdog ends a rank stuck in a collective with abort(): no Python handler runs.
     script = f"""
@@ -110,7 +113,7 @@ def test_a_resumed_run_keeps_the_earlier_projector_entries(tmp_path):
 def test_training_sends_validation_embeddings_to_the_projector(tmp_path, tiny_demo):
     from audioclf.data.index import load_index, split_index
     from audioclf.trainer import fit
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
 
     cfg = tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=1", "train.limit_batches=2")
     summary = fit(cfg)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from audioclf.config import LossConfig
 from audioclf.losses import TripletLoss, build_loss
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 WORLD = 2
 MINERS = ["batch_hard", "semi_hard", "all"]
 SPLITS = {"equal": 6, "unequal": 8}  # items on rank 0 out of 12; rank 1 holds the rest
@@ -183,7 +185,7 @@ MARGIN_HEADS = ["arcface", "subcenter_arcface"]
 
 @pytest.fixture(scope="module")
 def margin_rank_results(tmp_path_factory):
-    from tests.distributed_utils import run_in_group
+    from tests.helpers import run_in_group
 
     return run_in_group(_margin_head_steps, tmp_path_factory.mktemp("margin"), MARGIN_HEADS)
 

@@ -17,7 +17,7 @@ from audioclf.optim import (
     lr_scale,
 )
 from audioclf.precision import resolve_precision
-from tests.test_engine import Linear, mse, run_epoch
+from tests.helpers import Linear, mse, run_epoch
 
 CPU = torch.device("cpu")
 STUBS = Path(__file__).parent / "stubs"

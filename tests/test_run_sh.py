@@ -10,9 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from audioclf import checkpoint
 from audioclf.config import save_config
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from audioclf import checkpoint
-from tests.conftest import tiny_config
-from tests.helpers import make_checkpoint
+from tests.helpers import make_checkpoint, tiny_config
 
 
 class Payload:

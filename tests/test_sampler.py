@@ -322,6 +322,7 @@ def test_dataloader_yields_the_sampler_batches(index):
     assert [rows.tolist() for (rows,) in loader] == expected
 
 
+@pytest.mark.slow
 def test_output_does_not_depend_on_python_hash_seed():
     script = (
         "import json\n"

@@ -21,6 +21,8 @@ import torch.multiprocessing as mp
 
 from audioclf.sampler import MPerClassSampler
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 WORLD_SIZE = 2
 TIMEOUT_S = 60
 

@@ -17,8 +17,7 @@ import pytest
 
 from audioclf import checkpoint
 from audioclf.launch import _first_host, env_ranks
-from tests.conftest import tiny_config
-from tests.test_train import _cli
+from tests.helpers import cli_args, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -117,6 +116,7 @@ def test_srun_task_takes_slurm_ranks_and_exports_the_rendezvous(launch_env):
     assert env_ranks() == (3, 1, 4)
 
 
+@pytest.mark.slow
 def test_torchrun_variables_win_over_slurm(launch_env):
     # torchrun started by srun (the sbatch template): the task sees both.
     launch_env(**srun_task(0, 2, 0), RANK="5", WORLD_SIZE="8", LOCAL_RANK="1")
@@ -163,6 +163,7 @@ def test_single_task_allocation_is_one_process(launch_env):
     assert "MASTER_ADDR" not in os.environ and "RANK" not in os.environ
 
 
+@pytest.mark.slow
 def test_batch_script_of_a_multi_task_job_trains_alone_and_says_why(launch_env, caplog):
     # The sbatch script itself (or an salloc shell) has SLURM_PROCID=0 and the allocation's
     # task count, but no step: its peers were never started.
@@ -194,13 +195,14 @@ def _unused_job_id() -> int:
     raise RuntimeError("no free port in 10000-29999")
 
 
+@pytest.mark.slow
 def test_two_srun_tasks_train_with_only_slurm_variables(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
                       "train.limit_batches=2")
     base = dict(_without_launchers(dict(os.environ)), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                 SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="127.0.0.1",
                 SLURM_JOB_ID=str(_unused_job_id()))
-    procs = [subprocess.Popen([sys.executable, "-m", "audioclf.train", *_cli(cfg)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "audioclf.train", *cli_args(cfg)], cwd=ROOT,
                               env=dict(base, SLURM_PROCID=str(task), SLURM_LOCALID=str(task)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for task in range(2)]
@@ -223,6 +225,7 @@ def run_sbatch(*args: str, env: dict | None = None, **kwargs) -> subprocess.Comp
                           **kwargs)
 
 
+@pytest.mark.slow
 def test_sbatch_script_parses_and_asks_for_what_a_requeue_needs():
     assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
     directives = [line for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
@@ -231,6 +234,7 @@ def test_sbatch_script_parses_and_asks_for_what_a_requeue_needs():
         assert any(wanted in line for line in directives), wanted
 
 
+@pytest.mark.slow
 def test_dry_run_outside_slurm_prints_a_local_torchrun():
     out = run_sbatch("configs/cnn.yaml", "train.name=x", "sampler.m=4", env={"DRY_RUN": "1"})
     assert out.returncode == 0, out.stderr
@@ -241,6 +245,7 @@ def test_dry_run_outside_slurm_prints_a_local_torchrun():
                             "train.name=x sampler.m=4")
 
 
+@pytest.mark.slow
 def test_dry_run_in_a_job_rendezvous_on_the_first_node(tmp_path):
     env = {"DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu[07-08],cpu1", "SLURM_NNODES": "3",
            "SLURM_JOB_ID": "123456", "SLURM_GPUS_ON_NODE": "8",
@@ -254,6 +259,7 @@ def test_dry_run_in_a_job_rendezvous_on_the_first_node(tmp_path):
     assert command.endswith(r"checkpoint.resume=auto train.name=big\ run")
 
 
+@pytest.mark.slow
 def test_sbatch_without_a_config_or_outside_a_job_says_how():
     assert "usage: sbatch scripts/slurm/train.sbatch CONFIG" in run_sbatch().stderr
     missing = run_sbatch("configs/nope.yaml", env={"DRY_RUN": "1"})
@@ -276,6 +282,7 @@ if [[ $1 == show ]]; then echo node01; echo node02; else echo "scontrol $*" >> "
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)])
 def test_time_limit_signal_stops_the_step_then_requeues(tmp_path, sig, requeued):
     """USR1 (time limit near) and TERM both reach the training step through scancel — never

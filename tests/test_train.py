@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,8 +13,7 @@ import torch
 
 from audioclf import checkpoint
 from audioclf.config import Config
-from tests.conftest import tiny_config
-from tests.distributed_utils import free_port, run_in_group
+from tests.helpers import child_env, cli_args, free_port, run_group, run_in_group, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +39,7 @@ def untrained_metrics(cfg: Config) -> dict:
     return retrieval_summary(emb, labels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["cnn", "conformer"])
 def test_ddp_training_learns_and_ranks_stay_identical(tmp_path, tiny_demo, model):
     epochs, lr = {"cnn": (6, 0.003), "conformer": (24, 0.007)}[model]
@@ -101,46 +99,11 @@ def test_mid_epoch_stop_and_resume_continues_the_same_batches(tmp_path, tiny_dem
     assert resumed["parameters_sha256"] == straight["parameters_sha256"]
 
 
-def _cli(config: Config) -> list[str]:
-    """The config as command-line overrides for `python -m audioclf.train`."""
-    from audioclf.config import to_dict
-
-    def text(value) -> str:
-        if isinstance(value, (list, tuple)):
-            return json.dumps(list(value))
-        return "null" if value is None else str(value)
-
-    out = []
-    for section, values in to_dict(config).items():
-        for key, value in values.items():
-            if isinstance(value, dict):
-                out += [f"{section}.{key}.{k}={text(v)}" for k, v in value.items()]
-            else:
-                out.append(f"{section}.{key}={text(value)}")
-    return [o for o in out if not o.endswith("=")]
-
-
-def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
-    """Run a launcher in its own session; on timeout kill the whole group (no orphan workers)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return -9, out + f"\n[timed out after {timeout} s]"
-    return proc.returncode, out
-
-
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-
-
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
-    proc = subprocess.Popen([sys.executable, "-m", "audioclf.train", *_cli(cfg)], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "audioclf.train", *cli_args(cfg)], cwd=ROOT,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     log = tmp_path / "runs" / "t" / "train.log"
     try:
         deadline = time.time() + 120
@@ -158,8 +121,8 @@ def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, ti
 
 
 def _start_training(cfg: Config) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "audioclf.train", *_cli(cfg)], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "audioclf.train", *cli_args(cfg)], cwd=ROOT,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(log: Path, text: str, seconds: float = 120) -> None:
@@ -169,6 +132,7 @@ def _wait_for(log: Path, text: str, seconds: float = 120) -> None:
     assert text in log.read_text()
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_live_run_folder_stops_before_writing(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
     first = _start_training(cfg)
@@ -177,8 +141,8 @@ def test_a_second_run_into_a_live_run_folder_stops_before_writing(tmp_path, tiny
         _wait_for(run_dir / "train.log", "epoch 1/100")
         for extra in ([], ["checkpoint.resume=auto"]):
             second = subprocess.run(
-                [sys.executable, "-m", "audioclf.train", *_cli(cfg), *extra], cwd=ROOT,
-                env=_env(), capture_output=True, text=True, timeout=120)
+                [sys.executable, "-m", "audioclf.train", *cli_args(cfg), *extra], cwd=ROOT,
+                env=child_env(), capture_output=True, text=True, timeout=120)
             lines = second.stderr.strip().splitlines()
             assert second.returncode == 2, second.stderr[-2000:]
             assert lines[-1].startswith("python -m audioclf.train: error: run folder ")
@@ -193,6 +157,7 @@ def test_a_second_run_into_a_live_run_folder_stops_before_writing(tmp_path, tiny
     assert (run_dir / "train.log").read_text().count("run directory ") == 1
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_a_clean_stop_with_status_130(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
     proc = _start_training(cfg)
@@ -212,6 +177,7 @@ def test_ctrl_c_is_a_clean_stop_with_status_130(tmp_path, tiny_demo):
     assert not (run_dir / "best.pt").exists()  # no partial epoch stands in for the best
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=2", "eval.every=0",
                       "checkpoint.every_steps=2", "checkpoint.resume=auto")
@@ -219,8 +185,8 @@ def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
            "--max-restarts=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
            "--rdzv_id=restart-test", "-m", "tests.train_hooks", "--crash-at-step=3", "--",
-           *_cli(cfg)]
-    returncode, output = run_group(cmd, _env(), timeout=300)
+           *cli_args(cfg)]
+    returncode, output = run_group(cmd, child_env(), timeout=300)
     assert returncode == 0, output[-4000:]
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "test fault injection: crashing at step 3" in log
@@ -228,17 +194,18 @@ def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
     assert len((tmp_path / "runs" / "t" / "metrics.csv").read_text().strip().splitlines()) == 3
 
 
+@pytest.mark.slow
 def test_legacy_local_rank_launch(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
                       "train.limit_batches=2")
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        env = dict(child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE="2")
         env.pop("LOCAL_RANK", None)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "audioclf.train", f"--local_rank={rank}", *_cli(cfg)],
+            [sys.executable, "-m", "audioclf.train", f"--local_rank={rank}", *cli_args(cfg)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outs = [p.communicate(timeout=180)[0] for p in procs]
@@ -250,6 +217,7 @@ def test_legacy_local_rank_launch(tmp_path, tiny_demo):
     assert "rank 0 of 2" in log
 
 
+@pytest.mark.slow
 def test_dataloader_workers_do_not_change_the_run(tmp_path, tiny_demo):
     # Crops are seeded per (epoch, batch, slot), not by worker RNG: 0 or 2 workers, same run.
     runs = [_fit_single(tiny_config(tiny_demo, tmp_path / str(w), "cnn", "train.epochs=2",
