@@ -1,29 +1,45 @@
-"""Benchmark: retrieval quality on real spoken words, a trained config against an MFCC baseline.
+"""Benchmark: retrieval quality on real speech and real sounds, a trained config against MFCC.
 
-Run from the repository root (needs `espeak-ng`; `flite` adds the other-engine column):
+Run from the repository root (speech needs `espeak-ng`, `flite` adds its other-engine column;
+sounds needs `apt-get install fluidsynth timidity fluid-soundfont-gm minuet-data
+timgm6mb-soundfont freepats`):
 
-    .venv/bin/python benchmarks/quality.py --config configs/demo_cnn.yaml
+    .venv/bin/python benchmarks/quality.py --config configs/demo_cnn.yaml   # both domains
+    .venv/bin/python benchmarks/quality.py --config configs/demo_cnn.yaml --domain sounds --seed 1
     .venv/bin/python benchmarks/quality.py --config configs/demo_cnn.yaml --skip-train   # re-evaluate
     .venv/bin/python benchmarks/quality.py --checkpoint runs/x/best.pt --name x       # any checkpoint
 
-1. Data: builds (or reuses) a spoken-word set with espeak-ng in --data (see
-   benchmarks/tts_words.py): 40 training words and 20 held-out words, 14 training voices (3 of
-   them the validation split) and 6 held-out voices, 4 speed/pitch variants per word and voice.
-   Words are the classes; an item is one word said by one voice.
+Each domain (--domain speech, sounds or both, the default) is its own benchmark: its own
+dataset, its own training run, its own table.
+
+1. Data: builds (or reuses) each domain's set in --data. Speech (benchmarks/tts_words.py): 40
+   training words and 20 held-out words said by espeak-ng, 14 training voices (3 of them the
+   validation split) and 6 held-out voices, 4 speed/pitch variants per word and voice; words are
+   the classes, an item is one word said by one voice. Sounds (benchmarks/sound_sources.py, in
+   --data/sounds): recorded instrument notes from four General-MIDI sound banks (FluidR3 and
+   GeneralUser GS for training, TimGM6mb and FreePats held out), 37 training instruments (18 of
+   them also played by the held-out banks) and 15 held-out ones, 45 notes per instrument and
+   bank; instruments are the classes, an item is one instrument in one bank, and validation is
+   4 of the 15 pitches of each training item (cross-bank, on pitches training did not play).
 2. Train: `./run.sh --nproc N CONFIG data.index=<train.xlsx> train.name=NAME
-   train.runs_dir=RUNS [--set overrides]`, timed by the wall clock (the log goes to
-   RUNS/NAME.train.log; INFO lines are echoed). A run folder that already holds last.pt is not
-   overwritten: use --skip-train to evaluate it, or another --name.
-3. Evaluate `best.pt` on three sets, each on its own: known words said by unseen voices,
-   unseen words by unseen voices, and unseen words said by flite (another engine). The metric
-   is cross-item retrieval (audioclf.metrics.retrieval_metrics with items=a_item): every clip
-   queries the other clips of its set, its own word+voice item excluded, so a hit is the same
-   word said by another voice. The sets differ in size, so compare models within a column,
-   not columns: chance P@1 is about 0.02 for the known words (40 words) and 0.04 for the other
-   two sets (20 words). The baseline, computed in the same run, is untrained: 30 MFCC
-   coefficients' mean and std over time, standardised with the training clips' statistics.
-4. Prints a Markdown table (train time, P@1 and MAP@R per set) and writes it, with R-precision
-   and set sizes, as JSON to --out.
+   train.runs_dir=RUNS [--set overrides] [train.seed=SEED]` on that domain's training sheet,
+   timed by the wall clock (the log goes to RUNS/NAME.train.log; INFO lines are echoed). Speech
+   runs live in RUNS/NAME, sounds runs in RUNS/sounds/NAME. A run folder that already holds
+   last.pt is not overwritten: use --skip-train to evaluate it, or another --name.
+3. Evaluate `best.pt` on the domain's held-out sets, each on its own. Speech: known words said
+   by unseen voices, unseen words by unseen voices, and unseen words said by flite (another
+   engine). Sounds: training instruments played by the held-out banks, held-out instruments by
+   the training banks, and held-out instruments by the held-out banks. The metric is cross-item
+   retrieval (audioclf.metrics.retrieval_metrics with items=a_item): every clip queries the other
+   clips of its set, its own item excluded, so a hit is the same word said by another voice, or
+   the same instrument recorded for another bank. The sets differ in size, so compare models
+   within a column, not columns: chance P@1 is about 0.02 for the known words (40 words), 0.04
+   for the other speech sets (20 words), 0.06 and 0.07 for the sounds sets (18 and 15
+   instruments). The baseline, computed in the same run, is untrained: 30 MFCC coefficients'
+   mean and std over time, standardised with the domain's training clips' statistics. With
+   --checkpoint, that one model is evaluated on every selected domain.
+4. Prints a Markdown table per domain (train time, P@1 and MAP@R per set) and writes them, with
+   R-precision and set sizes, as JSON to --out (one "domains" entry per domain).
 """
 
 from __future__ import annotations
@@ -35,6 +51,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +65,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import sound_sources  # noqa: E402
 import tts_words  # noqa: E402
 
 from audioclf.metrics import retrieval_metrics  # noqa: E402
 
-EVAL_SETS = {  # tts_words sheet key -> column title
-    "known": "known words, unseen voices",
-    "unseen": "unseen words + voices",
-    "other_engine": "other engine (flite)",
-}
 N_MFCC = 30
 MFCC_ROW = "MFCC mean+std (untrained)"
 # Console lines of the training run worth echoing: the logger's "<date> <time> LEVEL ..." lines.
@@ -71,14 +85,71 @@ class BenchmarkError(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------------
+# Domains
+
+
+@dataclass(frozen=True)
+class Domain:
+    """One benchmark domain: how its sets are built and what its table calls them."""
+
+    key: str
+    title: str
+    eval_sets: dict[str, str]  # sheet key -> column title, in table order
+    class_noun: str  # what set_sizes calls the classes
+    runs_subdir: str  # under --runs-dir; "" for speech, whose runs stayed where they were
+    item_noun: str  # for the JSON's metric line
+    build: Callable[[argparse.Namespace], dict[str, Path]]  # {sheet key: sheet} of what exists
+    check_tools: Callable[[], None]  # raises BenchmarkError when a needed program is missing
+
+
+def check_speech_tools() -> None:
+    if shutil.which("espeak-ng") is None:
+        raise BenchmarkError("espeak-ng is not installed; run `apt-get install espeak-ng flite` "
+                             "(flite for the other-engine column)")
+    if shutil.which("flite") is None:
+        say("flite is not installed: the other-engine column is skipped (apt-get install flite)")
+
+
+def build_speech(args) -> dict[str, Path]:
+    return tts_words.build(args.data, seed=args.data_seed, jobs=args.jobs, log=say)
+
+
+def check_sound_tools() -> None:
+    try:
+        sound_sources.find_sources()
+    except sound_sources.ToolMissing as exc:
+        raise BenchmarkError(str(exc)) from None
+
+
+def build_sounds(args) -> dict[str, Path]:
+    return sound_sources.build(args.data / "sounds", seed=args.data_seed, jobs=args.jobs, log=say)
+
+
+DOMAINS = {
+    "speech": Domain(
+        "speech", "spoken words (espeak-ng, flite)",
+        {"known": "known words, unseen voices", "unseen": "unseen words + voices",
+         "other_engine": "other engine (flite)"},
+        "words", "", "word/voice", build_speech, check_speech_tools),
+    "sounds": Domain(
+        "sounds", "recorded instrument notes (General-MIDI sound banks)",
+        {"known_classes_unseen_source": "known instruments, unseen banks",
+         "unseen_classes_train_source": "unseen instruments, training banks",
+         "unseen_classes_unseen_source": "unseen instruments + banks"},
+        "classes", "sounds", "instrument/bank", build_sounds, check_sound_tools),
+}
+
+
+# --------------------------------------------------------------------------------------------
 # Training
 
 
 def train(args, train_sheet: Path, run_dir: Path) -> float:
     """Train through ./run.sh; returns the wall-clock seconds."""
+    seed = [] if args.seed is None else [f"train.seed={args.seed}"]
     command = ["./run.sh", "--nproc", str(args.nproc), str(args.config),
                f"data.index={train_sheet}", f"train.name={run_dir.name}",
-               f"train.runs_dir={run_dir.parent}", *args.set]
+               f"train.runs_dir={run_dir.parent}", *args.set, *seed]
     log_path = run_dir.parent / f"{run_dir.name}.train.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     say(f"training: {' '.join(command)}")
@@ -140,14 +211,14 @@ def mfcc_features(paths: list[str]) -> np.ndarray:
     return features
 
 
-def evaluate(args, sheets: dict[str, Path], checkpoint: Path) -> dict[str, dict]:
+def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) -> dict[str, dict]:
     """{row name: {set key: metrics}} for the MFCC baseline and the trained model."""
     from audioclf.inference import embed_files, load_trained
 
-    sets = {key: read_set(sheets[key]) for key in EVAL_SETS if key in sheets}
+    sets = {key: read_set(sheets[key]) for key in domain.eval_sets if key in sheets}
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
-    say("baseline: MFCC statistics of the training clips (for standardisation)")
+    say(f"{domain.key} baseline: MFCC statistics of the training clips (for standardisation)")
     train_table = read_set(sheets["train"])
     train_features = mfcc_features(train_table.loc[train_table["split"] == "train", "path"].tolist())
     mean, std = train_features.mean(axis=0), train_features.std(axis=0) + 1e-8
@@ -155,7 +226,7 @@ def evaluate(args, sheets: dict[str, Path], checkpoint: Path) -> dict[str, dict]
     for key, table in sets.items():
         features = (mfcc_features(table["path"].tolist()) - mean) / std
         results[MFCC_ROW][key] = cross_item(features, table)
-        say(f"baseline on {EVAL_SETS[key]}: {summary(results[MFCC_ROW][key])}")
+        say(f"baseline on {domain.eval_sets[key]}: {summary(results[MFCC_ROW][key])}")
 
     say(f"model: loading {checkpoint} on {device}")
     net, cfg, ckpt = load_trained(checkpoint, device)
@@ -164,7 +235,7 @@ def evaluate(args, sheets: dict[str, Path], checkpoint: Path) -> dict[str, dict]
         embeddings = embed_files(net, cfg, table["path"].tolist(), batch_size=args.batch_size,
                                  device=device, progress=False)
         results[args.name][key] = cross_item(embeddings, table)
-        say(f"model on {EVAL_SETS[key]}: {summary(results[args.name][key])} "
+        say(f"model on {domain.eval_sets[key]}: {summary(results[args.name][key])} "
             f"({len(table)} clips embedded in {time.perf_counter() - started:.1f} s)")
     return results
 
@@ -179,10 +250,10 @@ def summary(metrics: dict) -> str:
 
 
 def markdown_table(results: dict[str, dict], train_seconds: dict[str, float | None],
-                   set_keys: list[str]) -> str:
+                   eval_sets: dict[str, str], set_keys: list[str]) -> str:
     header = ["model", "train time"]
     for key in set_keys:
-        header += [f"{EVAL_SETS[key]} P@1", "MAP@R"]
+        header += [f"{eval_sets[key]} P@1", "MAP@R"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, per_set in results.items():
         seconds = train_seconds.get(name)
@@ -193,14 +264,78 @@ def markdown_table(results: dict[str, dict], train_seconds: dict[str, float | No
     return "\n".join(lines)
 
 
-def set_sizes(sheets: dict[str, Path]) -> dict[str, dict]:
+def set_sizes(domain: Domain, sheets: dict[str, Path]) -> dict[str, dict]:
     sizes = {}
-    for key in ("train", *EVAL_SETS):
+    for key in ("train", *domain.eval_sets):
         if key in sheets:
             table = pd.read_excel(sheets[key], engine="calamine")
-            sizes[key] = {"clips": len(table), "words": int(table["a_cls"].nunique()),
+            sizes[key] = {"clips": len(table), domain.class_noun: int(table["a_cls"].nunique()),
                           "items": int(table["a_item"].nunique())}
+            if "source" in table:
+                sizes[key]["sources"] = int(table["source"].nunique())
+            if "split" in table:
+                sizes[key]["val_clips"] = int((table["split"] == "val").sum())
     return sizes
+
+
+# --------------------------------------------------------------------------------------------
+# One domain
+
+
+def run_dir_of(args, domain: Domain) -> Path:
+    return args.runs_dir / domain.runs_subdir / args.name
+
+
+def check_not_trained(args, domain: Domain) -> None:
+    run_dir = run_dir_of(args, domain)
+    if args.checkpoint is None and not args.skip_train and (run_dir / "last.pt").exists():
+        raise BenchmarkError(
+            f"{run_dir} already holds a run (last.pt); use --skip-train to evaluate it, "
+            f"--name to train another, or rm -rf {run_dir} to retrain"
+        )
+
+
+def model_for(args, domain: Domain, sheets: dict[str, Path]) -> tuple[Path, float | None]:
+    """(checkpoint to evaluate, its training seconds or None): trains unless told not to."""
+    if args.checkpoint is not None:
+        return args.checkpoint, previous_train_seconds(args.checkpoint.parent)
+    run_dir = run_dir_of(args, domain)
+    checkpoint = run_dir / "best.pt"
+    if not args.skip_train:
+        return checkpoint, train(args, sheets["train"].resolve(), run_dir)
+    if not checkpoint.exists():
+        raise BenchmarkError(f"--skip-train: {checkpoint} does not exist; train first")
+    return checkpoint, previous_train_seconds(run_dir)
+
+
+def run_domain(args, domain: Domain) -> dict:
+    """Build, train (or not), evaluate and print one domain; returns its JSON entry."""
+    say(f"domain {domain.key}: {domain.title}")
+    started = time.perf_counter()
+    sheets = domain.build(args)
+    say(f"dataset ready in {time.perf_counter() - started:.0f} s")
+    checkpoint, train_seconds = model_for(args, domain, sheets)
+    results = evaluate(args, domain, sheets, checkpoint)
+    set_keys = [key for key in domain.eval_sets if key in sheets]
+    table = markdown_table(results, {args.name: train_seconds}, domain.eval_sets, set_keys)
+    print()
+    print(f"{domain.key}: {domain.title}")
+    print()
+    print(table)
+    print()
+    return {
+        "checkpoint": str(checkpoint),
+        "dataset": str(sheets["train"].parent),
+        "set_sizes": set_sizes(domain, sheets),
+        "metric": "cross-item retrieval inside each set (query: every clip; candidates: the "
+                  f"set's clips of other {domain.item_noun} items)",
+        "rows": [
+            {"model": name, "train_seconds": train_seconds if name == args.name else None,
+             "results": per_set}
+            for name, per_set in results.items()
+        ],
+        "markdown": table,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,97 +345,74 @@ def set_sizes(sheets: dict[str, Path]) -> dict[str, dict]:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="training config (e.g. configs/demo_cnn.yaml)")
-    parser.add_argument("--name", help="run name (default: quality_<config file stem>, or the "
-                        "checkpoint's folder name with --checkpoint)")
+    parser.add_argument("--domain", choices=("speech", "sounds", "both"), default="both",
+                        help="which benchmark domain(s) to run (default: %(default)s)")
+    parser.add_argument("--name", help="run name (default: quality_<config file stem>[_seed<N>], "
+                        "or the checkpoint's folder name with --checkpoint)")
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/quality"),
-                        help="parent of the run folder (default: %(default)s)")
+                        help="parent of the run folders (default: %(default)s; sounds runs go "
+                        "in its sounds/ subfolder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override passed to the training run (repeatable), "
                         "e.g. --set train.epochs=5")
+    parser.add_argument("--seed", type=int, help="training seed, passed as train.seed=SEED "
+                        "(default: the config's)")
     parser.add_argument("--nproc", type=int, default=2, help="training processes (default: 2)")
     parser.add_argument("--checkpoint", type=Path, help="evaluate this checkpoint, no training")
     parser.add_argument("--skip-train", action="store_true",
-                        help="evaluate RUNS/NAME/best.pt from an earlier run instead of training")
+                        help="evaluate each domain's RUNS/.../NAME/best.pt from an earlier run")
     parser.add_argument("--data", type=Path, default=Path("data/quality"),
-                        help="dataset cache folder (default: %(default)s); the dataset lives in "
+                        help="dataset cache folder (default: %(default)s); each dataset lives in "
                         "a subfolder named by a hash of its parameters and is reused")
-    parser.add_argument("--seed", type=int, default=0, help="dataset seed (default: 0)")
+    parser.add_argument("--data-seed", type=int, default=0,
+                        help="seed of the datasets' random variants (default: 0)")
     parser.add_argument("--jobs", type=int, choices=(1, 2), default=2,
-                        help="TTS processes at a time while building the dataset (default: 2)")
+                        help="TTS or renderer processes at a time while building a dataset "
+                        "(default: 2)")
     parser.add_argument("--device", default="auto", help="evaluation device: auto, cpu, cuda, cuda:N")
     parser.add_argument("--batch-size", type=int, default=64, help="evaluation batch size")
-    parser.add_argument("--out", type=Path, help="JSON results (default: RUNS/NAME.json)")
+    parser.add_argument("--out", type=Path, help="JSON results (default: RUNS/NAME.json, or "
+                        "RUNS/sounds/NAME.json with --domain sounds)")
     args = parser.parse_args(argv)
+    check_args(parser, args)
+    if args.name is None:
+        seed = "" if args.seed is None else f"_seed{args.seed}"
+        args.name = (f"quality_{args.config.stem}{seed}" if args.checkpoint is None
+                     else args.checkpoint.resolve().parent.name)
+    args.runs_dir = args.runs_dir.resolve()
+    args.domains = [DOMAINS[key] for key in DOMAINS if args.domain in (key, "both")]
+    args.out = args.out or args.runs_dir / args.domains[0].runs_subdir / f"{args.name}.json"
+    return args
+
+
+def check_args(parser, args) -> None:
     if args.checkpoint is None and args.config is None:
         parser.error("give --config to train (or --checkpoint to evaluate a trained model)")
-    if args.checkpoint is not None and (args.skip_train or args.set):
-        parser.error("--checkpoint evaluates an existing model: --skip-train and --set do not apply")
+    if args.checkpoint is not None and (args.skip_train or args.set or args.seed is not None):
+        parser.error("--checkpoint evaluates an existing model: --skip-train, --set and --seed "
+                     "do not apply")
+    if args.seed is not None and any(item.startswith("train.seed=") for item in args.set):
+        parser.error("give the training seed once: --seed N or --set train.seed=N")
     if args.config is not None and not args.config.is_file():
         parser.error(f"--config {args.config} does not exist")
     if args.checkpoint is not None and not args.checkpoint.is_file():
         parser.error(f"--checkpoint {args.checkpoint} does not exist")
-    if args.name is None:
-        args.name = (f"quality_{args.config.stem}" if args.checkpoint is None
-                     else args.checkpoint.resolve().parent.name)
-    args.runs_dir = args.runs_dir.resolve()
-    args.out = args.out or args.runs_dir / f"{args.name}.json"
-    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if shutil.which("espeak-ng") is None:
-        print("quality: espeak-ng is not installed; run `apt-get install espeak-ng flite` "
-              "(flite for the other-engine column)")
-        return 2
-    if shutil.which("flite") is None:
-        say("flite is not installed: the other-engine column is skipped (apt-get install flite)")
-
-    run_dir = args.runs_dir / args.name
-    if args.checkpoint is None and not args.skip_train and (run_dir / "last.pt").exists():
-        raise BenchmarkError(
-            f"{run_dir} already holds a run (last.pt); use --skip-train to evaluate it, "
-            f"--name to train another, or rm -rf {run_dir} to retrain"
-        )
-
-    started = time.perf_counter()
-    sheets = tts_words.build(args.data, seed=args.seed, jobs=args.jobs, log=say)
-    say(f"dataset ready in {time.perf_counter() - started:.0f} s")
-
-    if args.checkpoint is not None:
-        checkpoint = args.checkpoint
-        train_seconds = previous_train_seconds(checkpoint.parent)
-    else:
-        checkpoint = run_dir / "best.pt"
-        if args.skip_train:
-            if not checkpoint.exists():
-                raise BenchmarkError(f"--skip-train: {checkpoint} does not exist; train first")
-            train_seconds = previous_train_seconds(run_dir)
-        else:
-            train_seconds = train(args, sheets["train"].resolve(), run_dir)
-
-    results = evaluate(args, sheets, checkpoint)
-    set_keys = [key for key in EVAL_SETS if key in sheets]
-    table = markdown_table(results, {args.name: train_seconds}, set_keys)
-    print()
-    print(table)
-    print()
+    for domain in args.domains:  # every check before the first minute of work
+        domain.check_tools()
+        check_not_trained(args, domain)
     report = {
         "name": args.name,
         "config": str(args.config) if args.config else None,
         "overrides": args.set,
-        "checkpoint": str(checkpoint),
-        "dataset": str(sheets["train"].parent),
-        "set_sizes": set_sizes(sheets),
-        "metric": "cross-item retrieval inside each set (query: every clip; candidates: the "
-                  "set's clips of other word/voice items)",
-        "rows": [
-            {"model": name, "train_seconds": train_seconds if name == args.name else None,
-             "results": per_set}
-            for name, per_set in results.items()
-        ],
-        "markdown": table,
+        "seed": args.seed,
+        "domains": {},
     }
+    for domain in args.domains:
+        report["domains"][domain.key] = run_domain(args, domain)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     say(f"wrote {args.out}")
