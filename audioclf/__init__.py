@@ -1,3 +1,3 @@
 """audioclf: audio embedding classifiers (CNN / Conformer) trained with triplet loss under DDP."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -32,8 +32,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torchaudio
 
-from audioclf import distributed
+from audioclf import __version__, distributed
 from audioclf.fileio import atomic_copy, atomic_write
 
 log = logging.getLogger("audioclf")
@@ -47,10 +48,6 @@ class CheckpointError(ValueError):
 
 
 def library_versions() -> dict[str, str]:
-    import torchaudio
-
-    from audioclf import __version__
-
     return {  # str(): torch's TorchVersion is a str subclass that weights_only does not build
         "audioclf": str(__version__),
         "torch": str(torch.__version__),
@@ -69,9 +66,13 @@ def rng_state(device: torch.device | None = None) -> dict[str, Any]:
     name, keys, position, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"bit_generator": name, "keys": torch.from_numpy(keys.astype(np.int64)),
-                  "position": int(position), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(gauss)},
+        "numpy": {
+            "bit_generator": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
         "torch": torch.get_rng_state(),
     }
     if device is not None and device.type == "cuda":
@@ -83,9 +84,13 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
     random.setstate(state["python"])
     numpy_state = state["numpy"]
     if isinstance(numpy_state, dict):
-        numpy_state = (numpy_state["bit_generator"],
-                       numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
-                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+        numpy_state = (
+            numpy_state["bit_generator"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["position"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
     np.random.set_state(numpy_state)  # a tuple with an ndarray in checkpoints of audioclf 0.1
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
@@ -123,8 +128,12 @@ class RankRNG:
         if len(states) == self.world_size:
             set_rng_state(states[self.rank], self.device)
         else:
-            log.warning("resuming with %d ranks from a %d-rank checkpoint: random streams are "
-                        "reseeded, so the run is not bit-identical", self.world_size, len(states))
+            log.warning(
+                "resuming with %d ranks from a %d-rank checkpoint: random streams are "
+                "reseeded, so the run is not bit-identical",
+                self.world_size,
+                len(states),
+            )
 
 
 class ScalerState:
@@ -155,8 +164,15 @@ class Checkpointer:
     gathered) — and rank 0 alone writes.
     """
 
-    def __init__(self, saver: CheckpointSaver, *, states: dict[str, Stateful],
-                 flat: list[Stateful], meta: Callable[[], dict], primary: bool):
+    def __init__(
+        self,
+        saver: CheckpointSaver,
+        *,
+        states: dict[str, Stateful],
+        flat: list[Stateful],
+        meta: Callable[[], dict],
+        primary: bool,
+    ):
         self.saver = saver
         self.states = states
         self.flat = flat
@@ -197,16 +213,25 @@ def save_atomic(obj: dict, path: str | Path) -> Path:
 
 # Data-only constructors that checkpoints of audioclf 0.1 hold (numpy RNG states): they build
 # arrays and dtypes and cannot run code, so every weights_only load accepts them.
-_NUMPY_ARRAYS = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np.dtypes.Float64DType,
-                 np.dtypes.Int64DType, getattr(np, "_core", np.core).multiarray._reconstruct,
-                 getattr(np, "_core", np.core).multiarray.scalar]
+_NUMPY_ARRAYS = [
+    np.ndarray,
+    np.dtype,
+    np.dtypes.UInt32DType,
+    np.dtypes.Float64DType,
+    np.dtypes.Int64DType,
+    getattr(np, "_core", np.core).multiarray._reconstruct,
+    getattr(np, "_core", np.core).multiarray.scalar,
+]
 _OTHER_CHECKPOINT = "use another checkpoint of the run (last.pt, best.pt, epoch_*.pt)"
-TRUST_HINT = ("if you trust the file and its source, load it with --trust-checkpoint "
-              "(training: checkpoint.trust=true)")
+TRUST_HINT = (
+    "if you trust the file and its source, load it with --trust-checkpoint "
+    "(training: checkpoint.trust=true)"
+)
 
 
-def load(path: str | Path, map_location: str | torch.device = "cpu", *,
-         trust: bool = False) -> dict:
+def load(
+    path: str | Path, map_location: str | torch.device = "cpu", *, trust: bool = False
+) -> dict:
     """Read a checkpoint written by audioclf; a clear error when missing, corrupt or foreign.
 
     weights_only unless `trust`: a file that needs more than tensors and plain data (a foreign
@@ -220,8 +245,10 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", *,
             ckpt = torch.load(path, map_location=map_location, weights_only=not trust)
     except pickle.UnpicklingError as exc:
         if "GLOBAL" not in str(exc):  # not a refused object: a damaged file
-            raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(exc)}); it may be "
-                                  f"truncated — {_OTHER_CHECKPOINT}") from None
+            raise CheckpointError(
+                f"checkpoint {path} cannot be read ({_reason(exc)}); it may be "
+                f"truncated — {_OTHER_CHECKPOINT}"
+            ) from None
         raise CheckpointError(
             f"checkpoint {path} holds Python objects beyond tensors and plain data "
             f"({_first_global(exc)}), which could run code when loaded, so it was not loaded; "
@@ -264,9 +291,13 @@ class CheckpointSaver:
 
     def save_last(self, state: dict) -> Path:
         """last.pt; refused (CheckpointError, nothing written) when a model tensor is not finite."""
-        bad = [name for name, tensor in state.get("model", {}).items()
-               if torch.is_tensor(tensor) and tensor.is_floating_point()
-               and not bool(torch.isfinite(tensor).all())]
+        bad = [
+            name
+            for name, tensor in state.get("model", {}).items()
+            if torch.is_tensor(tensor)
+            and tensor.is_floating_point()
+            and not bool(torch.isfinite(tensor).all())
+        ]
         if bad:
             raise CheckpointError(
                 f"refusing to write {self.run_dir / LAST}: {len(bad)} model tensor(s) hold NaN or "

@@ -73,10 +73,13 @@ def run_cli(prog: str, run: Callable[[], int]) -> int:
 
 def add_trust_flag(parser) -> None:
     """--trust-checkpoint: the opt-in audioclf.checkpoint.load's refusal names."""
-    parser.add_argument("--trust-checkpoint", action="store_true",
-                        help="load a checkpoint that holds more than tensors and plain data "
-                        "(its Python objects can run code while loading): only for a file you "
-                        "trust")
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load a checkpoint that holds more than tensors and plain data "
+        "(its Python objects can run code while loading): only for a file you "
+        "trust",
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,14 +89,18 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"--device {name!r} is not a device; use cpu, cuda, cuda:N or auto") from None
+        raise UsageError(
+            f"--device {name!r} is not a device; use cpu, cuda, cuda:N or auto"
+        ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {name} was requested but CUDA is not available here; "
-                             "use --device cpu")
+            raise UsageError(
+                f"--device {name} was requested but CUDA is not available here; use --device cpu"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} "
-                             "CUDA device(s)")
+            raise UsageError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     elif device.type != "cpu":
         raise UsageError(f"--device {name!r} is not supported; use cpu, cuda, cuda:N or auto")
     return device

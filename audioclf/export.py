@@ -55,31 +55,57 @@ PROG = "python -m audioclf.export"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="audioclf checkpoint (e.g. runs/<name>/best.pt)")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="audioclf checkpoint (e.g. runs/<name>/best.pt)",
+    )
     parser.add_argument("--format", required=True, choices=FORMATS, help="artefact format")
-    parser.add_argument("--out", required=True, type=Path,
-                        help="artefact path; the sidecar goes to <out>.json")
-    parser.add_argument("--no-frontend", action="store_true",
-                        help="take log-mel features instead of waveforms (torchscript, onnx)")
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET,
-                        help=f"ONNX opset (default {DEFAULT_OPSET}, the lowest the exporter writes)")
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                        help=f"max abs difference allowed by the parity check (default "
-                             f"{DEFAULT_TOLERANCE:g})")
-    parser.add_argument("--model-name", choices=choices(ModelConfig, "name"),
-                        help="fail unless the checkpoint holds this model")
+    parser.add_argument(
+        "--out", required=True, type=Path, help="artefact path; the sidecar goes to <out>.json"
+    )
+    parser.add_argument(
+        "--no-frontend",
+        action="store_true",
+        help="take log-mel features instead of waveforms (torchscript, onnx)",
+    )
+    parser.add_argument(
+        "--opset",
+        type=int,
+        default=DEFAULT_OPSET,
+        help=f"ONNX opset (default {DEFAULT_OPSET}, the lowest the exporter writes)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help=f"max abs difference allowed by the parity check (default {DEFAULT_TOLERANCE:g})",
+    )
+    parser.add_argument(
+        "--model-name",
+        choices=choices(ModelConfig, "name"),
+        help="fail unless the checkpoint holds this model",
+    )
     add_trust_flag(parser)
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        meta = export_model(args.checkpoint, args.format, args.out, frontend=not args.no_frontend,
-                            opset=args.opset, tolerance=args.tolerance,
-                            model_name=args.model_name, trust=args.trust_checkpoint)
+        meta = export_model(
+            args.checkpoint,
+            args.format,
+            args.out,
+            frontend=not args.no_frontend,
+            opset=args.opset,
+            tolerance=args.tolerance,
+            model_name=args.model_name,
+            trust=args.trust_checkpoint,
+        )
     except ParityError as exc:
         print(f"{PROG}: parity check failed: {exc}", file=sys.stderr)
         return 1
@@ -90,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if meta.classes:
         outputs += f" and logits of {len(meta.classes)} classes"
     print(f"exported {meta.format} ({meta.input_kind} input, {outputs}) to {args.out}")
-    print(f"parity: max abs difference {meta.parity['max_abs_diff']:.3g} on inputs {shapes} "
-          f"(tolerance {meta.parity['tolerance']:g})")
+    print(
+        f"parity: max abs difference {meta.parity['max_abs_diff']:.3g} on inputs {shapes} "
+        f"(tolerance {meta.parity['tolerance']:g})"
+    )
     print(f"sidecar: {sidecar_path(args.out)}")
     return 0
 

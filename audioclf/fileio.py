@@ -30,8 +30,9 @@ class DiskWriteError(OSError):
 _TORCH_WRITE_FAILURES = ("PytorchStreamWriter", "inline_container", "unexpected pos")
 
 
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None], *,
-                 sync: bool = False) -> Path:
+def atomic_write(
+    path: str | Path, write: Callable[[IO[bytes]], None], *, sync: bool = False
+) -> Path:
     """Call write(handle) on a temporary file, fsync it when `sync`, then move it to `path`.
 
     A write that fails on the disk (ENOSPC, EROFS, EACCES, ...) raises DiskWriteError; the
@@ -50,12 +51,15 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None], *,
     except OSError as exc:
         if isinstance(exc, DiskWriteError):
             raise
-        raise DiskWriteError(exc.errno, write_failure_message(path, exc.strerror or str(exc))) from exc
+        raise DiskWriteError(
+            exc.errno, write_failure_message(path, exc.strerror or str(exc))
+        ) from exc
     except RuntimeError as exc:
         if not any(marker in str(exc) for marker in _TORCH_WRITE_FAILURES):
             raise
-        raise DiskWriteError(errno.EIO, write_failure_message(
-            path, "the write stopped short (is the disk full?)")) from exc
+        raise DiskWriteError(
+            errno.EIO, write_failure_message(path, "the write stopped short (is the disk full?)")
+        ) from exc
     finally:
         try:
             tmp.unlink(missing_ok=True)
@@ -71,8 +75,10 @@ def write_failure_message(path: Path, reason: str) -> str:
     except OSError:
         free = f"free space on {folder} unknown"
     kept = "the previous file is unchanged" if path.exists() else "nothing was written"
-    return (f"cannot write {path}: {reason} ({free}); {kept}. Free some space or write to "
-            "another folder (train.runs_dir, --out)")
+    return (
+        f"cannot write {path}: {reason} ({free}); {kept}. Free some space or write to "
+        "another folder (train.runs_dir, --out)"
+    )
 
 
 def remove_stale_temps(folder: str | Path) -> list[Path]:

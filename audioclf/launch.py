@@ -30,7 +30,9 @@ def env_ranks(local_rank_arg: int | None = None) -> tuple[int, int, int]:
             return slurm
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
+    local_rank = int(
+        os.environ.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0)
+    )
     return rank, local_rank, world_size
 
 
@@ -52,7 +54,8 @@ def _slurm_ranks() -> tuple[int, int, int] | None:
                 "SLURM_NTASKS=%d but this process was not started by srun (no SLURM_STEP_ID): "
                 "training in one process. Start one task per GPU with `srun python -m "
                 "audioclf.train ...`, or one torchrun per node (scripts/slurm/train.sbatch)",
-                world_size)
+                world_size,
+            )
         return None
     if world_size == 1:
         return None
@@ -80,8 +83,10 @@ def _slurm_master_addr() -> str:
         nodelist = os.environ.get(name, "").strip()
         if nodelist:
             return _first_host(nodelist) or _scontrol_first_host(nodelist)
-    raise RuntimeError("started by srun, but SLURM_JOB_NODELIST is not set: set MASTER_ADDR to "
-                       "the address of the node that runs SLURM_PROCID=0")
+    raise RuntimeError(
+        "started by srun, but SLURM_JOB_NODELIST is not set: set MASTER_ADDR to "
+        "the address of the node that runs SLURM_PROCID=0"
+    )
 
 
 def _first_host(nodelist: str) -> str | None:
@@ -92,8 +97,9 @@ def _first_host(nodelist: str) -> str | None:
         if rest[0] == "[":
             ranges, closed, rest = rest[1:].partition("]")
             bounds = [part.split("-") for part in ranges.split(",")]
-            if not closed or not all(len(b) <= 2 and all(x.isascii() and x.isdigit() for x in b)
-                                     for b in bounds):
+            if not closed or not all(
+                len(b) <= 2 and all(x.isascii() and x.isdigit() for x in b) for b in bounds
+            ):
                 return None
             host += bounds[0][0]  # as written: keeps the zero padding of "gpu[01-04]"
         elif rest[0] == "]" or rest[0].isspace():
@@ -106,15 +112,21 @@ def _first_host(nodelist: str) -> str | None:
 def _scontrol_first_host(nodelist: str) -> str:
     """First host of a node list that _first_host could not read, from `scontrol show hostnames`."""
     try:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                               text=True, timeout=60, check=True).stdout.split()
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         hosts = []
     if not hosts:
         raise RuntimeError(
             f"cannot read the first host of the SLURM node list {nodelist!r}, and `scontrol show "
             "hostnames` gave none: set MASTER_ADDR to the address of the node that runs "
-            "SLURM_PROCID=0")
+            "SLURM_PROCID=0"
+        )
     return hosts[0]
 
 

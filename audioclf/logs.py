@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from audioclf.cli import one_line  # a worker's error carries its whole traceback as text
 from audioclf.data.index import stratified_subset
 from audioclf.fileio import DiskWriteError, atomic_write_bytes, tsv_cell, write_failure_message
 from audioclf.metrics import RETRIEVAL_KEYS
 
 log = logging.getLogger("audioclf")
-
 
 
 @dataclass
@@ -100,7 +100,7 @@ class MetricsWriter:
         if not self.csv_path.exists():
             atomic_write_bytes(self.csv_path, (",".join(METRIC_COLUMNS) + "\r\n").encode())
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
             _restore_projector_config(self.tb)
@@ -119,16 +119,26 @@ class MetricsWriter:
             with open(self.csv_path, "a", newline="") as fh:
                 csv.writer(fh).writerow([_fmt(row.get(c, "")) for c in METRIC_COLUMNS])
         except OSError as exc:
-            raise DiskWriteError(exc.errno, write_failure_message(
-                self.csv_path, exc.strerror or str(exc))) from exc
+            raise DiskWriteError(
+                exc.errno, write_failure_message(self.csv_path, exc.strerror or str(exc))
+            ) from exc
         for key, value in row.items():
             if key not in ("epoch", "step") and isinstance(value, (int, float)):
                 self.scalar(f"epoch/{key}", value, row["epoch"])
         if self.tb is not None:
             self.tb.flush()
 
-    def projector(self, embeddings: np.ndarray, classes: Sequence[str], items: Sequence[str], *,
-                  epoch: int, step: int, limit: int = PROJECTOR_POINTS, seed: int = 0) -> int:
+    def projector(
+        self,
+        embeddings: np.ndarray,
+        classes: Sequence[str],
+        items: Sequence[str],
+        *,
+        epoch: int,
+        step: int,
+        limit: int = PROJECTOR_POINTS,
+        seed: int = 0,
+    ) -> int:
         """Validation embeddings [N, D] into TensorBoard's projector, tagged
         "validation/epoch_<epoch>" at `step`, with [class, item] metadata per point.
 
@@ -141,20 +151,31 @@ class MetricsWriter:
             return 0
         classes, items = np.asarray(classes, dtype=str), np.asarray(items, dtype=str)
         if not len(embeddings) == len(classes) == len(items):
-            raise ValueError(f"projector: {len(embeddings)} embeddings, {len(classes)} classes "
-                             f"and {len(items)} items; give one class and item per embedding")
+            raise ValueError(
+                f"projector: {len(embeddings)} embeddings, {len(classes)} classes "
+                f"and {len(items)} items; give one class and item per embedding"
+            )
         keep = stratified_subset(pd.factorize(classes)[0], limit, seed)
         points = np.round(np.asarray(embeddings, dtype=np.float64)[keep], PROJECTOR_DECIMALS)
-        metadata = [[tsv_cell(c), tsv_cell(i)] for c, i in zip(classes[keep], items[keep],
-                                                                   strict=True)]
+        metadata = [
+            [tsv_cell(c), tsv_cell(i)] for c, i in zip(classes[keep], items[keep], strict=True)
+        ]
         tag = f"validation/epoch_{epoch:03d}"
         try:
             _forget_projector_entry(self.tb, tag, step)  # a re-run epoch replaces its entry
-            self.tb.add_embedding(points, metadata=metadata, metadata_header=["class", "item"],
-                                  tag=tag, global_step=step)
+            self.tb.add_embedding(
+                points,
+                metadata=metadata,
+                metadata_header=["class", "item"],
+                tag=tag,
+                global_step=step,
+            )
         except OSError as exc:
-            log.warning("could not write the validation embeddings to TensorBoard's projector "
-                        "(%s); training goes on", exc)
+            log.warning(
+                "could not write the validation embeddings to TensorBoard's projector "
+                "(%s); training goes on",
+                exc,
+            )
             return 0
         return len(keep)
 
@@ -174,8 +195,11 @@ def _restore_projector_config(tb) -> None:
     if not path.is_file():
         return
     try:
-        from google.protobuf import text_format
-        from tensorboard.plugins.projector.projector_config_pb2 import ProjectorConfig
+        # tensorboard's own modules, optional like tensorboard itself
+        from google.protobuf import text_format  # noqa: PLC0415
+        from tensorboard.plugins.projector.projector_config_pb2 import (  # noqa: PLC0415
+            ProjectorConfig,
+        )
 
         tb._projector_config = text_format.Parse(path.read_text(), ProjectorConfig())
     except Exception as exc:  # a broken file costs the earlier entries, not the run
@@ -209,11 +233,15 @@ def log_failure_to_file(exc: BaseException, rank: int, *, traceback: bool = True
     files = [h for h in log.handlers if isinstance(h, logging.FileHandler)]
     if not files:
         return
-    from audioclf.cli import one_line  # a worker's error carries its whole traceback as text
-
     with_traceback = traceback and exc.__traceback__ is not None
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0,
-                            "rank %d stopped with %s: %s", (rank, type(exc).__name__, one_line(exc)),
-                            (type(exc), exc, exc.__traceback__) if with_traceback else None)
+    record = log.makeRecord(
+        log.name,
+        logging.ERROR,
+        __file__,
+        0,
+        "rank %d stopped with %s: %s",
+        (rank, type(exc).__name__, one_line(exc)),
+        (type(exc), exc, exc.__traceback__) if with_traceback else None,
+    )
     for handler in files:
         handler.handle(record)

@@ -56,9 +56,12 @@ def build_loss(cfg: Config) -> WeightedLosses:
     terms: dict[str, nn.Module] = {"triplet": TripletLoss(cfg.loss)}
     weights = {"triplet": 1.0}
     if cfg.model.head != "none":
-        terms["ce"] = MarginHeadLoss(cfg.model.head, scale=cfg.model.effective_head_scale,
-                                     margin=cfg.loss.head_margin,
-                                     warmup_epochs=cfg.loss.margin_warmup_epochs)
+        terms["ce"] = MarginHeadLoss(
+            cfg.model.head,
+            scale=cfg.model.effective_head_scale,
+            margin=cfg.loss.head_margin,
+            warmup_epochs=cfg.loss.margin_warmup_epochs,
+        )
         weights["ce"] = cfg.loss.ce_weight
     return WeightedLosses(terms, weights)
 
@@ -109,8 +112,9 @@ class TripletLoss(_MarginWarmup):
             self.miner = miners.BatchHardMiner(distance=distance)
         else:
             kind = "semihard" if cfg.miner == "semi_hard" else "all"
-            self.miner = miners.TripletMarginMiner(margin=cfg.margin, type_of_triplets=kind,
-                                                   distance=distance)
+            self.miner = miners.TripletMarginMiner(
+                margin=cfg.margin, type_of_triplets=kind, distance=distance
+            )
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -121,8 +125,9 @@ class TripletLoss(_MarginWarmup):
     def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
         return self.with_stats(embeddings, labels)[0]
 
-    def with_stats(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
-                   ) -> tuple[Tensor, dict[str, float]]:
+    def with_stats(
+        self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, float]]:
         """(loss, {"triplets": mined triplets}); the count is a host sync."""
         check_inputs(embeddings, labels)
         self._check_epoch()
@@ -157,12 +162,14 @@ class MarginHeadLoss(_MarginWarmup):
     def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
         return self.with_stats(embeddings, labels, logits)[0]
 
-    def with_stats(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
-                   ) -> tuple[Tensor, dict[str, float]]:
+    def with_stats(
+        self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, float]]:
         if logits is None:
             raise ValueError(
                 f"model.head={self.head} needs classifier logits: build EmbeddingNet with "
-                "num_classes > 0, or set model.head=none")
+                "num_classes > 0, or set model.head=none"
+            )
         check_inputs(embeddings, labels, logits)
         self._check_epoch()
         labels = labels.to(logits.device)
@@ -185,8 +192,9 @@ class WeightedLosses(nn.Module):
     def __init__(self, terms: dict[str, nn.Module], weights: dict[str, float]):
         super().__init__()
         if set(terms) != set(weights):
-            raise ValueError(f"every loss term needs a weight: terms {sorted(terms)}, weights "
-                             f"{sorted(weights)}")
+            raise ValueError(
+                f"every loss term needs a weight: terms {sorted(terms)}, weights {sorted(weights)}"
+            )
         self.terms = nn.ModuleDict(terms)
         self.weights = dict(weights)
 
@@ -198,8 +206,14 @@ class WeightedLosses(nn.Module):
     def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
         return self.with_stats(embeddings, labels, logits, stats=False)[0]
 
-    def with_stats(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None, *,
-                   stats: bool = True) -> tuple[Tensor, dict[str, float]]:
+    def with_stats(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        logits: Tensor | None = None,
+        *,
+        stats: bool = True,
+    ) -> tuple[Tensor, dict[str, float]]:
         check_inputs(embeddings, labels, logits)
         total, report = None, {}
         for name, term in self.terms.items():
@@ -233,7 +247,9 @@ def _gather_global(embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 def check_inputs(embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> None:
     """One ValueError naming the shape or dtype that does not fit."""
     if embeddings.dim() != 2:
-        raise ValueError(f"the loss expects embeddings [batch, dim], got shape {list(embeddings.shape)}")
+        raise ValueError(
+            f"the loss expects embeddings [batch, dim], got shape {list(embeddings.shape)}"
+        )
     if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
         raise ValueError(
             f"the loss expects one label per embedding: embeddings {list(embeddings.shape)}, "

@@ -44,8 +44,9 @@ def param_groups(net: nn.Module, cfg: OptimConfig) -> list:
     return [{"params": body, "name": "body"}, {"params": output, "name": "output"}]
 
 
-def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: OptimConfig,
-                    device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable[nn.Parameter] | list[dict], cfg: OptimConfig, device: torch.device
+) -> torch.optim.Optimizer:
     """The optimizer named by optim.name; its learning rate is set by LRSchedule.apply.
 
     `params` may be param groups; a group named "body" is frozen (lr 0) during the first
@@ -59,10 +60,11 @@ def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: OptimConfi
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, fused=True)
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                               fused=True)
+        return torch.optim.SGD(
+            params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True
+        )
     try:
-        from apex.optimizers import FusedAdam  # optional NVIDIA apex
+        from apex.optimizers import FusedAdam  # noqa: PLC0415 - optional NVIDIA apex
     except ImportError:
         raise ValueError(
             "optim.name=fused_adam needs NVIDIA apex (apex.optimizers), which is not importable "
@@ -89,7 +91,9 @@ class OptimizerState:
 
     def load_state_dict(self, state: dict) -> None:
         state = _convert_step_counts(state, per_parameter=not _is_apex(self.optimizer))
-        kept = [{k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in self.optimizer.param_groups]
+        kept = [
+            {k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in self.optimizer.param_groups
+        ]
         self.optimizer.load_state_dict(state)
         for group, implementation in zip(self.optimizer.param_groups, kept, strict=True):
             group.update(implementation)
@@ -117,8 +121,15 @@ def _convert_step_counts(state: dict, *, per_parameter: bool) -> dict:
     return {"state": per_param, "param_groups": groups}
 
 
-def learning_rate(cfg: OptimConfig, base: float, epochs: int, *, step: int, epoch: int,
-                  plateau_factor: float = 1.0) -> float:
+def learning_rate(
+    cfg: OptimConfig,
+    base: float,
+    epochs: int,
+    *,
+    step: int,
+    epoch: int,
+    plateau_factor: float = 1.0,
+) -> float:
     """The rate of optimizer step `step` (0-based) in epoch `epoch` (0-based).
 
     Linear warm-up over the first optim.warmup_steps steps, times the epoch's decay: cosine from
@@ -147,8 +158,9 @@ class LRSchedule:
     the plateau schedule learns from the epoch losses (saved in checkpoints).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, base: float,
-                 epochs: int):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, base: float, epochs: int
+    ):
         self.optimizer = optimizer
         self.cfg = cfg
         self.base = base
@@ -158,8 +170,14 @@ class LRSchedule:
         self.plateau_bad_epochs = 0
 
     def lr(self, step: int, epoch: int) -> float:
-        return learning_rate(self.cfg, self.base, self.epochs, step=step, epoch=epoch,
-                             plateau_factor=self.plateau_factor)
+        return learning_rate(
+            self.cfg,
+            self.base,
+            self.epochs,
+            step=step,
+            epoch=epoch,
+            plateau_factor=self.plateau_factor,
+        )
 
     def apply(self, step: int, epoch: int) -> float:
         """Set the rate of step `step` in epoch `epoch` on every param group (0 on a "body"
@@ -181,8 +199,10 @@ class LRSchedule:
         if self.plateau_bad_epochs > self.cfg.plateau_patience:
             self.plateau_factor *= self.cfg.gamma
             self.plateau_bad_epochs = 0
-            log.info("plateau: learning rate decayed to %.3g",
-                     max(self.base * self.plateau_factor, self.cfg.min_lr))
+            log.info(
+                "plateau: learning rate decayed to %.3g",
+                max(self.base * self.plateau_factor, self.cfg.min_lr),
+            )
 
     _STATE = ("plateau_factor", "plateau_best", "plateau_bad_epochs")
 

@@ -77,7 +77,12 @@ def write_skipped(path: Path, table: pd.DataFrame, reasons: Mapping[int, str]) -
         return None
     positions = sorted(reasons)
     rows = table.iloc[positions]
-    listing = pd.DataFrame({"row": rows["row"].to_numpy(), "id": rows["id"].to_numpy(),
-                            "path": rows["path"].to_numpy(),
-                            "reason": [" ".join(str(reasons[p]).split()) for p in positions]})
+    listing = pd.DataFrame(
+        {
+            "row": rows["row"].to_numpy(),
+            "id": rows["id"].to_numpy(),
+            "path": rows["path"].to_numpy(),
+            "reason": [" ".join(str(reasons[p]).split()) for p in positions],
+        }
+    )
     return atomic_write_bytes(path, listing.to_csv(index=False).encode())

@@ -21,8 +21,10 @@ from audioclf.config import TrainConfig
 _AUTOCAST_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-CPU_BF16_COST = ("bf16 autocast on a CPU measured 10-20x slower per training step than fp32 "
-                 "(44-51 s against 2.3-4.8 s, batch 16 x 3 s, 2 threads)")
+CPU_BF16_COST = (
+    "bf16 autocast on a CPU measured 10-20x slower per training step than fp32 "
+    "(44-51 s against 2.3-4.8 s, batch 16 x 3 s, 2 threads)"
+)
 
 
 @dataclass
@@ -61,8 +63,12 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
             "slower than fp32: use train.precision=fp16 (with loss scaling) or fp32"
         )
     if name == "bf16" and device.type == "cpu" and cfg.precision == "bf16":
-        warnings.warn(f"train.precision=bf16 on a CPU: {CPU_BF16_COST}; train.precision=auto "
-                      "(or fp32) trains in fp32 here", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"train.precision=bf16 on a CPU: {CPU_BF16_COST}; train.precision=auto "
+            "(or fp32) trains in fp32 here",
+            UserWarning,
+            stacklevel=2,
+        )
     scaler = torch.amp.GradScaler(device.type, enabled=(name == "fp16"))
     return Precision(name, device, _AUTOCAST_DTYPES[name], scaler, reason)
 
@@ -74,7 +80,10 @@ def auto_precision(device: torch.device) -> tuple[str, str]:
     gpu = torch.cuda.get_device_name(device)
     if _native_bf16(device):
         return "bf16", f"auto: {gpu} has native bfloat16"
-    return "fp16", f"auto: {gpu} has no native bfloat16 (compute capability below 8.0): fp16 with loss scaling"
+    return (
+        "fp16",
+        f"auto: {gpu} has no native bfloat16 (compute capability below 8.0): fp16 with loss scaling",
+    )
 
 
 def full_precision(device: torch.device) -> Precision:

@@ -78,44 +78,78 @@ def print_summary(summary: Summary, command: str) -> None:
     shard = summary.shard
     where = f"shard {shard.index}/{shard.count}: " if shard.count > 1 else ""
     rate = (summary.written + summary.present) / max(summary.elapsed, 1e-9)
-    print(f"{where}{summary.rows} rows: {summary.written} files written, {summary.present} "
-          f"already present, {summary.skipped} skipped")
-    print(f"audio: {summary.seconds_total / 3600:.2f} h ({summary.seconds_written / 3600:.2f} h "
-          f"written now); {_size(summary.bytes_written)} written; {summary.elapsed:.1f} s "
-          f"({rate:.1f} files/s)")
+    print(
+        f"{where}{summary.rows} rows: {summary.written} files written, {summary.present} "
+        f"already present, {summary.skipped} skipped"
+    )
+    print(
+        f"audio: {summary.seconds_total / 3600:.2f} h ({summary.seconds_written / 3600:.2f} h "
+        f"written now); {_size(summary.bytes_written)} written; {summary.elapsed:.1f} s "
+        f"({rate:.1f} files/s)"
+    )
     if summary.skipped_path is not None:
         print(f"skipped files: {summary.skipped_path}")
     if summary.index_path is None:
-        print(f"index: not written yet; waiting for shard(s) {', '.join(summary.pending)} "
-              "(the last shard to finish writes it)")
+        print(
+            f"index: not written yet; waiting for shard(s) {', '.join(summary.pending)} "
+            "(the last shard to finish writes it)"
+        )
         return
     print(f"index: {summary.index_path} ({summary.index_rows} rows)")
     print(f"train on it: {command}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--index", required=True, type=Path,
-                        help="index sheet of the audio files (.xlsx .csv .parquet)")
-    parser.add_argument("--out", required=True, type=Path,
-                        help="output folder: features/, index.<suffix>, prepare.json, shards/")
-    parser.add_argument("--config", type=Path,
-                        help="YAML config for the feature and column settings (default: built-in "
-                        "defaults)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="config overrides, as for training (e.g. features.n_mels=80)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help=f"worker processes (default: all cores, {os.cpu_count()}; 1 = in "
-                        "this process)")
-    parser.add_argument("--shard", default="0/1", metavar="i/n",
-                        help="process only rows whose position %% n == i (0-based); the last of "
-                        "the n shards to finish writes the index (default 0/1: everything)")
-    parser.add_argument("--skip-bad", action="store_true",
-                        help="list unreadable, missing and non-audio files in skipped.csv and "
-                        "leave them out of the index, instead of stopping")
-    parser.add_argument("--root", help="folder that relative paths in the sheet resolve against "
-                        "(default: data.root of the config, else the sheet's folder)")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--index",
+        required=True,
+        type=Path,
+        help="index sheet of the audio files (.xlsx .csv .parquet)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output folder: features/, index.<suffix>, prepare.json, shards/",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="YAML config for the feature and column settings (default: built-in defaults)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, as for training (e.g. features.n_mels=80)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help=f"worker processes (default: all cores, {os.cpu_count()}; 1 = in this process)",
+    )
+    parser.add_argument(
+        "--shard",
+        default="0/1",
+        metavar="i/n",
+        help="process only rows whose position %% n == i (0-based); the last of "
+        "the n shards to finish writes the index (default 0/1: everything)",
+    )
+    parser.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="list unreadable, missing and non-audio files in skipped.csv and "
+        "leave them out of the index, instead of stopping",
+    )
+    parser.add_argument(
+        "--root",
+        help="folder that relative paths in the sheet resolve against "
+        "(default: data.root of the config, else the sheet's folder)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -127,8 +161,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.root is not None:
         cfg.data.root = args.root
-    summary = prepare(args.index, args.out, cfg, workers=args.workers, shard=shard,
-                      skip_bad=args.skip_bad, progress=not args.quiet)
+    summary = prepare(
+        args.index,
+        args.out,
+        cfg,
+        workers=args.workers,
+        shard=shard,
+        skip_bad=args.skip_bad,
+        progress=not args.quiet,
+    )
     command = ""
     if summary.index_path is not None:
         command = train_command(summary.index_path, cfg, args.config)

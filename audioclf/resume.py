@@ -31,8 +31,10 @@ def resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict | None, 
         return None, None, []
     ckpt = checkpoint.load(path, trust=cfg.checkpoint.trust)
     saved = config_from_dict(ckpt["config"])
-    changed = [f"{key} {old!r} (now {new!r})"
-               for key, (old, new) in differences(architecture(saved), architecture(cfg)).items()]
+    changed = [
+        f"{key} {old!r} (now {new!r})"
+        for key, (old, new) in differences(architecture(saved), architecture(cfg)).items()
+    ]
     notes = []
     if changed and cfg.checkpoint.resume_strict:
         raise checkpoint.CheckpointError(
@@ -42,8 +44,10 @@ def resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict | None, 
             "continue with the checkpoint's"
         )
     if changed:
-        notes.append(f"resuming {path} with its own settings, not the requested "
-                     f"({'; '.join(changed)}): checkpoint.resume_strict=false")
+        notes.append(
+            f"resuming {path} with its own settings, not the requested "
+            f"({'; '.join(changed)}): checkpoint.resume_strict=false"
+        )
     cfg.model, cfg.features = saved.model, saved.features  # the architecture
     return path, ckpt, notes
 

@@ -38,8 +38,9 @@ def prepare_run_dir(run_dir: Path, cfg) -> tuple[RunLock, list[Path]]:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DiskWriteError(exc.errno, write_failure_message(
-            run_dir, exc.strerror or str(exc))) from exc
+        raise DiskWriteError(
+            exc.errno, write_failure_message(run_dir, exc.strerror or str(exc))
+        ) from exc
     lock = RunLock(run_dir)
     lock.acquire()  # before anything is written: a held folder stays as its run left it
     stale = remove_stale_temps(run_dir)  # left by a process killed mid-write
@@ -89,8 +90,12 @@ class RunLock:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 handle.close()
                 raise
-            log.warning("cannot lock %s (%s): this file system has no locks, so a second run "
-                        "into this folder would not be refused", self.run_dir, exc.strerror)
+            log.warning(
+                "cannot lock %s (%s): this file system has no locks, so a second run "
+                "into this folder would not be refused",
+                self.run_dir,
+                exc.strerror,
+            )
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps(_holder()).encode() + b"\n")
@@ -105,8 +110,12 @@ class RunLock:
 
 def _holder() -> dict:
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": started,
-            "command": " ".join(sys.argv)}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": started,
+        "command": " ".join(sys.argv),
+    }
 
 
 def _busy_message(run_dir: Path, content: bytes) -> str:
@@ -114,7 +123,11 @@ def _busy_message(run_dir: Path, content: bytes) -> str:
         holder = json.loads(content.decode() or "{}")
     except ValueError:
         holder = {}
-    who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
-           f"{holder.get('started', '?')}")
-    return (f"run folder {run_dir} is in use by another run ({who}); start this one with "
-            f"another train.name, or stop that run first (./run.sh stop {Path(run_dir).name})")
+    who = (
+        f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
+        f"{holder.get('started', '?')}"
+    )
+    return (
+        f"run folder {run_dir} is in use by another run ({who}); start this one with "
+        f"another train.name, or stop that run first (./run.sh stop {Path(run_dir).name})"
+    )

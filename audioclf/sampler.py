@@ -21,7 +21,15 @@ import numpy as np
 SPLITS = ("classes", "batches")
 SMALL_CLASS_POLICIES = ("replace", "skip")
 STATE_KEYS = (
-    "epoch", "position", "seed", "world_size", "rank", "batch_size", "m", "split", "small_classes",
+    "epoch",
+    "position",
+    "seed",
+    "world_size",
+    "rank",
+    "batch_size",
+    "m",
+    "split",
+    "small_classes",
     "num_rows",
 )
 # Settings that change which batches an epoch yields; a resumed state must match them. `rank` is

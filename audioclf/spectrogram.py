@@ -83,7 +83,15 @@ def log_mel(wave: Tensor, cfg: FeaturesConfig) -> np.ndarray:
     precomputed and on-the-fly features are interchangeable (normalisation happens later, per
     utterance, in the model).
     """
-    key = (cfg.sample_rate, cfg.n_fft, cfg.win_length, cfg.hop_length, cfg.n_mels, cfg.f_min, cfg.f_max)
+    key = (
+        cfg.sample_rate,
+        cfg.n_fft,
+        cfg.win_length,
+        cfg.hop_length,
+        cfg.n_mels,
+        cfg.f_min,
+        cfg.f_max,
+    )
     if key not in _LOG_MEL_CACHE:
         _LOG_MEL_CACHE[key] = LogMel(cfg)
     wave = torch.as_tensor(wave, dtype=torch.float32)

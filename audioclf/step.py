@@ -63,8 +63,9 @@ class NonFiniteGuard:
 
     def counts(self, device: torch.device) -> Tensor:
         if self._counts is None or self._counts.device != device:
-            self._counts = torch.tensor([self.consecutive, self.total, self.overflow],
-                                        dtype=torch.float64, device=device)
+            self._counts = torch.tensor(
+                [self.consecutive, self.total, self.overflow], dtype=torch.float64, device=device
+            )
         return self._counts
 
     def record(self, bad: Tensor, overflow: Tensor) -> None:
@@ -110,10 +111,19 @@ class TrainStep:
     with no readable item.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-                 objective: Callable[[object, Tensor], Tensor], *, guard: NonFiniteGuard,
-                 accumulate: int = 1, max_grad_norm: float = 0.0, batch_size: int = 0,
-                 placeholder: tuple[Tensor, Tensor] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        objective: Callable[[object, Tensor], Tensor],
+        *,
+        guard: NonFiniteGuard,
+        accumulate: int = 1,
+        max_grad_norm: float = 0.0,
+        batch_size: int = 0,
+        placeholder: tuple[Tensor, Tensor] | None = None,
+    ):
         if accumulate < 1:
             raise ValueError(f"accumulate must be >= 1, got {accumulate}")
         self.model, self.optimizer, self.precision = model, optimizer, precision
@@ -123,8 +133,7 @@ class TrainStep:
         self.device = precision.device
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._batchnorm = _batchnorm_buffers(model)
-        self._on_device_skip = (supports_found_inf(optimizer)
-                                and not precision.scaler.is_enabled())
+        self._on_device_skip = supports_found_inf(optimizer) and not precision.scaler.is_enabled()
         self._saved_batchnorm: list[Tensor] | None = None  # set while an update is pending
         self._step_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         self._shown_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -138,8 +147,9 @@ class TrainStep:
 
     # ----------------------------------------------------------------------------- micro-batch
 
-    def micro_batch(self, batch: tuple[Tensor, Tensor, Tensor, Tensor], *,
-                    sync_grads: bool = True) -> None:
+    def micro_batch(
+        self, batch: tuple[Tensor, Tensor, Tensor, Tensor], *, sync_grads: bool = True
+    ) -> None:
         """Forward and backward of one batch (x, lengths, labels, positions); the gradients are
         all-reduced only when `sync_grads` (the last micro-batch before `update`)."""
         if self._saved_batchnorm is None:  # the first micro-batch of an update
@@ -168,8 +178,12 @@ class TrainStep:
                 raise RuntimeError("a batch with no readable item and no placeholder input")
             x, lengths = self.placeholder
             self._totals[3] += 1
-        return (x.to(self.device, non_blocking=True), lengths.to(self.device, non_blocking=True),
-                labels.to(self.device, non_blocking=True), empty)
+        return (
+            x.to(self.device, non_blocking=True),
+            lengths.to(self.device, non_blocking=True),
+            labels.to(self.device, non_blocking=True),
+            empty,
+        )
 
     def _forward_backward(self, x: Tensor, lengths: Tensor, labels: Tensor, empty: bool) -> Tensor:
         """The scaled backward of one micro-batch's loss; returns the loss, detached."""
@@ -196,8 +210,9 @@ class TrainStep:
         # The norm comes from all-reduced gradients, so every rank takes the same decision.
         norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
         grads_bad = ~torch.isfinite(norm)
-        overflow = (grads_bad & ~self._step_bad if scaler.is_enabled()
-                    else torch.zeros_like(grads_bad))
+        overflow = (
+            grads_bad & ~self._step_bad if scaler.is_enabled() else torch.zeros_like(grads_bad)
+        )
         bad = self._step_bad | (grads_bad & ~overflow)
         scale_before = [s.clone() for s in _scale_tensors(scaler)]
         self._optimizer_step(skip=bad | grads_bad)
@@ -227,7 +242,8 @@ class TrainStep:
         vote = torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=self.device)
         shared = distributed.all_reduce_max(torch.cat([self.guard.counts(self.device), vote]))
         consecutive, total, overflow, halt, loss = torch.cat(
-            [shared, self._shown_loss.reshape(1)]).tolist()
+            [shared, self._shown_loss.reshape(1)]
+        ).tolist()
         self.guard.check(consecutive, total, overflow, step)
         return halt > 0, loss
 
@@ -237,11 +253,17 @@ class TrainStep:
         if self._saved_batchnorm is not None:
             self.optimizer.zero_grad()
             self._saved_batchnorm = None
-        loss_total, samples, skipped_items, skipped_batches = (
-            distributed.all_reduce_sum(self._totals, device=self.device).tolist())
-        return EpochResult(loss=loss_total / samples if samples > 0 else math.nan,
-                           samples=int(samples), seconds=seconds, stopped=stopped,
-                           skipped_items=int(skipped_items), skipped_batches=int(skipped_batches))
+        loss_total, samples, skipped_items, skipped_batches = distributed.all_reduce_sum(
+            self._totals, device=self.device
+        ).tolist()
+        return EpochResult(
+            loss=loss_total / samples if samples > 0 else math.nan,
+            samples=int(samples),
+            seconds=seconds,
+            stopped=stopped,
+            skipped_items=int(skipped_items),
+            skipped_batches=int(skipped_batches),
+        )
 
 
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -250,10 +272,13 @@ def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _batchnorm_buffers(model: nn.Module) -> list[Tensor]:
-    return [buffer for module in model.modules()
-            if isinstance(module, nn.modules.batchnorm._BatchNorm)
-            for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
-            if buffer is not None]
+    return [
+        buffer
+        for module in model.modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+        for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
+        if buffer is not None
+    ]
 
 
 def _restore_where(bad: Tensor, tensors: list[Tensor], saved: list[Tensor]) -> None:

@@ -38,9 +38,12 @@ class StopRequested:
             log.error("second Ctrl-C: stopping at once; last.pt is the last one saved")
             os._exit(130)
         if not self.flag:
-            log.warning("received %s: stopping at the next step boundary all ranks agree on, "
-                        "then saving last.pt%s", name,
-                        " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "")
+            log.warning(
+                "received %s: stopping at the next step boundary all ranks agree on, "
+                "then saving last.pt%s",
+                name,
+                " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "",
+            )
         self.flag = True
         self.signal = self.signal or name
 
@@ -49,8 +52,9 @@ class StopRequested:
             signal.signal(sig, handler)
 
 
-def reported(exc: Exception, env: distributed.DistEnv, *, setting_up: bool,
-             stopping: bool) -> Exception:
+def reported(
+    exc: Exception, env: distributed.DistEnv, *, setting_up: bool, stopping: bool
+) -> Exception:
     """Log a rank's failure once and decide what its console shows.
 
     The rank that failed says why (and leaves its reason for the others, whose train.log lines

@@ -26,14 +26,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Overrides use dotted keys, e.g. train.epochs=3 sampler.m=4 optim.lr=5e-4 "
-               "model.name=conformer checkpoint.resume=auto. Every key: docs/configuration.md.",
+        "model.name=conformer checkpoint.resume=auto. Every key: docs/configuration.md.",
     )
     parser.add_argument("--config", help="YAML config file (default: built-in defaults)")
     # Legacy torch.distributed.launch passes --local_rank / --local-rank; torchrun sets LOCAL_RANK.
-    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
-                        help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="config overrides applied after the file")
+    parser.add_argument(
+        "--local_rank",
+        "--local-rank",
+        dest="local_rank",
+        type=int,
+        default=None,
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides applied after the file",
+    )
     return parser.parse_args(argv)
 
 

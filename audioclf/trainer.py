@@ -14,34 +14,32 @@ so saving and resuming are one call each.
 from __future__ import annotations
 
 import logging
-import os
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from audioclf import checkpoint, distributed
 from audioclf.config import Config, to_dict
-from audioclf.data.augment import Augmenter
-from audioclf.data.dataset import AudioDataset
-from audioclf.data.index import Index, load_index, split_index
-from audioclf.data.loader import TrainLoader, loader_kwargs
 from audioclf.fileio import atomic_copy
 from audioclf.inference import init_weights
 from audioclf.logs import EpochRow, MetricsWriter, setup_logging
-from audioclf.losses import build_loss
-from audioclf.models import build_net, count_parameters
-from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer, param_groups
+from audioclf.models import build_net
+from audioclf.optim import OptimizerState
 from audioclf.precision import configure_backends, resolve_precision
 from audioclf.resume import resume_point
+from audioclf.run_parts import (
+    build_data,
+    build_train_loader,
+    build_training,
+    loader_options,
+    seed_everything,
+)
 from audioclf.rundir import RunLock, check_free, prepare_run_dir
-from audioclf.sampler import MPerClassSampler
-from audioclf.step import EpochResult, NonFiniteGuard, TrainStep
+from audioclf.step import EpochResult
 from audioclf.stopping import StopRequested, reported
 from audioclf.validation import Validator
 
@@ -67,8 +65,12 @@ class TrainState:
     last_metrics: dict = field(default_factory=dict)  # the latest validation metrics
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "metrics": self.history,
-                "last_metrics": self.last_metrics}
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "metrics": self.history,
+            "last_metrics": self.last_metrics,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step = state["epoch"], state["step"]
@@ -76,45 +78,15 @@ class TrainState:
         self.last_metrics = dict(state.get("last_metrics", {}))
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-
-
-@dataclass
-class RunData:
-    train: Index
-    val: Index | None
-    train_set: AudioDataset
-    val_set: AudioDataset | None
-
-
-def build_data(cfg: Config) -> RunData:
-    """The index (rank 0 reads it first and builds its cache; the others then read the cache)
-    and the train / validation datasets. Collective when distributed."""
-    index = distributed.primary_first(load_index, cfg.data)
-    splits = split_index(index, cfg.data)
-    train, val = splits["train"], splits.get(cfg.eval.split)
-    if len(train) == 0:
-        raise ValueError(f"{index.source}: the train split is empty; check data.split_column / "
-                         "data.val_ratio")
-    augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
-    train_set = AudioDataset.from_index(train, cfg, train=True, augment=augment)
-    if val is None or len(val) < 2:
-        return RunData(train, None, train_set, None)
-    return RunData(train, val, train_set, AudioDataset.from_index(val, cfg, train=False))
-
-
 def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | None = None) -> dict:
     """Train as configured on this rank; returns a summary (run dir, step, metrics, history)."""
-    env = distributed.setup(strategy=cfg.dist.strategy, backend=cfg.dist.backend,
-                            device=cfg.train.device, timeout_minutes=cfg.dist.timeout_minutes,
-                            local_rank_arg=local_rank_arg)
+    env = distributed.setup(
+        strategy=cfg.dist.strategy,
+        backend=cfg.dist.backend,
+        device=cfg.train.device,
+        timeout_minutes=cfg.dist.timeout_minutes,
+        local_rank_arg=local_rank_arg,
+    )
     trainer = None
     stop = StopRequested()
     try:
@@ -136,8 +108,9 @@ class Trainer:
     """One rank's training run. Construction builds (and, when resuming, restores) everything;
     `fit()` runs the remaining epochs."""
 
-    def __init__(self, cfg: Config, env: distributed.DistEnv, stop: StopRequested,
-                 hooks: TrainHooks):
+    def __init__(
+        self, cfg: Config, env: distributed.DistEnv, stop: StopRequested, hooks: TrainHooks
+    ):
         self.cfg, self.env, self.stop, self.hooks = cfg, env, stop, hooks
         self.run_dir = Path(cfg.train.runs_dir) / cfg.train.name
         self.lock: RunLock | None = None
@@ -147,13 +120,15 @@ class Trainer:
         seed_everything(cfg.train.seed + env.rank, cfg.train.deterministic)
         # Everything that can refuse the input comes before anything is written.
         self.data = build_data(cfg)
-        self.train_loader = self._build_loader()
+        self.train_loader = build_train_loader(cfg, env, self.data)
+        self.loader_options = loader_options(cfg, env.device)
         self.precision = resolve_precision(cfg.train, env.device)
         net = build_net(cfg, len(self.data.train.classes))
         init_notes = []
         if cfg.model.init_from and ckpt is None:  # a resume continues its own weights
-            init_notes = init_weights(net, cfg.model.init_from, self.data.train.classes,
-                                      trust=cfg.checkpoint.trust)
+            init_notes = init_weights(
+                net, cfg.model.init_from, self.data.train.classes, trust=cfg.checkpoint.trust
+            )
 
         self._prepare_run_dir()
         try:
@@ -170,66 +145,46 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self._log_data()
         configure_backends(cfg.train, env.device)
-        self._build_training(net)
+        training = build_training(cfg, env, net, self.precision, self.data)
+        self.model, self.loss_fn, self.step = training.model, training.loss_fn, training.step
+        self.optimizer, self.schedule, self.guard = (
+            training.optimizer,
+            training.schedule,
+            training.guard,
+        )
         self.state = TrainState()
         self.metrics = MetricsWriter(self.run_dir, enabled=env.is_primary)
-        self.validator = Validator(cfg, env, self.data.val, self.data.val_set,
-                                   precision=self.precision, loader_options=self.loader_options,
-                                   metrics=self.metrics)
+        self.validator = Validator(
+            cfg,
+            env,
+            self.data.val,
+            self.data.val_set,
+            precision=self.precision,
+            loader_options=self.loader_options,
+            metrics=self.metrics,
+        )
         self.checkpointer = self._build_checkpointer(net)
         if ckpt is not None:
             self.checkpointer.restore(ckpt)
-            log.info("resumed from %s at epoch %d, batch %d, step %d", resume_path,
-                     self.state.epoch, self.train_loader.position, self.state.step)
+            log.info(
+                "resumed from %s at epoch %d, batch %d, step %d",
+                resume_path,
+                self.state.epoch,
+                self.train_loader.position,
+                self.state.step,
+            )
 
     # ----------------------------------------------------------------------------- set-up
 
-    def _build_loader(self) -> TrainLoader:
-        cfg, env, train = self.cfg, self.env, self.data.train
-        sampler = MPerClassSampler(
-            train.codes.class_codes, train.codes.item_codes,
-            batch_size=cfg.sampler.batch_size, m=cfg.sampler.m, rank=env.rank,
-            world_size=env.world_size, seed=cfg.train.seed, split=cfg.sampler.split,
-            small_classes=cfg.sampler.small_classes,
-        )
-        self.loader_options = loader_kwargs(cfg.data.num_workers, cfg.data.pin_memory,
-                                            cfg.data.persistent_workers, cfg.data.prefetch_factor,
-                                            env.device)
-        return TrainLoader(self.data.train_set, sampler, seed=cfg.train.seed,
-                           limit_batches=cfg.train.limit_batches,
-                           restart_epoch=cfg.checkpoint.restart_epoch, **self.loader_options)
-
     def _log_data(self) -> None:
         train, val = self.data.train, self.data.val
-        log.info("data: %d train samples in %d classes, %d validation samples; %d batches/epoch/"
-                 "rank", len(train), len(train.classes), len(val) if val else 0,
-                 self.train_loader.sampler.batches_per_epoch)
-
-    def _build_training(self, net: torch.nn.Module) -> None:
-        """The wrapped model, the objective, optimizer, schedule, and the step that uses them."""
-        cfg, env = self.cfg, self.env
-        log.info("model %s: %s trainable parameters", cfg.model.name, f"{count_parameters(net):,}")
-        self.model = distributed.wrap(net, env, sync_bn=cfg.model.sync_bn,
-                                      find_unused_parameters=cfg.dist.find_unused_parameters,
-                                      autocast_dtype=self.precision.dtype)
-        self.loss_fn = build_loss(cfg)
-        self.optimizer = build_optimizer(param_groups(net, cfg.optim), cfg.optim, env.device)
-        self.schedule = LRSchedule(self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size),
-                                   cfg.train.epochs)
-        log.info("effective lr %.4g = optim.lr %.4g × %.4g (%s scaling, %d ranks, reference %d); "
-                 "precision %s%s", self.schedule.base, cfg.optim.lr, self.schedule.base / cfg.optim.lr,
-                 cfg.optim.lr_scaling, env.world_size, cfg.optim.ref_world_size,
-                 self.precision.name, f" ({self.precision.reason})" if self.precision.reason else "")
-        self.guard = NonFiniteGuard(cfg.train.nonfinite_patience)
-        self.step = TrainStep(self.model, self.optimizer, self.precision, self._objective,
-                              guard=self.guard, accumulate=cfg.train.accumulate,
-                              max_grad_norm=cfg.optim.max_grad_norm,
-                              batch_size=cfg.sampler.batch_size,
-                              placeholder=self.data.train_set.placeholder())
-
-    def _objective(self, output, labels: torch.Tensor) -> torch.Tensor:
-        embeddings, logits = output
-        return self.loss_fn(embeddings, labels, logits)
+        log.info(
+            "data: %d train samples in %d classes, %d validation samples; %d batches/epoch/rank",
+            len(train),
+            len(train.classes),
+            len(val) if val else 0,
+            self.train_loader.sampler.batches_per_epoch,
+        )
 
     def _build_checkpointer(self, net: torch.nn.Module) -> checkpoint.Checkpointer:
         cfg, env = self.cfg, self.env
@@ -245,9 +200,13 @@ class Trainer:
                 "rng": checkpoint.RankRNG(env.rank, env.world_size, env.device),
             },
             flat=[self.state, saver],
-            meta=lambda: {"config": to_dict(cfg), "classes": self.data.train.classes,
-                          "position": self.train_loader.position, "world_size": env.world_size,
-                          "versions": checkpoint.library_versions()},
+            meta=lambda: {
+                "config": to_dict(cfg),
+                "classes": self.data.train.classes,
+                "position": self.train_loader.position,
+                "world_size": env.world_size,
+                "versions": checkpoint.library_versions(),
+            },
             primary=env.is_primary,
         )
 
@@ -258,11 +217,19 @@ class Trainer:
             self.lock, stale = prepare_run_dir(self.run_dir, self.cfg)
         distributed.barrier()
         setup_logging(self.run_dir, self.env.rank)
-        log.info("run directory %s (rank 0 of %d, %s, device %s)", self.run_dir,
-                 self.env.world_size, self.env.strategy, self.env.device)
+        log.info(
+            "run directory %s (rank 0 of %d, %s, device %s)",
+            self.run_dir,
+            self.env.world_size,
+            self.env.strategy,
+            self.env.device,
+        )
         if self.env.is_primary and stale:
-            log.info("removed %d temporary file(s) of an interrupted write: %s", len(stale),
-                     ", ".join(p.name for p in stale))
+            log.info(
+                "removed %d temporary file(s) of an interrupted write: %s",
+                len(stale),
+                ", ".join(p.name for p in stale),
+            )
 
     def close(self) -> None:
         """Release the run folder (the lock goes with the process anyway)."""
@@ -284,15 +251,20 @@ class Trainer:
                 self.end_epoch(epoch, result)
             stopped = result.stopped or self._stop_agreed()
             if stopped:
-                log.info("stopped on request at epoch %d, step %d; last.pt saved; resume with "
-                         "checkpoint.resume=auto", epoch + 1, self.state.step)
+                log.info(
+                    "stopped on request at epoch %d, step %d; last.pt saved; resume with "
+                    "checkpoint.resume=auto",
+                    epoch + 1,
+                    self.state.step,
+                )
                 break
         return self.finish(stopped)
 
     def _stop_agreed(self) -> bool:
         """Whether some rank was asked to stop (collective: every rank calls it)."""
-        vote = torch.tensor([1.0 if self.stop.flag else 0.0], dtype=torch.float64,
-                            device=self.env.device)
+        vote = torch.tensor(
+            [1.0 if self.stop.flag else 0.0], dtype=torch.float64, device=self.env.device
+        )
         return bool(distributed.all_reduce_max(vote).item() > 0)
 
     def train_epoch(self, epoch: int) -> EpochResult:
@@ -323,13 +295,21 @@ class Trainer:
         self.loss_fn.set_epoch(epoch)
         self.step.start_epoch()
         if epoch < self.cfg.optim.freeze_epochs:
-            log.info("epoch %d: only the embedding layer (and head) learns "
-                     "(optim.freeze_epochs=%d)", epoch + 1, self.cfg.optim.freeze_epochs)
+            log.info(
+                "epoch %d: only the embedding layer (and head) learns (optim.freeze_epochs=%d)",
+                epoch + 1,
+                self.cfg.optim.freeze_epochs,
+            )
 
     def _progress(self, epoch: int) -> tqdm:
-        return tqdm(total=len(self.train_loader), desc=f"epoch {epoch + 1}/{self.cfg.train.epochs}",
-                    disable=not self.env.is_primary, dynamic_ncols=True, mininterval=1.0,
-                    leave=False)
+        return tqdm(
+            total=len(self.train_loader),
+            desc=f"epoch {epoch + 1}/{self.cfg.train.epochs}",
+            disable=not self.env.is_primary,
+            dynamic_ncols=True,
+            mininterval=1.0,
+            leave=False,
+        )
 
     def _sync(self, bar: tqdm) -> bool:
         """The host sync (collective): the non-finite guard, the stop vote, the progress bar and
@@ -346,8 +326,9 @@ class Trainer:
         if self.hooks.on_step is not None:
             self.hooks.on_step(self)
         if _due(step, cfg.train.consistency_every_steps):
-            distributed.check_parameter_consistency(self.model, action=cfg.train.consistency_action,
-                                                    device=self.env.device)
+            distributed.check_parameter_consistency(
+                self.model, action=cfg.train.consistency_action, device=self.env.device
+            )
         if _due(step, cfg.checkpoint.every_steps):
             self.save_mid_epoch()
 
@@ -358,37 +339,60 @@ class Trainer:
     def end_epoch(self, epoch: int, result: EpochResult) -> None:
         """Consistency check, validation, schedule, metrics row, checkpoints (every rank)."""
         cfg, state = self.cfg, self.state
-        distributed.check_parameter_consistency(self.model, action=cfg.train.consistency_action,
-                                                device=self.env.device)
-        state.last_metrics = (self.validator.run(self.model, epoch=epoch, step=state.step)
-                              if self._eval_due(epoch) else {})
+        distributed.check_parameter_consistency(
+            self.model, action=cfg.train.consistency_action, device=self.env.device
+        )
+        state.last_metrics = (
+            self.validator.run(self.model, epoch=epoch, step=state.step)
+            if self._eval_due(epoch)
+            else {}
+        )
         self.schedule.epoch_end(result.loss)
         state.epoch = epoch + 1
         self.train_loader.end_epoch()
-        row = EpochRow(epoch=epoch + 1, step=state.step, train_loss=result.loss,
-                       lr=self.schedule.lr(state.step, state.epoch),
-                       samples_per_s=result.samples_per_second, epoch_seconds=result.seconds,
-                       nonfinite_steps=self.guard.total, overflow_steps=self.guard.overflow,
-                       skipped_files=result.skipped_items, skipped_batches=result.skipped_batches,
-                       metrics=state.last_metrics).as_dict()
+        row = EpochRow(
+            epoch=epoch + 1,
+            step=state.step,
+            train_loss=result.loss,
+            lr=self.schedule.lr(state.step, state.epoch),
+            samples_per_s=result.samples_per_second,
+            epoch_seconds=result.seconds,
+            nonfinite_steps=self.guard.total,
+            overflow_steps=self.guard.overflow,
+            skipped_files=result.skipped_items,
+            skipped_batches=result.skipped_batches,
+            metrics=state.last_metrics,
+        ).as_dict()
         state.history.append(row)
         metric = state.last_metrics.get(cfg.eval.metric)
         self.metrics.epoch_row(row)  # first: the epoch's row survives a checkpoint that fails
         written = self.checkpointer.save_epoch(epoch + 1, metric)
         if self.env.is_primary:
-            self._log_epoch(epoch, result, best=self.run_dir / checkpoint.BEST in written
-                            and metric is not None)
+            self._log_epoch(
+                epoch, result, best=self.run_dir / checkpoint.BEST in written and metric is not None
+            )
         distributed.barrier()
 
     def _log_epoch(self, epoch: int, result: EpochResult, *, best: bool) -> None:
         shown = " ".join(f"{k}={v:.4f}" for k, v in self.state.last_metrics.items())
-        log.info("epoch %d/%d: loss %.4f, %.1f samples/s (global), %.1f s %s%s", epoch + 1,
-                 self.cfg.train.epochs, result.loss, result.samples_per_second, result.seconds,
-                 shown, " (new best)" if best else "")
+        log.info(
+            "epoch %d/%d: loss %.4f, %.1f samples/s (global), %.1f s %s%s",
+            epoch + 1,
+            self.cfg.train.epochs,
+            result.loss,
+            result.samples_per_second,
+            result.seconds,
+            shown,
+            " (new best)" if best else "",
+        )
         if result.skipped_items:
-            log.warning("epoch %d: %d unreadable file(s) skipped (data.skip_bad_files), %d "
-                        "batch(es) with nothing readable dropped", epoch + 1,
-                        result.skipped_items, result.skipped_batches)
+            log.warning(
+                "epoch %d: %d unreadable file(s) skipped (data.skip_bad_files), %d "
+                "batch(es) with nothing readable dropped",
+                epoch + 1,
+                result.skipped_items,
+                result.skipped_batches,
+            )
 
     def _eval_due(self, epoch: int) -> bool:
         every = self.cfg.eval.every
@@ -397,22 +401,36 @@ class Trainer:
     def save_mid_epoch(self) -> None:
         """last.pt at the current position (every rank calls it; rank 0 writes)."""
         if self.checkpointer.save_last() is not None:
-            log.info("saved %s (epoch %d, batch %d, step %d)", self.run_dir / checkpoint.LAST,
-                     self.state.epoch, self.train_loader.position, self.state.step)
+            log.info(
+                "saved %s (epoch %d, batch %d, step %d)",
+                self.run_dir / checkpoint.LAST,
+                self.state.epoch,
+                self.train_loader.position,
+                self.state.step,
+            )
         distributed.barrier()
 
     def finish(self, stopped: bool) -> dict:
         run_dir, state = self.run_dir, self.state
-        if self.env.is_primary and not stopped and not (run_dir / checkpoint.BEST).exists() \
-                and (run_dir / checkpoint.LAST).exists():
+        if (
+            self.env.is_primary
+            and not stopped
+            and not (run_dir / checkpoint.BEST).exists()
+            and (run_dir / checkpoint.LAST).exists()
+        ):
             log.info("no validation metric was computed: best.pt is the final epoch")
             atomic_copy(run_dir / checkpoint.LAST, run_dir / checkpoint.BEST)
         self.metrics.close()
         distributed.barrier()
-        summary = {"run_dir": str(run_dir), "metrics": state.last_metrics,
-                   "history": state.history, "stopped": stopped, "step": state.step,
-                   "stop_signal": self.stop.signal if stopped else None,
-                   "world_size": self.env.world_size}
+        summary = {
+            "run_dir": str(run_dir),
+            "metrics": state.last_metrics,
+            "history": state.history,
+            "stopped": stopped,
+            "step": state.step,
+            "stop_signal": self.stop.signal if stopped else None,
+            "world_size": self.env.world_size,
+        }
         if self.hooks.on_end is not None:
             self.hooks.on_end(self, summary)
         return summary

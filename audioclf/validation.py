@@ -24,9 +24,17 @@ log = logging.getLogger("audioclf")
 class Validator:
     """`run(model, epoch, step)` → the validation metrics on rank 0 ({} elsewhere)."""
 
-    def __init__(self, cfg: Config, env: distributed.DistEnv, val: Index | None,
-                 val_set: AudioDataset | None, *, precision: Precision, loader_options: dict,
-                 metrics: MetricsWriter):
+    def __init__(
+        self,
+        cfg: Config,
+        env: distributed.DistEnv,
+        val: Index | None,
+        val_set: AudioDataset | None,
+        *,
+        precision: Precision,
+        loader_options: dict,
+        metrics: MetricsWriter,
+    ):
         self.cfg, self.env, self.val, self.val_set = cfg, env, val, val_set
         self.precision, self.loader_options, self.metrics = precision, loader_options, metrics
         self.positions = self._positions()
@@ -53,15 +61,21 @@ class Validator:
         if embedded is None:  # another rank's shard, sent to rank 0
             return {}
         emb, labels, seen = embedded
-        summary = retrieval_summary(emb, labels, self.val.codes.item_codes[seen],
-                                    device=env.device)
+        summary = retrieval_summary(emb, labels, self.val.codes.item_codes[seen], device=env.device)
         if summary and not summary["cross_item"] and not self._said_leave_one_out:
             self._said_leave_one_out = True
-            log.warning("validation: no class has clips of two items (recordings), so the "
-                        "metrics are leave-one-out: a clip may retrieve clips of its own item")
+            log.warning(
+                "validation: no class has clips of two items (recordings), so the "
+                "metrics are leave-one-out: a clip may retrieve clips of its own item"
+            )
         val = self.val  # a class-stratified sample for TensorBoard's projector (rank 0)
-        self.metrics.projector(emb, np.asarray(val.classes)[labels],
-                               val.table["item"].to_numpy()[seen], epoch=epoch + 1, step=step)
+        self.metrics.projector(
+            emb,
+            np.asarray(val.classes)[labels],
+            val.table["item"].to_numpy()[seen],
+            epoch=epoch + 1,
+            step=step,
+        )
         return {k: summary[k] for k in RETRIEVAL_KEYS if k in summary}
 
     def _embed(self, model: torch.nn.Module, sharded: bool) -> tuple | None:
@@ -69,19 +83,28 @@ class Validator:
         each rank embeds a share and rank 0 gathers them (collective; None elsewhere)."""
         env, positions = self.env, self.positions
         if sharded:
-            positions = positions[env.rank::env.world_size]
+            positions = positions[env.rank :: env.world_size]
         emb, labels, seen = extract_embeddings(
-            model, self.val_set, batch_size=self.cfg.eval.batch_size, device=env.device,
-            positions=positions, loader_options=self.loader_options, precision=self.precision,
-            progress=env.is_primary, description="validate")
+            model,
+            self.val_set,
+            batch_size=self.cfg.eval.batch_size,
+            device=env.device,
+            positions=positions,
+            loader_options=self.loader_options,
+            precision=self.precision,
+            progress=env.is_primary,
+            description="validate",
+        )
         if not sharded:
             return emb, labels, seen
         parts = distributed.gather_to_primary((emb, labels, seen))
         if not env.is_primary:
             return None
-        return (np.concatenate([e for e, lab, _ in parts if len(lab)]),
-                np.concatenate([lab for _, lab, _ in parts]),
-                np.concatenate([s for _, _, s in parts]))
+        return (
+            np.concatenate([e for e, lab, _ in parts if len(lab)]),
+            np.concatenate([lab for _, lab, _ in parts]),
+            np.concatenate([s for _, _, s in parts]),
+        )
 
     def _positions(self) -> np.ndarray:
         """All validation rows, or a fixed class-stratified subset (eval.max_samples)."""
@@ -90,6 +113,7 @@ class Validator:
             return np.zeros(0, dtype=np.int64)
         if not limit or limit >= len(val):
             return np.arange(len(val))
-        log.info("validation on %d of %d samples (eval.max_samples, class-stratified)", limit,
-                 len(val))
+        log.info(
+            "validation on %d of %d samples (eval.max_samples, class-stratified)", limit, len(val)
+        )
         return stratified_subset(val.codes.class_codes, limit, self.cfg.train.seed)

@@ -103,27 +103,37 @@ def audiomentations_loops(features: FeaturesConfig, noise_dir: Path) -> tuple[st
     off = augmenter(features)
     snr = {"min_snr_db": 5, "max_snr_db": 20}
     transforms = {
-        "AddColorNoise (white..brown, SNR 5-20 dB)":
-            am.AddColorNoise(**snr, min_f_decay=-6, max_f_decay=0, p=1.0),
-        "AddBackgroundNoise (files, SNR 5-20 dB)":
-            am.AddBackgroundNoise(sounds_path=str(noise_dir), **snr, p=1.0),
+        "AddColorNoise (white..brown, SNR 5-20 dB)": am.AddColorNoise(
+            **snr, min_f_decay=-6, max_f_decay=0, p=1.0
+        ),
+        "AddBackgroundNoise (files, SNR 5-20 dB)": am.AddBackgroundNoise(
+            sounds_path=str(noise_dir), **snr, p=1.0
+        ),
         "Gain (-6..6 dB)": am.Gain(min_gain_db=-6, max_gain_db=6, p=1.0),
-        "SevenBandParametricEQ (-6..6 dB)":
-            am.SevenBandParametricEQ(min_gain_db=-6, max_gain_db=6, p=1.0),
-        "RoomSimulator (pyroomacoustics, defaults)":
-            am.RoomSimulator(leave_length_unchanged=True, p=1.0),
+        "SevenBandParametricEQ (-6..6 dB)": am.SevenBandParametricEQ(
+            min_gain_db=-6, max_gain_db=6, p=1.0
+        ),
+        "RoomSimulator (pyroomacoustics, defaults)": am.RoomSimulator(
+            leave_length_unchanged=True, p=1.0
+        ),
     }
     return am.__version__, {name: waveform_loop(off, t) for name, t in transforms.items()}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clips", type=int, default=48, help="number of generated 1-2 s clips")
-    parser.add_argument("--rounds", type=int, default=15,
-                        help="rounds over all configurations (each one's best is kept)")
-    parser.add_argument("--seconds", type=float, default=0.2,
-                        help="time per configuration per round")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=15,
+        help="rounds over all configurations (each one's best is kept)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=0.2, help="time per configuration per round"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as in a DataLoader worker
 
@@ -144,11 +154,13 @@ def main() -> int:
             "reverb (synthetic RIR)": alone(features, reverb_prob=1.0),
             "EQ (smooth random curve)": alone(features, eq_prob=1.0),
             "noise, generated white/pink/brown": alone(features, noise_prob=1.0),
-            "noise, files": alone(features, noise_prob=1.0, noise_dir=str(noise_dir),
-                                  noise_file_prob=1.0),
+            "noise, files": alone(
+                features, noise_prob=1.0, noise_dir=str(noise_dir), noise_file_prob=1.0
+            ),
             "gain": alone(features, gain_prob=1.0),
             "all on (every piece p=1)": augmenter(
-                features, enabled=True, speed_factors=(0.9, 1.1), **{name: 1.0 for name in PIECES}),
+                features, enabled=True, speed_factors=(0.9, 1.1), **{name: 1.0 for name in PIECES}
+            ),
             "default recipe (enabled=true)": augmenter(features, enabled=True),
         }
         loops = {name: waveform_loop(augment) for name, augment in ours.items()}
@@ -164,8 +176,10 @@ def main() -> int:
             rng = np.random.default_rng(seed)
             return mel_augment.log_mel(read_npy_crop(path, 201, rng, "frames_bins", 64), rng)
 
-        npy_loops = {"log-mel read_npy_crop alone": npy_read,
-                     "log-mel read + Augmenter.log_mel (EQ, gain)": npy_read_augment}
+        npy_loops = {
+            "log-mel read_npy_crop alone": npy_read,
+            "log-mel read + Augmenter.log_mel (EQ, gain)": npy_read_augment,
+        }
 
         for loop in loops.values():  # warm-up: resampling kernels, FFT plans, cached tables
             for seed in range(4):
@@ -178,8 +192,10 @@ def main() -> int:
                 rate = items_per_second(loop, npy_paths, args.seconds)
                 best[name] = max(best.get(name, 0.0), rate)
 
-    print(f"one worker (1 process, 1 torch thread): {args.clips} clips of 1-2 s at {SR} Hz, "
-          f"2 s crops; best of {args.rounds} rounds of >= {args.seconds:g} s")
+    print(
+        f"one worker (1 process, 1 torch thread): {args.clips} clips of 1-2 s at {SR} Hz, "
+        f"2 s crops; best of {args.rounds} rounds of >= {args.seconds:g} s"
+    )
     if not am_loops:
         print("audiomentations is not installed: its comparison lines are skipped")
     baseline = best["off (augment.enabled=false)"]
@@ -195,8 +211,10 @@ def main() -> int:
 
     all_on = best["all on (every piece p=1)"]
     verdict = "PASS" if all_on >= TARGET_CROPS_PER_SECOND else "FAIL"
-    print(f"{verdict}: all on {all_on:.0f} crops/s in one worker ({all_on / baseline:.2f}x of no "
-          f"augmentation; target >= {TARGET_CROPS_PER_SECOND:.0f})")
+    print(
+        f"{verdict}: all on {all_on:.0f} crops/s in one worker ({all_on / baseline:.2f}x of no "
+        f"augmentation; target >= {TARGET_CROPS_PER_SECOND:.0f})"
+    )
     return 0 if verdict == "PASS" else 1
 
 

@@ -62,7 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from audioclf import trainer as trainer_module  # noqa: E402
+from audioclf import run_parts  # noqa: E402
 from audioclf.config import load_config  # noqa: E402
 from audioclf.data.dataset import AudioDataset, collate_padded  # noqa: E402
 from audioclf.data.index import load_index, split_index  # noqa: E402
@@ -101,8 +101,9 @@ def make_feature_files(folder: Path, count: int, bins: int, seed: int) -> list[P
         if path.is_file() and path.stat().st_size == expected:
             continue
         if base is None:
-            base = np.random.default_rng([seed, 2]).standard_normal((MAX_FRAMES, bins),
-                                                                    dtype=np.float32)
+            base = np.random.default_rng([seed, 2]).standard_normal(
+                (MAX_FRAMES, bins), dtype=np.float32
+            )
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as handle:
             np.save(handle, np.roll(base, i, axis=0)[: frames[i]])
@@ -126,16 +127,24 @@ def synthesize_rows(rows: int, files: int, seed: int) -> dict[str, np.ndarray]:
     item_class = np.repeat(np.arange(n_classes), items_per_class)
     first = np.cumsum(items_per_class) - items_per_class
     item_number = np.arange(n_items) - np.repeat(first, items_per_class)
-    row_item = np.sort(np.concatenate([np.arange(n_items),
-                                       rng.integers(0, n_items, rows - n_items)]))
+    row_item = np.sort(
+        np.concatenate([np.arange(n_items), rng.integers(0, n_items, rows - n_items)])
+    )
     classes = np.char.add("class_", np.char.zfill(item_class.astype(str), 4))
     items = np.char.add("rec_", np.char.zfill(item_number.astype(str), 2))
     ids = np.char.zfill(np.arange(rows).astype(str), 7)
     cls, item = classes[row_item], items[row_item]
-    rel = np.char.add(np.char.add(np.char.add(np.char.add(np.char.add("samples/", cls), "/"),
-                                              item), "/"), np.char.add(ids, ".npy"))
-    return {"a_cls": cls, "a_item": item, "a_id": ids, "path": rel,
-            "file": rng.integers(0, files, rows)}
+    rel = np.char.add(
+        np.char.add(np.char.add(np.char.add(np.char.add("samples/", cls), "/"), item), "/"),
+        np.char.add(ids, ".npy"),
+    )
+    return {
+        "a_cls": cls,
+        "a_item": item,
+        "a_id": ids,
+        "path": rel,
+        "file": rng.integers(0, files, rows),
+    }
 
 
 def make_index(folder: Path, features: list[Path], rows: int, seed: int) -> Path:
@@ -177,8 +186,14 @@ _PAGE = mmap.PAGESIZE
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     _libc.mmap.restype = ctypes.c_void_p
-    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                           ctypes.c_int, ctypes.c_long]
+    _libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 except (OSError, AttributeError):
@@ -237,7 +252,7 @@ def stat_fields(pid: int) -> list[str] | None:
             stat = handle.read()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2:].split()
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 def children(pid: int) -> list[int]:
@@ -260,7 +275,8 @@ def memory_mb(pid: int) -> dict[str, float]:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "RssAnon", "RssShmem"):
                 out[{"VmRSS": "rss", "RssAnon": "anon", "RssShmem": "shmem"}[key]] = (
-                    int(value.split()[0]) / 1024)
+                    int(value.split()[0]) / 1024
+                )
     try:
         with open(f"/proc/{pid}/smaps_rollup") as handle:
             rollup = {}
@@ -320,8 +336,14 @@ def ceiling(keys, paths: np.ndarray, cfg) -> tuple[float, float]:
     frames = clips.crop_frames(features)
     start, start_cpu = time.perf_counter(), time.process_time()
     for position, crop_seed in keys:
-        crop = read_npy_crop(paths[position], frames, np.random.default_rng(crop_seed),
-                             clips.npy_layout, features.n_mels, clips.pad_mode)
+        crop = read_npy_crop(
+            paths[position],
+            frames,
+            np.random.default_rng(crop_seed),
+            clips.npy_layout,
+            features.n_mels,
+            clips.pad_mode,
+        )
     elapsed = time.perf_counter() - start
     assert crop.shape == (frames, features.n_mels)
     return len(keys) / elapsed, (time.process_time() - start_cpu) / elapsed
@@ -334,7 +356,7 @@ def batch_costs(dataset, keys, batch_size: int, batches: int = 8) -> tuple[float
     items_s = collate_s = share_s = 0.0
     for b in range(batches):
         start = time.process_time()
-        items = [dataset[key] for key in keys[b * batch_size: (b + 1) * batch_size]]
+        items = [dataset[key] for key in keys[b * batch_size : (b + 1) * batch_size]]
         items_s += time.process_time() - start
         start = time.process_time()
         x = collate_padded(items)[0]
@@ -351,13 +373,21 @@ class LoaderRun:
     def __init__(self, cfg, dataset, sampler: MPerClassSampler, workers: int):
         sampler.set_epoch(EPOCH)
         self.sampler = sampler
-        kwargs = loader_kwargs(workers, cfg.data.pin_memory, cfg.data.persistent_workers,
-                               cfg.data.prefetch_factor, torch.device("cpu"))
+        kwargs = loader_kwargs(
+            workers,
+            cfg.data.pin_memory,
+            cfg.data.persistent_workers,
+            cfg.data.prefetch_factor,
+            torch.device("cpu"),
+        )
         self.workers = workers
         self.loader = TrainLoader(dataset, sampler, seed=cfg.train.seed, **kwargs)
         self.batch_size = cfg.sampler.batch_size
-        self.shape = (cfg.sampler.batch_size, cfg.clips.crop_frames(cfg.features),
-                      cfg.features.n_mels)
+        self.shape = (
+            cfg.sampler.batch_size,
+            cfg.clips.crop_frames(cfg.features),
+            cfg.features.n_mels,
+        )
         start = time.perf_counter()
         self.iterator = iter(self.loader)
         self.next_batch()
@@ -413,17 +443,36 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=2_000, help="distinct .npy feature files")
     parser.add_argument("--bins", type=int, default=80, help="mel bins per frame")
     parser.add_argument("--workers", default="1,2,4", help="worker counts to time, comma-separated")
-    parser.add_argument("--batches", type=int, default=2_000,
-                        help="batches of the memory run (worker memory at start and after these)")
-    parser.add_argument("--memory-workers", type=int, default=2,
-                        help="workers of the memory run (2 = data.num_workers' default)")
-    parser.add_argument("--measure", type=int, default=60,
-                        help="timed batches per throughput run (after each worker's first batch)")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=2_000,
+        help="batches of the memory run (worker memory at start and after these)",
+    )
+    parser.add_argument(
+        "--memory-workers",
+        type=int,
+        default=2,
+        help="workers of the memory run (2 = data.num_workers' default)",
+    )
+    parser.add_argument(
+        "--measure",
+        type=int,
+        default=60,
+        help="timed batches per throughput run (after each worker's first batch)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthesized data")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/audioclf_scale"),
-                        help="where the files and sheet are kept between runs")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 20k rows, 100 files, workers 1,2, 200 memory batches")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/tmp/audioclf_scale"),
+        help="where the files and sheet are kept between runs",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 20k rows, 100 files, workers 1,2, 200 memory batches",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rows, args.files, args.workers = 20_000, 100, "1,2"
@@ -436,24 +485,36 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     began = time.perf_counter()
 
-    print(f"load average {load_text()} on {os.cpu_count()} CPUs; torch {torch.__version__}"
-          + ("  [--quick: a smoke run, targets are for the full size]" if args.quick else ""))
+    print(
+        f"load average {load_text()} on {os.cpu_count()} CPUs; torch {torch.__version__}"
+        + ("  [--quick: a smoke run, targets are for the full size]" if args.quick else "")
+    )
     args.workdir.mkdir(parents=True, exist_ok=True)
     features = make_feature_files(args.workdir / "features", args.files, args.bins, args.seed)
     sizes = [p.stat().st_size for p in features]
-    sheet = make_index(args.workdir / f"r{args.rows}_f{args.files}_s{args.seed}", features,
-                       args.rows, args.seed)
-    print(f"data: {args.files} .npy files of {MIN_FRAMES:,}-{MAX_FRAMES:,} frames x {args.bins} "
-          f"float32 ({min(sizes) / 1e6:.1f}-{max(sizes) / 1e6:.1f} MB, {sum(sizes) / 1e9:.1f} GB "
-          f"in all) in {args.workdir / 'features'}; {args.rows:,} rows, each with its own path "
-          f"(a hard link), so every file serves ~{args.rows / args.files:.0f} rows")
+    sheet = make_index(
+        args.workdir / f"r{args.rows}_f{args.files}_s{args.seed}", features, args.rows, args.seed
+    )
+    print(
+        f"data: {args.files} .npy files of {MIN_FRAMES:,}-{MAX_FRAMES:,} frames x {args.bins} "
+        f"float32 ({min(sizes) / 1e6:.1f}-{max(sizes) / 1e6:.1f} MB, {sum(sizes) / 1e9:.1f} GB "
+        f"in all) in {args.workdir / 'features'}; {args.rows:,} rows, each with its own path "
+        f"(a hard link), so every file serves ~{args.rows / args.files:.0f} rows"
+    )
 
     cache_dir = args.workdir / f"index_cache_r{args.rows}_f{args.files}"
-    cfg = load_config(None, [
-        f"data.index={sheet}", f"data.cache_dir={cache_dir}", "features.kind=npy",
-        f"features.n_mels={args.bins}", "clips.crop_seconds=3", "sampler.batch_size=128",
-        "sampler.m=4",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"data.index={sheet}",
+            f"data.cache_dir={cache_dir}",
+            "features.kind=npy",
+            f"features.n_mels={args.bins}",
+            "clips.crop_seconds=3",
+            "sampler.batch_size=128",
+            "sampler.m=4",
+        ],
+    )
     feats = cfg.features
 
     # ---- index, split, sampler, dataset
@@ -462,26 +523,46 @@ def main() -> int:
     _, cached_s = timed(lambda: load_index(cfg.data), 3)
     splits, split_s = timed(lambda: split_index(index, cfg.data))
     train = splits["train"]
-    sampler, sampler_s = timed(lambda: MPerClassSampler(
-        train.codes.class_codes, train.codes.item_codes, batch_size=cfg.sampler.batch_size,
-        m=cfg.sampler.m, rank=0, world_size=1, seed=cfg.train.seed, split=cfg.sampler.split,
-        small_classes=cfg.sampler.small_classes))
+    sampler, sampler_s = timed(
+        lambda: MPerClassSampler(
+            train.codes.class_codes,
+            train.codes.item_codes,
+            batch_size=cfg.sampler.batch_size,
+            m=cfg.sampler.m,
+            rank=0,
+            world_size=1,
+            seed=cfg.train.seed,
+            split=cfg.sampler.split,
+            small_classes=cfg.sampler.small_classes,
+        )
+    )
     _, dataset_s = timed(lambda: AudioDataset.from_index(train, cfg, train=True))
-    data, build_s = timed(lambda: trainer_module.build_data(cfg))
+    data, build_s = timed(lambda: run_parts.build_data(cfg))
     index = splits = None  # the trainer keeps only build_data's result
     train = data.train
     sampler = MPerClassSampler(  # as Trainer.__init__ builds it, on build_data's split
-        train.codes.class_codes, train.codes.item_codes, batch_size=cfg.sampler.batch_size,
-        m=cfg.sampler.m, rank=0, world_size=1, seed=cfg.train.seed, split=cfg.sampler.split,
-        small_classes=cfg.sampler.small_classes)
+        train.codes.class_codes,
+        train.codes.item_codes,
+        batch_size=cfg.sampler.batch_size,
+        m=cfg.sampler.m,
+        rank=0,
+        world_size=1,
+        seed=cfg.train.seed,
+        split=cfg.sampler.split,
+        small_classes=cfg.sampler.small_classes,
+    )
     paths = train.table["path"].to_numpy()
     mean_path = float(np.mean([len(p) for p in paths[:10_000]]))
-    print(f"index: {len(data.train):,} train rows in {len(train.classes)} classes, "
-          f"{len(data.val) if data.val else 0:,} val rows; {sampler.batches_per_epoch} batches of "
-          f"{cfg.sampler.batch_size} per epoch; paths ~{mean_path:.0f} characters")
+    print(
+        f"index: {len(data.train):,} train rows in {len(train.classes)} classes, "
+        f"{len(data.val) if data.val else 0:,} val rows; {sampler.batches_per_epoch} batches of "
+        f"{cfg.sampler.batch_size} per epoch; paths ~{mean_path:.0f} characters"
+    )
     for label, seconds in (
-        (f"load_index first read (parse, validate, check {args.rows:,} files, write cache)",
-         first_s),
+        (
+            f"load_index first read (parse, validate, check {args.rows:,} files, write cache)",
+            first_s,
+        ),
         ("load_index cached (median of 3)", cached_s),
         ("split_index", split_s),
         ("MPerClassSampler (with the index's codes)", sampler_s),
@@ -490,17 +571,24 @@ def main() -> int:
     ):
         print(f"  {label:76s} {seconds:7.3f} s")
     main_mb = memory_mb(os.getpid())
-    print(f"  this process after build_data: RSS {main_mb['rss']:.0f} MB, "
-          f"{len(gc.get_objects()):,} gc-tracked objects")
+    print(
+        f"  this process after build_data: RSS {main_mb['rss']:.0f} MB, "
+        f"{len(gc.get_objects()):,} gc-tracked objects"
+    )
 
     # ---- warm: every file read once, then checked resident
     read_s, read_bytes = read_whole_files(features)
     warm_fraction = resident_fraction(features)
-    print(f"warm: read all {args.files} files once ({read_bytes / 1e9:.1f} GB in {read_s:.1f} s, "
-          f"{read_bytes / 1e9 / read_s:.2f} GB/s); resident in the page cache: "
-          f"{fraction_text(warm_fraction)}"
-          + ("  WARNING: the page cache did not hold them all, 'warm' reads partly hit the disk"
-             if warm_fraction is not None and warm_fraction < 0.95 else ""))
+    print(
+        f"warm: read all {args.files} files once ({read_bytes / 1e9:.1f} GB in {read_s:.1f} s, "
+        f"{read_bytes / 1e9 / read_s:.2f} GB/s); resident in the page cache: "
+        f"{fraction_text(warm_fraction)}"
+        + (
+            "  WARNING: the page cache did not hold them all, 'warm' reads partly hit the disk"
+            if warm_fraction is not None and warm_fraction < 0.95
+            else ""
+        )
+    )
 
     measure_keys = first_keys(sampler, cfg.train.seed, args.measure + max(worker_counts))
     rows = []  # (label, crops/s, cpu seconds per second, first batch s or None, ceiling crops/s)
@@ -511,8 +599,11 @@ def main() -> int:
         rate, cpu = run.rate(args.measure)
         run.close()
         results[workers, kind] = rate, cpu
-        label = ("loader, 0 workers (in process)" if workers == 0
-                 else f"loader, {workers} worker{'s' if workers > 1 else ''}, {kind}")
+        label = (
+            "loader, 0 workers (in process)"
+            if workers == 0
+            else f"loader, {workers} worker{'s' if workers > 1 else ''}, {kind}"
+        )
         rows.append((label, rate, cpu, run.first_batch_s, reference))
 
     ceiling_warm = ceiling(measure_keys, paths, cfg)
@@ -521,8 +612,9 @@ def main() -> int:
     for workers in worker_counts:
         loader_run(workers, "warm", ceiling_warm[0])
 
-    items_ms, collate_ms, share_ms = batch_costs(data.train_set, measure_keys,
-                                                 cfg.sampler.batch_size)
+    items_ms, collate_ms, share_ms = batch_costs(
+        data.train_set, measure_keys, cfg.sampler.batch_size
+    )
 
     # ---- cold: every file dropped from the page cache before each run
     cold_ok = drop_from_page_cache(features)
@@ -535,28 +627,43 @@ def main() -> int:
         for workers in worker_counts:
             drop_from_page_cache(features)
             loader_run(workers, "cold", ceiling_cold[0])
-        print(f"cold: files dropped with posix_fadvise(DONTNEED) before each run; resident after "
-              f"the drop: {fraction_text(cold_fraction)}"
-              + ("  WARNING: the drop did not work, 'cold' is warm"
-                 if cold_fraction is not None and cold_fraction > 0.05 else ""))
+        print(
+            f"cold: files dropped with posix_fadvise(DONTNEED) before each run; resident after "
+            f"the drop: {fraction_text(cold_fraction)}"
+            + (
+                "  WARNING: the drop did not work, 'cold' is warm"
+                if cold_fraction is not None and cold_fraction > 0.05
+                else ""
+            )
+        )
 
-    print(f"throughput: {cfg.sampler.batch_size}-crop batches of {cfg.clips.crop_frames(feats)} x "
-          f"{feats.n_mels} (3 s), {args.measure} timed batches ({args.measure * 128:,} crops) per "
-          f"run; load average now {load_text()}")
-    print(f"  {'':31s} {'crops/s':>8s} {'x ceiling':>9s} {'CPU/s':>6s} {'crops/CPU-s':>11s} "
-          f"{'1st batch':>9s}")
+    print(
+        f"throughput: {cfg.sampler.batch_size}-crop batches of {cfg.clips.crop_frames(feats)} x "
+        f"{feats.n_mels} (3 s), {args.measure} timed batches ({args.measure * 128:,} crops) per "
+        f"run; load average now {load_text()}"
+    )
+    print(
+        f"  {'':31s} {'crops/s':>8s} {'x ceiling':>9s} {'CPU/s':>6s} {'crops/CPU-s':>11s} "
+        f"{'1st batch':>9s}"
+    )
     for label, rate, cpu, first, reference in rows:
         first_text = f"{first:8.2f}s" if first is not None else ""
-        print(f"  {label:31s} {rate:8.0f} {rate / reference:9.2f} {cpu:6.2f} "
-              f"{rate / max(cpu, 1e-9):11.0f} {first_text:>9s}")
-    print(f"  one batch in one process, CPU ms: {cfg.sampler.batch_size} dataset items "
-          f"{items_ms:.1f}, collate_padded {collate_ms:.1f}, moving it to shared memory "
-          f"{share_ms:.1f} (a worker's result queue does that to a batch not built there)")
-    print("  x ceiling: against one process reading the same crops (warm or cold). CPU/s: CPU "
-          "seconds per second used by the workers (by this process for the ceiling and 0 "
-          "workers); below 1 per worker, other processes held the CPUs. crops/CPU-s: crops per "
-          "CPU second, what a worker with a core of its own would deliver when reads do not wait"
-          " on the disk.")
+        print(
+            f"  {label:31s} {rate:8.0f} {rate / reference:9.2f} {cpu:6.2f} "
+            f"{rate / max(cpu, 1e-9):11.0f} {first_text:>9s}"
+        )
+    print(
+        f"  one batch in one process, CPU ms: {cfg.sampler.batch_size} dataset items "
+        f"{items_ms:.1f}, collate_padded {collate_ms:.1f}, moving it to shared memory "
+        f"{share_ms:.1f} (a worker's result queue does that to a batch not built there)"
+    )
+    print(
+        "  x ceiling: against one process reading the same crops (warm or cold). CPU/s: CPU "
+        "seconds per second used by the workers (by this process for the ceiling and 0 "
+        "workers); below 1 per worker, other processes held the CPUs. crops/CPU-s: crops per "
+        "CPU second, what a worker with a core of its own would deliver when reads do not wait"
+        " on the disk."
+    )
 
     # ---- memory: one long run, every worker's memory at the start and every few batches.
     # glibc raises its mmap threshold to the size of any mmap-ed block a process frees, and forked
@@ -588,53 +695,72 @@ def main() -> int:
     end_mb = now
     main_end = memory_mb(os.getpid())
     run.close()
-    print(f"memory: {args.memory_workers} workers, {run.received} batches "
-          f"({run.received * cfg.sampler.batch_size:,} crops at ~{statistics.median(rates):.0f} "
-          f"crops/s, workers' CPU/s {statistics.median(cpus):.2f}), warm; the parent freed a "
-          f"batch-sized tensor before forking them (see the source); MB per worker, start = once "
-          f"every worker has delivered a batch, sampled every 10 batches")
-    print(f"  {'worker pid':>10s} {'RSS start':>9s} {'end':>5s} {'growth':>6s} {'peak':>5s}   "
-          f"{'USS start':>9s} {'end':>5s} {'growth':>6s} {'peak':>5s} {'floor':>5s}")
+    print(
+        f"memory: {args.memory_workers} workers, {run.received} batches "
+        f"({run.received * cfg.sampler.batch_size:,} crops at ~{statistics.median(rates):.0f} "
+        f"crops/s, workers' CPU/s {statistics.median(cpus):.2f}), warm; the parent freed a "
+        f"batch-sized tensor before forking them (see the source); MB per worker, start = once "
+        f"every worker has delivered a batch, sampled every 10 batches"
+    )
+    print(
+        f"  {'worker pid':>10s} {'RSS start':>9s} {'end':>5s} {'growth':>6s} {'peak':>5s}   "
+        f"{'USS start':>9s} {'end':>5s} {'growth':>6s} {'peak':>5s} {'floor':>5s}"
+    )
     for pid in run.pids:
         s, e = start_mb[pid], end_mb[pid]
-        print(f"  {pid:10d} {s['rss']:9.0f} {e['rss']:5.0f} {e['rss'] - s['rss']:+6.0f} "
-              f"{peak[pid]['rss']:+5.0f}   {s['uss']:9.0f} {e['uss']:5.0f} "
-              f"{e['uss'] - s['uss']:+6.0f} {peak[pid]['uss']:+5.0f} {floor[pid]:+5.0f}")
+        print(
+            f"  {pid:10d} {s['rss']:9.0f} {e['rss']:5.0f} {e['rss'] - s['rss']:+6.0f} "
+            f"{peak[pid]['rss']:+5.0f}   {s['uss']:9.0f} {e['uss']:5.0f} "
+            f"{e['uss'] - s['uss']:+6.0f} {peak[pid]['uss']:+5.0f} {floor[pid]:+5.0f}"
+        )
     for mark, mem in trail:
         rss = " ".join(f"{mem[p]['rss'] - start_mb[p]['rss']:+.0f}" for p in run.pids)
         uss = " ".join(f"{mem[p]['uss'] - start_mb[p]['uss']:+.0f}" for p in run.pids)
         print(f"  after {mark:5d} batches: growth RSS {rss}  USS {uss} MB")
-    print("  growth: at the end; peak: the largest sample; floor: the smallest sample of the "
-          "second half (what stayed; pages copied from the parent never go back, heap blocks "
-          "may be returned)")
+    print(
+        "  growth: at the end; peak: the largest sample; floor: the smallest sample of the "
+        "second half (what stayed; pages copied from the parent never go back, heap blocks "
+        "may be returned)"
+    )
     print(f"  main process RSS {main_start['rss']:.0f} -> {main_end['rss']:.0f} MB")
     rss_growth = max(peak[p]["rss"] for p in run.pids)
     uss_growth = max(peak[p]["uss"] for p in run.pids)
 
-    first_run = next(first for label, _, _, first, _ in rows
-                     if first is not None and label.endswith("warm"))
-    print(f"start-up: trainer.build_data {build_s:.2f} s + sampler {sampler_s:.2f} s + first batch "
-          f"{first_run:.2f} s ({worker_counts[0]} worker{'s' if worker_counts[0] > 1 else ''}, "
-          f"warm) = {build_s + sampler_s + first_run:.2f} s from a cached index to the first batch "
-          f"(a first read adds {first_s - cached_s:.2f} s)")
+    first_run = next(
+        first for label, _, _, first, _ in rows if first is not None and label.endswith("warm")
+    )
+    print(
+        f"start-up: trainer.build_data {build_s:.2f} s + sampler {sampler_s:.2f} s + first batch "
+        f"{first_run:.2f} s ({worker_counts[0]} worker{'s' if worker_counts[0] > 1 else ''}, "
+        f"warm) = {build_s + sampler_s + first_run:.2f} s from a cached index to the first batch "
+        f"(a first read adds {first_s - cached_s:.2f} s)"
+    )
     one_warm = results.get((1, "warm"))
     one_cold = results.get((1, "cold"))
     checks = [
-        (rss_growth <= GROWTH_TARGET_MB,
-         f"worker RSS growth over {args.batches} batches {rss_growth:+.0f} MB (peak, largest of "
-         f"{args.memory_workers}) <= {GROWTH_TARGET_MB:.0f} MB"),
-        (uss_growth <= GROWTH_TARGET_MB,
-         f"worker USS growth over {args.batches} batches {uss_growth:+.0f} MB (peak, largest of "
-         f"{args.memory_workers}; private pages: heap growth and copies of the parent's) <= "
-         f"{GROWTH_TARGET_MB:.0f} MB"),
+        (
+            rss_growth <= GROWTH_TARGET_MB,
+            f"worker RSS growth over {args.batches} batches {rss_growth:+.0f} MB (peak, largest of "
+            f"{args.memory_workers}) <= {GROWTH_TARGET_MB:.0f} MB",
+        ),
+        (
+            uss_growth <= GROWTH_TARGET_MB,
+            f"worker USS growth over {args.batches} batches {uss_growth:+.0f} MB (peak, largest of "
+            f"{args.memory_workers}; private pages: heap growth and copies of the parent's) <= "
+            f"{GROWTH_TARGET_MB:.0f} MB",
+        ),
     ]
     if one_warm is not None:
         (rate, cpu), cold = one_warm, f"; cold {one_cold[0]:.0f} crops/s" if one_cold else ""
-        checks.append((rate >= ONE_WORKER_TARGET,
-                       f"one worker, page cache: {rate:.0f} crops/s >= {ONE_WORKER_TARGET:.0f} "
-                       f"({rate / ceiling_warm[0]:.2f} of the ceiling {ceiling_warm[0]:.0f} "
-                       f"crops/s{cold}; the worker used {cpu:.2f} CPU/s, {rate / cpu:.0f} crops "
-                       f"per CPU second)"))
+        checks.append(
+            (
+                rate >= ONE_WORKER_TARGET,
+                f"one worker, page cache: {rate:.0f} crops/s >= {ONE_WORKER_TARGET:.0f} "
+                f"({rate / ceiling_warm[0]:.2f} of the ceiling {ceiling_warm[0]:.0f} "
+                f"crops/s{cold}; the worker used {cpu:.2f} CPU/s, {rate / cpu:.0f} crops "
+                f"per CPU second)",
+            )
+        )
     for ok, text in checks:
         print(f"{verdict(ok)}  {text}")
     if args.quick:

@@ -34,7 +34,9 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from pytorch_metric_learning.utils.inference import CustomKNN
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(
+    0, str(pathlib.Path(__file__).resolve().parents[1])
+)  # run as a script from anywhere
 
 from audioclf.metrics import retrieval_metrics  # noqa: E402
 
@@ -115,7 +117,9 @@ def timed_in_child(fn, args, repeats):
         outcome = receiver.recv()
     except EOFError:
         process.join()
-        raise RuntimeError(f"{fn.__name__} died with exit code {process.exitcode} (out of memory?)") from None
+        raise RuntimeError(
+            f"{fn.__name__} died with exit code {process.exitcode} (out of memory?)"
+        ) from None
     process.join()
     return outcome
 
@@ -125,24 +129,45 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=100_000, help="number of embeddings")
     parser.add_argument("--dim", type=int, default=128, help="embedding dimension")
     parser.add_argument("--items-per-class", type=int, default=50, help="mean class size")
-    parser.add_argument("--noise", type=float, default=0.15, help="per-dimension noise std around class centres")
-    parser.add_argument("--chunk-size", type=int, default=2048, help="query rows per step, both sides")
-    parser.add_argument("--tolerance", type=float, default=1e-6, help="max |audioclf - PML| per metric")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per side; the fastest counts")
+    parser.add_argument(
+        "--noise", type=float, default=0.15, help="per-dimension noise std around class centres"
+    )
+    parser.add_argument(
+        "--chunk-size", type=int, default=2048, help="query rows per step, both sides"
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-6, help="max |audioclf - PML| per metric"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed calls per side; the fastest counts"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cross-item", type=int, default=0, metavar="ITEMS",
-                        help="also time cross-item retrieval with this many items per class")
-    parser.add_argument("--skip-pml", action="store_true",
-                        help="no PML side (it has no cross-item metric; at 400k it takes long)")
-    parser.add_argument("--scale", action="store_true",
-                        help="the seed-scale case: 400k x 256, 5 items per class, cross-item, "
-                             "one timed call per side")
+    parser.add_argument(
+        "--cross-item",
+        type=int,
+        default=0,
+        metavar="ITEMS",
+        help="also time cross-item retrieval with this many items per class",
+    )
+    parser.add_argument(
+        "--skip-pml",
+        action="store_true",
+        help="no PML side (it has no cross-item metric; at 400k it takes long)",
+    )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="the seed-scale case: 400k x 256, 5 items per class, cross-item, "
+        "one timed call per side",
+    )
     args = parser.parse_args()
     if args.scale:
         args.n, args.dim, args.items_per_class, args.cross_item = 400_000, 256, 200, 5
         args.repeats = 1
 
-    embeddings, labels = make_embeddings(args.n, args.dim, args.items_per_class, args.noise, args.seed)
+    embeddings, labels = make_embeddings(
+        args.n, args.dim, args.items_per_class, args.noise, args.seed
+    )
     counts = np.bincount(labels)
     print(
         f"data: {args.n} x {args.dim} float32, {np.count_nonzero(counts)} classes "
@@ -154,10 +179,13 @@ def main() -> int:
     if args.cross_item:
         items = items_of(labels, args.cross_item)
         cross, cross_s, cross_mib = timed_in_child(run_cross_item, (*inputs, items), args.repeats)
-        print(f"cross-item ({args.cross_item} items per class): "
-              + ", ".join(f"{k} {v:.4f}" for k, v in cross.items())
-              + f"; {cross_s:.1f} s, peak +RSS {cross_mib:.0f} MiB "
-              f"(embeddings {embeddings.nbytes / 2**20:.0f} MiB)", flush=True)
+        print(
+            f"cross-item ({args.cross_item} items per class): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in cross.items())
+            + f"; {cross_s:.1f} s, peak +RSS {cross_mib:.0f} MiB "
+            f"(embeddings {embeddings.nbytes / 2**20:.0f} MiB)",
+            flush=True,
+        )
     ours, ours_s, ours_mib = timed_in_child(run_audioclf, inputs, args.repeats)
     print(f"leave-one-out: {ours_s:.1f} s, peak +RSS {ours_mib:.0f} MiB", flush=True)
     if args.skip_pml:

@@ -104,8 +104,13 @@ class Work:
 
 
 def env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-                AUDIOCLF_DEBUG="0", PYTHONUNBUFFERED="1")
+    return dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        AUDIOCLF_DEBUG="0",
+        PYTHONUNBUFFERED="1",
+    )
 
 
 CONSOLE_LOGS: list[Path] = []  # [folder] once the work folder is known
@@ -121,15 +126,22 @@ def run(cmd: list[str], timeout: float = 180, extra_env: dict | None = None) -> 
         number = len(list(folder.iterdir())) + 1
         (folder / f"{number:03d}.txt").write_text(
             f"$ {' '.join(cmd)}\nexit {result.code} after {result.seconds:.1f} s\n"
-            f"--- stderr\n{result.err}\n--- stdout\n{result.out}\n")
+            f"--- stderr\n{result.err}\n--- stdout\n{result.out}\n"
+        )
     return result
 
 
 def _run(cmd: list[str], timeout: float, extra_env: dict | None) -> Result:
     start = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env(), **(extra_env or {})),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(env(), **(extra_env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -216,13 +228,23 @@ def leftovers(folder: Path) -> list[str]:
     """Half-written files: temporary files and empty checkpoints."""
     if not folder.exists():
         return []
-    found = [p for p in folder.rglob("*") if p.is_file()
-             and (p.name.endswith(".tmp") or (p.suffix == ".pt" and p.stat().st_size == 0))]
+    found = [
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and (p.name.endswith(".tmp") or (p.suffix == ".pt" and p.stat().st_size == 0))
+    ]
     return [str(p.relative_to(folder)) for p in found]
 
 
-def check_run(row: Row, run_dir: Path, *, epochs_done: int, checkpoint_epoch: int | None,
-              ckpt_path: Path | None = None) -> dict | None:
+def check_run(
+    row: Row,
+    run_dir: Path,
+    *,
+    epochs_done: int,
+    checkpoint_epoch: int | None,
+    ckpt_path: Path | None = None,
+) -> dict | None:
     """Fill row.intact / row.lost for a run folder.
 
     epochs_done: epochs that finished (their metrics.csv row must be there);
@@ -236,17 +258,25 @@ def check_run(row: Row, run_dir: Path, *, epochs_done: int, checkpoint_epoch: in
         row.expect(row.intact == "yes", why)
         if ckpt is not None and ckpt.get("epoch", -1) < checkpoint_epoch:
             row.lost = "yes"
-            row.problems.append(f"last.pt holds epoch {ckpt.get('epoch')}, older than epoch "
-                                f"{checkpoint_epoch}")
+            row.problems.append(
+                f"last.pt holds epoch {ckpt.get('epoch')}, older than epoch {checkpoint_epoch}"
+            )
     rows = metrics_rows(run_dir)
     if len(rows) < epochs_done:
         row.lost = "yes"
-        row.problems.append(f"metrics.csv has {len(rows)} epoch row(s), {epochs_done} epoch(s) "
-                            "finished")
-    stray = [line for line in read(run_dir / "train.log").splitlines()
-             if line.strip() and not re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line)]
-    row.expect(not stray, f"train.log holds {len(stray)} line(s) outside its log records "
-                          f"(traceback text), the first: {stray[0] if stray else ''!r}")
+        row.problems.append(
+            f"metrics.csv has {len(rows)} epoch row(s), {epochs_done} epoch(s) finished"
+        )
+    stray = [
+        line
+        for line in read(run_dir / "train.log").splitlines()
+        if line.strip() and not re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line)
+    ]
+    row.expect(
+        not stray,
+        f"train.log holds {len(stray)} line(s) outside its log records "
+        f"(traceback text), the first: {stray[0] if stray else ''!r}",
+    )
     left = leftovers(run_dir)
     if left:
         row.lost = "yes"
@@ -286,23 +316,32 @@ def python_train(args: list[str]) -> list[str]:
 def torchrun(module_args: list[str], nproc: int = 2) -> list[str]:
     from tests.helpers import free_port
 
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-            f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}", *module_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        *module_args,
+    ]
 
 
 def worker(mode: str, args: list[str], *options: str) -> list[str]:
     """`python benchmarks/faults.py --worker MODE ... -- <train args>` (a hook inside the run)."""
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", mode, *options, "--",
-            *args]
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", mode, *options, "--", *args]
 
 
 def mount_tmpfs(work: Work, folder: Path, size: str) -> bool:
     if not work.use_mounts:
         return False
     folder.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode == 0:
         work.mounts.append(folder)
         return True
@@ -310,8 +349,10 @@ def mount_tmpfs(work: Work, folder: Path, size: str) -> bool:
 
 
 def remount_read_only(folder: Path) -> bool:
-    return subprocess.run(["mount", "-o", "remount,ro", str(folder)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], capture_output=True).returncode
+        == 0
+    )
 
 
 def unmount(work: Work, folder: Path, keep: bool) -> None:
@@ -362,8 +403,9 @@ def train_rows(work: Work) -> pd.DataFrame:  # noqa: F821
     return split_index(load_index(cfg.data), cfg.data)["train"].table
 
 
-def sheet_with_bad_class(work: Work, folder: Path, corrupt: Callable[[Path, Path], None]
-                         ) -> tuple[Path, list[Path]]:
+def sheet_with_bad_class(
+    work: Work, folder: Path, corrupt: Callable[[Path, Path], None]
+) -> tuple[Path, list[Path]]:
     """A copy of the demo sheet (CSV, absolute paths) whose first training class points to
     corrupted copies of its files: every epoch reads one of them."""
     import pandas as pd
@@ -391,7 +433,7 @@ def write_nan_wav(source: Path, target: Path) -> None:
     import soundfile
 
     data, rate = soundfile.read(str(source), dtype="float32")
-    data[len(data) // 3: len(data) // 3 + 50] = np.nan
+    data[len(data) // 3 : len(data) // 3 + 50] = np.nan
     soundfile.write(str(target), data, rate, subtype="FLOAT")
 
 
@@ -415,8 +457,10 @@ def case_nan_wav(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     result = run(python_train(train_args(work, runs, *common)))
     row.code, row.message = str(result.code), first_error_line(result.err)
     row.expect(result.code == 2, f"exit {result.code}, expected 2")
-    row.expect(len(error_lines(result.console)) == 1,
-               f"{len(error_lines(result.console))} error lines, expected 1")
+    row.expect(
+        len(error_lines(result.console)) == 1,
+        f"{len(error_lines(result.console))} error lines, expected 1",
+    )
     row.expect(any(str(p) in row.message for p in bad), "the message names no bad file")
     row.expect("row" in row.message, "the message names no sheet row")
     row.expect("non-finite" in row.message or "NaN" in row.message, "the message does not say NaN")
@@ -433,7 +477,9 @@ def case_nan_wav(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     check_run(skip, runs / "t", epochs_done=2, checkpoint_epoch=2)
     rows = metrics_rows(runs / "t")
     skipped = sum(int(r.get("skipped_files") or 0) for r in rows)
-    skip.expect(bool(rows) and "skipped_files" in rows[0], "metrics.csv has no skipped_files column")
+    skip.expect(
+        bool(rows) and "skipped_files" in rows[0], "metrics.csv has no skipped_files column"
+    )
     skip.expect(skipped > 0, "metrics.csv counts no skipped file")
     skip.expect("unreadable file(s) skipped" in log, "train.log does not count the skips")
     return [row, skip]
@@ -445,26 +491,53 @@ def case_export_nan(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     base = ensure_base(work)
     case_dir.mkdir(parents=True, exist_ok=True)
     ckpt = torch.load(base / "last.pt", map_location="cpu", weights_only=False)
-    ckpt["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
-                     for k, v in ckpt["model"].items()}
+    ckpt["model"] = {
+        k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+        for k, v in ckpt["model"].items()
+    }
     nan_pt = case_dir / "nan.pt"
     torch.save(ckpt, nan_pt)
     out_dir = case_dir / "export"
 
     row = Row("2a export a NaN model")
-    result = run([sys.executable, "-m", "audioclf.export", "--checkpoint", str(nan_pt),
-                  "--format", "torchscript", "--out", str(out_dir / "model.pt")])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "audioclf.export",
+            "--checkpoint",
+            str(nan_pt),
+            "--format",
+            "torchscript",
+            "--out",
+            str(out_dir / "model.pt"),
+        ]
+    )
     row.code, row.message = str(result.code), first_error_line(result.err)
     row.expect(result.code == 2, f"exit {result.code}, expected 2")
     lines = console_lines(result.err)
     row.expect(len(lines) == 1, f"stderr has {len(lines)} lines, expected 1: {lines[:3]}")
-    written = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*")) if out_dir.exists() else []
+    written = (
+        sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*")) if out_dir.exists() else []
+    )
     row.expect(not written, f"export wrote {written}")
 
     embed = Row("2b embed with a NaN model")
     clip = sorted((work.index.parent / "wav").rglob("*.wav"))[0]
-    result = run([sys.executable, "-m", "audioclf.embed", "--model", str(nan_pt), "--gallery",
-                  str(work.index), "--quiet", "--no-cache", str(clip)])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "audioclf.embed",
+            "--model",
+            str(nan_pt),
+            "--gallery",
+            str(work.index),
+            "--quiet",
+            "--no-cache",
+            str(clip),
+        ]
+    )
     embed.code, embed.message = str(result.code), first_error_line(result.err)
     embed.expect(result.code == 2, f"exit {result.code}, expected 2")
     embed.expect(len(error_lines(result.console)) == 1, "not one error line")
@@ -478,10 +551,10 @@ def case_resume_architecture(work: Work, case_dir: Path, keep: bool) -> list[Row
     run_dir = copy_run(base, runs)
     resume = ["train.epochs=3", "eval.every=0", "checkpoint.resume=auto"]
     rows = []
-    for name, change, key in (("3a resume, cnn.width changed", "model.cnn.width=16",
-                               "model.cnn.width"),
-                              ("3b resume, model.name=conformer", "model.name=conformer",
-                               "model.name")):
+    for name, change, key in (
+        ("3a resume, cnn.width changed", "model.cnn.width=16", "model.cnn.width"),
+        ("3b resume, model.name=conformer", "model.name=conformer", "model.name"),
+    ):
         row = Row(name)
         result = run(python_train(train_args(work, runs, *resume, change)))
         row.code, row.message = str(result.code), first_error_line(result.err)
@@ -493,14 +566,19 @@ def case_resume_architecture(work: Work, case_dir: Path, keep: bool) -> list[Row
         rows.append(row)
 
     row = Row("3c resume, width changed, resume_strict=false")
-    result = run(python_train(train_args(work, runs, *resume, "model.cnn.width=16",
-                                         "checkpoint.resume_strict=false")))
+    result = run(
+        python_train(
+            train_args(work, runs, *resume, "model.cnn.width=16", "checkpoint.resume_strict=false")
+        )
+    )
     log = read(run_dir / "train.log")
     row.code = str(result.code)
     row.message = first_error_line(result.err) or log_line(log, "resume_strict=false")
     row.expect(result.code == 0, f"exit {result.code}, expected 0")
-    row.expect("resume_strict=false" in log and "model.cnn.width" in log,
-               "train.log does not say it resumed with the checkpoint's settings")
+    row.expect(
+        "resume_strict=false" in log and "model.cnn.width" in log,
+        "train.log does not say it resumed with the checkpoint's settings",
+    )
     check_run(row, run_dir, epochs_done=3, checkpoint_epoch=3)
     rows.append(row)
     return rows
@@ -519,28 +597,44 @@ def case_disk(work: Work, case_dir: Path, keep: bool) -> list[Row]:
         runs = disk / "runs"
         args = train_args(work, runs, "train.epochs=3", "eval.every=0")
         if mounted:
-            cmd = worker("fill-disk", args, "--at-epoch", "2", "--ballast",
-                         str(disk / "ballast.bin"), "--free-kb", "64")
+            cmd = worker(
+                "fill-disk",
+                args,
+                "--at-epoch",
+                "2",
+                "--ballast",
+                str(disk / "ballast.bin"),
+                "--free-kb",
+                "64",
+            )
         else:
             row.case += " [no tmpfs: ENOSPC patched]"
             cmd = worker("enospc", args, "--at", "2")
         result = run(cmd)
         row.code, row.message = str(result.code), first_error_line(result.err)
         row.expect(result.code == 2, f"exit {result.code}, expected 2")
-        row.expect(len(error_lines(result.console)) == 1,
-                   f"{len(error_lines(result.console))} error lines, expected 1")
-        row.expect("last.pt" in row.message and "GiB free on" in row.message,
-                   "the message does not name the path and the free space")
-        row.expect("No space left" in row.message or "disk full" in row.message,
-                   "the message does not say the disk is full")
+        row.expect(
+            len(error_lines(result.console)) == 1,
+            f"{len(error_lines(result.console))} error lines, expected 1",
+        )
+        row.expect(
+            "last.pt" in row.message and "GiB free on" in row.message,
+            "the message does not name the path and the free space",
+        )
+        row.expect(
+            "No space left" in row.message or "disk full" in row.message,
+            "the message does not say the disk is full",
+        )
         check_run(row, runs / "t", epochs_done=2, checkpoint_epoch=1)
     finally:
         unmount(work, disk, keep)
     rows.append(row)
 
     # A read-only runs dir: a fresh start, and a resume of a finished run.
-    for name, resume in (("4b read-only runs dir, fresh start", False),
-                         ("4c read-only runs dir, resume", True)):
+    for name, resume in (
+        ("4b read-only runs dir, fresh start", False),
+        ("4c read-only runs dir, resume", True),
+    ):
         row = Row(name)
         ro = case_dir / ("ro_resume" if resume else "ro_fresh")
         mounted = mount_tmpfs(work, ro, "8m")
@@ -557,13 +651,19 @@ def case_disk(work: Work, case_dir: Path, keep: bool) -> list[Row]:
             result = run(cmd)
             row.code, row.message = str(result.code), first_error_line(result.err)
             row.expect(result.code == 2, f"exit {result.code}, expected 2")
-            row.expect(len(error_lines(result.console)) == 1,
-                       f"{len(error_lines(result.console))} error lines, expected 1")
-            row.expect(str(ro) in row.message and "Read-only" in row.message,
-                       "the message does not name the path and the read-only file system")
-            row.expect(".tmp" not in row.message,
-                       "the message names a temporary file, not the file that could not be "
-                       "written (an error while removing the temporary file hid the real one)")
+            row.expect(
+                len(error_lines(result.console)) == 1,
+                f"{len(error_lines(result.console))} error lines, expected 1",
+            )
+            row.expect(
+                str(ro) in row.message and "Read-only" in row.message,
+                "the message does not name the path and the read-only file system",
+            )
+            row.expect(
+                ".tmp" not in row.message,
+                "the message names a temporary file, not the file that could not be "
+                "written (an error while removing the temporary file hid the real one)",
+            )
             if resume:
                 check_run(row, ro / "t", epochs_done=2, checkpoint_epoch=2)
             else:
@@ -587,8 +687,10 @@ def case_kill_mid_write(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     row.expect(len(stale) == 1, f"expected one stale temporary file after the kill, found {stale}")
     row.intact, ckpt, why = checkpoint_intact(run_dir / "last.pt")
     row.expect(row.intact == "yes", why)
-    row.expect(ckpt is not None and ckpt["step"] == 2,
-               f"last.pt after the kill holds step {ckpt and ckpt.get('step')}, expected 2")
+    row.expect(
+        ckpt is not None and ckpt["step"] == 2,
+        f"last.pt after the kill holds step {ckpt and ckpt.get('step')}, expected 2",
+    )
 
     result = run(python_train(train_args(work, runs, *common, "checkpoint.resume=auto")))
     log = read(run_dir / "train.log")
@@ -596,8 +698,10 @@ def case_kill_mid_write(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     row.message = first_error_line(result.err) or log_line(log, "temporary file")
     row.expect(result.code == 0, f"the resume exited {result.code}")
     row.expect("removed 1 temporary file(s)" in log, "train.log does not say the temp was removed")
-    row.expect("at epoch 0, batch 2, step 2" in log,
-               "the resume did not continue from the last complete checkpoint (step 2)")
+    row.expect(
+        "at epoch 0, batch 2, step 2" in log,
+        "the resume did not continue from the last complete checkpoint (step 2)",
+    )
     after_kill = row.intact
     check_run(row, run_dir, epochs_done=2, checkpoint_epoch=2)  # and the one the resume wrote
     row.intact = "yes" if after_kill == row.intact == "yes" else "no"
@@ -611,16 +715,33 @@ def case_all_unreadable(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     sheet = _broken_copy(work.index, case_dir)
     runs = case_dir / "runs"
     row = Row("6 every file unreadable, skip_bad_files, 2 ranks")
-    result = run(torchrun(["-m", "audioclf.train", *train_args(
-        work, runs, f"data.index={sheet}", "data.skip_bad_files=true", "data.check_files=false",
-        "train.epochs=1", "eval.every=0")]), timeout=180)
+    result = run(
+        torchrun(
+            [
+                "-m",
+                "audioclf.train",
+                *train_args(
+                    work,
+                    runs,
+                    f"data.index={sheet}",
+                    "data.skip_bad_files=true",
+                    "data.check_files=false",
+                    "train.epochs=1",
+                    "eval.every=0",
+                ),
+            ]
+        ),
+        timeout=180,
+    )
     log = read(runs / "t" / "train.log")
     row.code = str(result.code)
     row.message = first_error_line(result.err) or log_line(log, "unreadable file(s) skipped")
     row.expect(result.code == 0, f"exit {result.code}, expected 0 (no hang)")
     rows = metrics_rows(runs / "t")
-    row.expect(bool(rows) and int(rows[0].get("skipped_batches") or 0) > 0,
-               "metrics.csv counts no skipped batch")
+    row.expect(
+        bool(rows) and int(rows[0].get("skipped_batches") or 0) > 0,
+        "metrics.csv counts no skipped batch",
+    )
     check_run(row, runs / "t", epochs_done=1, checkpoint_epoch=1)
     return [row]
 
@@ -629,15 +750,29 @@ def case_fail_rank1(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     ensure_demo(work)
     runs = case_dir / "runs"
     row = Row("7 failure on rank 1 at step 2, 2 ranks")
-    result = run(torchrun(["-m", "tests.train_hooks", "--fail-at-step=2", "--rank=1", "--",
-                           *train_args(work, runs, "train.epochs=2", "eval.every=0")]))
+    result = run(
+        torchrun(
+            [
+                "-m",
+                "tests.train_hooks",
+                "--fail-at-step=2",
+                "--rank=1",
+                "--",
+                *train_args(work, runs, "train.epochs=2", "eval.every=0"),
+            ]
+        )
+    )
     log = read(runs / "t" / "train.log")
     errors = [line for line in console_lines(result.console) if "audioclf.train: error:" in line]
     row.code, row.message = str(result.code), first_error_line(result.console)
     row.expect(result.code != 0, "exit 0 after a failure")
-    row.expect(errors == [f"{TRAIN_ERROR} injected failure on rank 1 at step 2"],
-               f"error lines on the console: {errors}")
-    row.expect("rank 1" in log and "injected failure on rank 1" in log, "train.log does not name rank 1")
+    row.expect(
+        errors == [f"{TRAIN_ERROR} injected failure on rank 1 at step 2"],
+        f"error lines on the console: {errors}",
+    )
+    row.expect(
+        "rank 1" in log and "injected failure on rank 1" in log, "train.log does not name rank 1"
+    )
     row.expect("Traceback" not in log, "train.log holds a traceback")
     row.expect(not audioclf_tracebacks(result.console), "the console shows a traceback")
     check_run(row, runs / "t", epochs_done=0, checkpoint_epoch=None)
@@ -656,8 +791,9 @@ def case_too_few_classes(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     ensure_demo(work)
     runs = case_dir / "runs"
     row = Row("8 too few classes per rank (batch 16), 2 ranks")
-    result = run(torchrun(["-m", "audioclf.train",
-                           *train_args(work, runs, "sampler.batch_size=16")]))
+    result = run(
+        torchrun(["-m", "audioclf.train", *train_args(work, runs, "sampler.batch_size=16")])
+    )
     expect_one_error_line(row, result)
     row.expect("classes per batch" in row.message, "the message does not name classes per batch")
     row.expect(not (runs / "t").exists(), "a run folder was left behind")
@@ -672,29 +808,51 @@ def case_mid_epoch_world(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     common = ["train.epochs=2", "eval.every=0"]
     stopped = run(worker("stop-at", train_args(work, runs, *common), "--at", "3"))
     if stopped.code != 0:
-        return [Row("9 mid-epoch checkpoint on 2 ranks", str(stopped.code),
-                    first_error_line(stopped.err), problems=["the 1-rank run did not stop cleanly"])]
+        return [
+            Row(
+                "9 mid-epoch checkpoint on 2 ranks",
+                str(stopped.code),
+                first_error_line(stopped.err),
+                problems=["the 1-rank run did not stop cleanly"],
+            )
+        ]
     rows = []
     row = Row("9a mid-epoch ckpt (1 rank) resumed on 2 ranks")
-    result = run(torchrun(["-m", "audioclf.train",
-                           *train_args(work, runs, *common, "checkpoint.resume=auto")]))
+    result = run(
+        torchrun(
+            ["-m", "audioclf.train", *train_args(work, runs, *common, "checkpoint.resume=auto")]
+        )
+    )
     expect_one_error_line(row, result)
     row.expect("checkpoint.restart_epoch" in row.message, "the message does not name the key")
     row.intact, ckpt, why = checkpoint_intact(run_dir / "last.pt")
-    row.expect(row.intact == "yes" and ckpt["position"] == 3,
-               why or f"last.pt is at batch {ckpt['position']}, not 3")
+    row.expect(
+        row.intact == "yes" and ckpt["position"] == 3,
+        why or f"last.pt is at batch {ckpt['position']}, not 3",
+    )
     row.lost = "yes" if leftovers(run_dir) else "no"
     rows.append(row)
 
     row = Row("9b the same with checkpoint.restart_epoch=true")
-    result = run(torchrun(["-m", "audioclf.train", *train_args(
-        work, runs, *common, "checkpoint.resume=auto", "checkpoint.restart_epoch=true")]))
+    result = run(
+        torchrun(
+            [
+                "-m",
+                "audioclf.train",
+                *train_args(
+                    work, runs, *common, "checkpoint.resume=auto", "checkpoint.restart_epoch=true"
+                ),
+            ]
+        )
+    )
     log = read(run_dir / "train.log")
     row.code = str(result.code)
     row.message = first_error_line(result.console) or log_line(log, "starts again")
     row.expect(result.code == 0, f"exit {result.code}, expected 0")
-    row.expect("epoch 1 starts again from its first batch" in log,
-               "train.log does not say the epoch restarts")
+    row.expect(
+        "epoch 1 starts again from its first batch" in log,
+        "train.log does not say the epoch restarts",
+    )
     ckpt = check_run(row, run_dir, epochs_done=2, checkpoint_epoch=2)
     row.expect(ckpt is not None and ckpt.get("world_size") == 2, "last.pt is not a 2-rank one")
     rows.append(row)
@@ -713,8 +871,9 @@ def case_stop_zombie(work: Work, case_dir: Path, keep: bool) -> list[Row]:
             time.sleep(0.02)
         (runs / "t" / "pid").write_text(f"{zombie.pid}\n")
         row = Row("10 ./run.sh stop, zombie pid in the pid file")
-        result = run([str(ROOT / "run.sh"), "stop", "t"], timeout=30,
-                     extra_env={"RUNS_DIR": str(runs)})
+        result = run(
+            [str(ROOT / "run.sh"), "stop", "t"], timeout=30, extra_env={"RUNS_DIR": str(runs)}
+        )
     finally:
         zombie.wait()
     row.code = str(result.code)
@@ -741,16 +900,23 @@ def case_run_sh_stop(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     row = Row("11 SIGTERM: ./run.sh --bg --nproc 2, ./run.sh stop")
     started = run([str(ROOT / "run.sh"), "--bg", "--nproc", "2", str(config)], timeout=60)
     if started.code != 0:
-        return [Row(row.case, str(started.code), first_error_line(started.console),
-                    problems=["./run.sh --bg failed: " + started.console[-500:]])]
+        return [
+            Row(
+                row.case,
+                str(started.code),
+                first_error_line(started.console),
+                problems=["./run.sh --bg failed: " + started.console[-500:]],
+            )
+        ]
     pid = int(read(run_dir / "pid").strip())
     try:
         deadline = time.time() + 150
         while time.time() < deadline and "epoch 1/100:" not in read(run_dir / "train.log"):
             time.sleep(0.5)
         row.expect("epoch 1/100:" in read(run_dir / "train.log"), "epoch 1 did not finish in 150 s")
-        stop = run([str(ROOT / "run.sh"), "stop", "t"], timeout=150,
-                   extra_env={"RUNS_DIR": str(runs)})
+        stop = run(
+            [str(ROOT / "run.sh"), "stop", "t"], timeout=150, extra_env={"RUNS_DIR": str(runs)}
+        )
     finally:
         if Path(f"/proc/{pid}").exists():  # still there: end the job we started
             try:
@@ -759,8 +925,11 @@ def case_run_sh_stop(work: Work, case_dir: Path, keep: bool) -> list[Row]:
                 pass
     log, nohup = read(run_dir / "train.log"), read(run_dir / "nohup.log")
     row.code = f"{stop.code} (stop)"
-    row.message = (first_error_line(stop.console) or first_error_line(nohup)
-                   or log_line(log, "stopped on request"))
+    row.message = (
+        first_error_line(stop.console)
+        or first_error_line(nohup)
+        or log_line(log, "stopped on request")
+    )
     row.expect(stop.code == 0, f"./run.sh stop exited {stop.code}")
     row.expect("stopped t" in stop.out, "./run.sh stop does not say 'stopped t'")
     row.expect("stopped on request" in log, "train.log does not say 'stopped on request'")
@@ -790,12 +959,24 @@ def case_truncated_wav(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     sheet, bad = sheet_with_bad_class(work, case_dir / "bad", write_truncated_wav)
     runs = case_dir / "runs"
     row = Row("13 truncated wav (1 DataLoader worker)")
-    result = run(python_train(train_args(work, runs, f"data.index={sheet}", "train.epochs=1",
-                                         "eval.every=0", "data.num_workers=1")))
+    result = run(
+        python_train(
+            train_args(
+                work,
+                runs,
+                f"data.index={sheet}",
+                "train.epochs=1",
+                "eval.every=0",
+                "data.num_workers=1",
+            )
+        )
+    )
     row.code, row.message = str(result.code), first_error_line(result.err)
     row.expect(result.code == 2, f"exit {result.code}, expected 2")
-    row.expect(len(error_lines(result.console)) == 1,
-               f"{len(error_lines(result.console))} error lines, expected 1")
+    row.expect(
+        len(error_lines(result.console)) == 1,
+        f"{len(error_lines(result.console))} error lines, expected 1",
+    )
     row.expect(any(str(p) in row.message for p in bad), "the message names no bad file")
     row.expect("truncated" in row.message, "the message does not say truncated")
     check_run(row, runs / "t", epochs_done=0, checkpoint_epoch=None)
@@ -811,15 +992,30 @@ def case_embed_corrupt(work: Work, case_dir: Path, keep: bool) -> list[Row]:
         shutil.copy(source, clips / f"good{i}.wav")
     (clips / "bad.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEnot audio at all")
     row = Row("14 embed: one corrupt file among 3")
-    result = run([sys.executable, "-m", "audioclf.embed", "--model", str(base / "best.pt"),
-                  "--gallery", str(work.index), "--top", "3", "--quiet", str(clips)])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "audioclf.embed",
+            "--model",
+            str(base / "best.pt"),
+            "--gallery",
+            str(work.index),
+            "--top",
+            "3",
+            "--quiet",
+            str(clips),
+        ]
+    )
     row.code = str(result.code)
     row.message = first_error_line(result.err) or (console_lines(result.err) or [""])[0]
     row.expect(result.code == 1, f"exit {result.code}, expected 1")
     for name in ("good0.wav", "good1.wav"):
         row.expect(re.search(rf"{name}\n\s+1\. ", result.out) is not None, f"{name} is not ranked")
-    row.expect("bad.wav" in result.err and "bad.wav" not in result.out,
-               "the bad file is not named on stderr (only)")
+    row.expect(
+        "bad.wav" in result.err and "bad.wav" not in result.out,
+        "the bad file is not named on stderr (only)",
+    )
     return [row]
 
 
@@ -854,20 +1050,24 @@ def worker_main(argv: list[str]) -> int:
 
     cut = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="faults.py --worker")
-    parser.add_argument("--worker", required=True,
-                        choices=("fill-disk", "enospc", "erofs", "kill-in-save", "stop-at"))
+    parser.add_argument(
+        "--worker",
+        required=True,
+        choices=("fill-disk", "enospc", "erofs", "kill-in-save", "stop-at"),
+    )
     parser.add_argument("--at", type=int, default=0)
     parser.add_argument("--at-epoch", type=int, default=0)
     parser.add_argument("--ballast", type=Path)
     parser.add_argument("--free-kb", type=int, default=64)
     parser.add_argument("--under", type=Path)
     args = parser.parse_args(argv[:cut])
-    train_args_ = argv[cut + 1:]
+    train_args_ = argv[cut + 1 :]
     hooks = None
     real_save = torch.save
     saves = []
 
     if args.worker == "fill-disk":
+
         def on_step(trainer):
             if trainer.state.epoch + 1 == args.at_epoch and not saves:
                 saves.append(1)
@@ -878,12 +1078,14 @@ def worker_main(argv: list[str]) -> int:
                         chunk = min(free, 1 << 20)
                         handle.write(b"\0" * chunk)
                         free -= chunk
+
         hooks = TrainHooks(on_step=on_step)
     elif args.worker == "stop-at":
         from tests.train_hooks import stop_at
 
         hooks = stop_at(args.at)
     elif args.worker in ("enospc", "kill-in-save"):
+
         def save(obj, f, *a, **k):
             saves.append(1)
             if len(saves) != args.at:
@@ -896,6 +1098,7 @@ def worker_main(argv: list[str]) -> int:
             f.write(data[: len(data) // 2])
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
         torch.save = save
     elif args.worker == "erofs":
         import pathlib
@@ -918,6 +1121,7 @@ def worker_main(argv: list[str]) -> int:
             if any(c in mode for c in "wxa+"):
                 refuse(path)
             return real_open(path, mode, *a, **k)
+
         pathlib.Path.mkdir = mkdir
         fileio.open = open_
     assert checkpoint.save_atomic  # the module that calls torch.save is imported
@@ -944,8 +1148,9 @@ def select(spec: str) -> list[tuple[int, str, Callable]]:
 
 def print_table(rows: list[Row], work: Work) -> None:
     header = ("case", "exit", "message the user saw", "ckpt intact", "data lost")
-    table = [(r.case, r.code, shorten(work.short(r.message)) or "-", r.intact, r.lost)
-             for r in rows]
+    table = [
+        (r.case, r.code, shorten(work.short(r.message)) or "-", r.intact, r.lost) for r in rows
+    ]
     widths = [max(len(str(line[i])) for line in [header, *table]) for i in range(5)]
     for line in [header, tuple("-" * w for w in widths), *table]:
         print(" | ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip())
@@ -956,15 +1161,25 @@ def main(argv: list[str] | None = None) -> int:
     if "--worker" in argv:
         return worker_main(argv)
     parser = argparse.ArgumentParser(
-        prog="benchmarks/faults.py", description=__doc__,
+        prog="benchmarks/faults.py",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="cases: " + ", ".join(f"{i + 1} {name}" for i, (name, _) in enumerate(CASES)))
-    parser.add_argument("--cases", default="",
-                        help="comma-separated case numbers or names (prefixes); default: all")
-    parser.add_argument("--keep", type=Path, metavar="DIR",
-                        help="work in DIR and keep it (default: a temporary folder, removed)")
-    parser.add_argument("--no-mount", action="store_true",
-                        help="do not mount tmpfs folders: patch ENOSPC / EROFS inside the run")
+        epilog="cases: " + ", ".join(f"{i + 1} {name}" for i, (name, _) in enumerate(CASES)),
+    )
+    parser.add_argument(
+        "--cases", default="", help="comma-separated case numbers or names (prefixes); default: all"
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="work in DIR and keep it (default: a temporary folder, removed)",
+    )
+    parser.add_argument(
+        "--no-mount",
+        action="store_true",
+        help="do not mount tmpfs folders: patch ENOSPC / EROFS inside the run",
+    )
     args = parser.parse_args(argv)
     cases = select(args.cases)
 
@@ -987,8 +1202,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 new = fn(work, root / f"{number:02d}-{name}", bool(args.keep))
             except Exception as exc:  # noqa: BLE001 - a broken case is a failed row, not a crash
-                new = [Row(f"{number} {name}", "-", f"faults.py: {type(exc).__name__}: {exc}",
-                           problems=[f"the case itself failed: {type(exc).__name__}: {exc}"])]
+                new = [
+                    Row(
+                        f"{number} {name}",
+                        "-",
+                        f"faults.py: {type(exc).__name__}: {exc}",
+                        problems=[f"the case itself failed: {type(exc).__name__}: {exc}"],
+                    )
+                ]
             for row in new:
                 row.seconds = time.time() - t0
             rows += new
@@ -1008,9 +1229,11 @@ def main(argv: list[str] | None = None) -> int:
     intact = sum(r.intact in ("yes", "n.a.") for r in rows)
     kept = sum(r.lost == "no" for r in rows)
     bad = [r for r in rows if r.problems]
-    print(f"\n{len(rows)} cases: {intact} checkpoint intact (or n.a.), {kept} nothing lost, "
-          f"{len(rows) - len(bad)} as expected; {time.time() - start:.0f} s"
-          + (f"; work folder kept in {root}" if args.keep else ""))
+    print(
+        f"\n{len(rows)} cases: {intact} checkpoint intact (or n.a.), {kept} nothing lost, "
+        f"{len(rows) - len(bad)} as expected; {time.time() - start:.0f} s"
+        + (f"; work folder kept in {root}" if args.keep else "")
+    )
     for row in bad:
         print(f"NOT AS EXPECTED: {row.case}")
         for problem in row.problems:

@@ -88,12 +88,16 @@ def crops_per_second(reader, paths, crop, bins, passes, cold) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=40, help="number of feature files")
     parser.add_argument("--frames", type=int, default=23_400, help="frames per file")
     parser.add_argument("--bins", type=int, default=64, help="mel bins per frame")
     parser.add_argument("--crop", type=int, default=200, help="frames per crop")
-    parser.add_argument("--passes", type=int, default=3, help="passes over the files per measurement")
+    parser.add_argument(
+        "--passes", type=int, default=3, help="passes over the files per measurement"
+    )
     parser.add_argument("--dir", default=None, help="folder for the files (default: a temp dir)")
     args = parser.parse_args()
 
@@ -105,8 +109,10 @@ def main() -> int:
             np.save(path, rng.standard_normal((args.frames, args.bins), dtype=np.float32))
             paths.append(path)
         size_mb = paths[0].stat().st_size / 1e6
-        print(f"{args.n} files of {args.frames} x {args.bins} float32 ({size_mb:.1f} MB each), "
-              f"{args.crop}-frame random crops, {args.passes} passes per measurement")
+        print(
+            f"{args.n} files of {args.frames} x {args.bins} float32 ({size_mb:.1f} MB each), "
+            f"{args.crop}-frame random crops, {args.passes} passes per measurement"
+        )
 
         can_drop = drop_from_page_cache(paths)
         results = {}

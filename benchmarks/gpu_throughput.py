@@ -48,8 +48,10 @@ BUSY_TARGET = 0.90
 
 
 def recipe(model: str, precision: str, device: torch.device, overrides: list[str]):
-    cfg = load_config(ROOT / f"configs/{model}.yaml",
-                      [f"train.precision={precision}", f"train.device={device.type}", *overrides])
+    cfg = load_config(
+        ROOT / f"configs/{model}.yaml",
+        [f"train.precision={precision}", f"train.device={device.type}", *overrides],
+    )
     return cfg
 
 
@@ -62,8 +64,14 @@ def synthetic_batches(cfg, steps: int, device: torch.device, seed: int = 0):
     out = []
     for _ in range(steps):
         x = torch.randn(cfg.sampler.batch_size, frames, cfg.features.n_mels, generator=g)
-        out.append((x.to(device), torch.full((len(x),), frames, device=device), labels.to(device),
-                    torch.arange(len(x), device=device)))
+        out.append(
+            (
+                x.to(device),
+                torch.full((len(x),), frames, device=device),
+                labels.to(device),
+                torch.arange(len(x), device=device),
+            )
+        )
     return out
 
 
@@ -78,8 +86,14 @@ def train_steps(cfg, device: torch.device, batches) -> tuple[float, int]:
     def loss_fn(output, labels):
         return loss_core(output[0], labels, output[1])
 
-    step = TrainStep(net, optimizer, precision, loss_fn, guard=NonFiniteGuard(10),
-                     max_grad_norm=cfg.optim.max_grad_norm)
+    step = TrainStep(
+        net,
+        optimizer,
+        precision,
+        loss_fn,
+        guard=NonFiniteGuard(10),
+        max_grad_norm=cfg.optim.max_grad_norm,
+    )
     warm = iter(batches)
     run_steps(step, [next(warm) for _ in range(3)], cfg.train.log_every_steps)
     _synchronize(device)
@@ -107,7 +121,9 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def feature_set(cfg, folder: Path, files: int, seconds: float) -> tuple[np.ndarray, np.ndarray, list]:
+def feature_set(
+    cfg, folder: Path, files: int, seconds: float
+) -> tuple[np.ndarray, np.ndarray, list]:
     """`files` random log-mel .npy files (frames x n_mels float32) in 64 classes x 8 items."""
     rng = np.random.default_rng(0)
     frames = int(seconds * cfg.features.sample_rate / cfg.features.hop_length)
@@ -125,10 +141,21 @@ def feature_set(cfg, folder: Path, files: int, seconds: float) -> tuple[np.ndarr
 def loader_batches(cfg, device: torch.device, classes, items, paths, steps: int):
     """The real input pipeline as the trainer builds it, cut to `steps` batches."""
     dataset = AudioDataset(paths, classes, cfg.features, cfg.clips, train=True)
-    sampler = MPerClassSampler(classes, items, batch_size=cfg.sampler.batch_size, m=cfg.sampler.m,
-                               seed=0, split=cfg.sampler.split)
-    options = loader_kwargs(cfg.data.num_workers, cfg.data.pin_memory, cfg.data.persistent_workers,
-                            cfg.data.prefetch_factor, device)
+    sampler = MPerClassSampler(
+        classes,
+        items,
+        batch_size=cfg.sampler.batch_size,
+        m=cfg.sampler.m,
+        seed=0,
+        split=cfg.sampler.split,
+    )
+    options = loader_kwargs(
+        cfg.data.num_workers,
+        cfg.data.pin_memory,
+        cfg.data.persistent_workers,
+        cfg.data.prefetch_factor,
+        device,
+    )
     loader = TrainLoader(dataset, sampler, seed=0, **options)
     served, epoch = 0, 0
     while True:
@@ -143,15 +170,21 @@ def loader_batches(cfg, device: torch.device, classes, items, paths, steps: int)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
     parser.add_argument("--models", nargs="+", default=["cnn", "conformer"])
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--files", type=int, default=2048, help="generated .npy files")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra config overrides for every run")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config overrides for every run",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -164,23 +197,43 @@ def main() -> int:
                 cfg = recipe(model, precision, device, args.set)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                seconds, samples = train_steps(cfg, device, synthetic_batches(cfg, args.steps, device))
-                peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-                row = {"model": model, "precision": precision, "synthetic_sps": samples / seconds,
-                       "peak_gib": peak, "loader_sps": None, "busy": None}
+                seconds, samples = train_steps(
+                    cfg, device, synthetic_batches(cfg, args.steps, device)
+                )
+                peak = (
+                    torch.cuda.max_memory_allocated(device) / 2**30
+                    if device.type == "cuda"
+                    else 0.0
+                )
+                row = {
+                    "model": model,
+                    "precision": precision,
+                    "synthetic_sps": samples / seconds,
+                    "peak_gib": peak,
+                    "loader_sps": None,
+                    "busy": None,
+                }
                 if precision == "bf16" or device.type == "cpu":
                     folder = Path(tmp) / f"{model}_{cfg.features.n_mels}"
                     folder.mkdir(exist_ok=True)
                     data = feature_set(cfg, folder, args.files, cfg.clips.crop_seconds + 1.0)
                     loaded_seconds, loaded = train_steps(
-                        cfg, device, loader_batches(cfg, device, *data, steps=args.steps + 3))
+                        cfg, device, loader_batches(cfg, device, *data, steps=args.steps + 3)
+                    )
                     row["loader_sps"] = loaded / loaded_seconds
                     row["busy"] = min(1.0, row["loader_sps"] / row["synthetic_sps"])
                 rows.append(row)
-                print(f"{model:9s} {precision:4s} synthetic {row['synthetic_sps']:9.1f} samples/s"
-                      f"  peak {peak:6.2f} GiB"
-                      + (f"  loader {row['loader_sps']:9.1f} samples/s  GPU busy "
-                         f"{100 * row['busy']:.0f} %" if row["loader_sps"] else ""), flush=True)
+                print(
+                    f"{model:9s} {precision:4s} synthetic {row['synthetic_sps']:9.1f} samples/s"
+                    f"  peak {peak:6.2f} GiB"
+                    + (
+                        f"  loader {row['loader_sps']:9.1f} samples/s  GPU busy "
+                        f"{100 * row['busy']:.0f} %"
+                        if row["loader_sps"]
+                        else ""
+                    ),
+                    flush=True,
+                )
     table = pd.DataFrame(rows)
     print()
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
@@ -188,14 +241,18 @@ def main() -> int:
     if ("conformer", "fp32") in by and ("conformer", "bf16") in by:
         ratio = by["conformer", "bf16"]["synthetic_sps"] / by["conformer", "fp32"]["synthetic_sps"]
         ok = ratio >= BF16_TARGET
-        print(f"{'PASS' if ok else 'FAIL'} conformer bf16 / fp32 samples/s = {ratio:.2f}x "
-              f"(target >= {BF16_TARGET}x)")
+        print(
+            f"{'PASS' if ok else 'FAIL'} conformer bf16 / fp32 samples/s = {ratio:.2f}x "
+            f"(target >= {BF16_TARGET}x)"
+        )
         failures += [] if ok else ["bf16 speed-up"]
     for row in rows:
         if row["busy"] is not None and row["precision"] == "bf16":
             ok = row["busy"] >= BUSY_TARGET
-            print(f"{'PASS' if ok else 'FAIL'} {row['model']} data loader keeps the GPU "
-                  f"{100 * row['busy']:.0f} % busy (target >= {100 * BUSY_TARGET:.0f} %)")
+            print(
+                f"{'PASS' if ok else 'FAIL'} {row['model']} data loader keeps the GPU "
+                f"{100 * row['busy']:.0f} % busy (target >= {100 * BUSY_TARGET:.0f} %)"
+            )
             failures += [] if ok else [f"{row['model']} loader"]
     return 1 if failures else 0
 

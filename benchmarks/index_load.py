@@ -46,11 +46,13 @@ def synthesize(seed: int) -> pd.DataFrame:
     row_item = np.repeat(np.arange(len(ids_per_item)), ids_per_item)
     classes = np.char.add("class_", np.char.zfill(item_class.astype(str), 4))
     items = np.char.add(np.char.add(classes, "_rec"), np.char.zfill(item_number.astype(str), 2))
-    return pd.DataFrame({
-        "a_cls": classes[row_item],
-        "a_item": items[row_item],
-        "a_id": np.char.zfill(np.arange(len(row_item)).astype(str), 7),
-    })
+    return pd.DataFrame(
+        {
+            "a_cls": classes[row_item],
+            "a_item": items[row_item],
+            "a_id": np.char.zfill(np.arange(len(row_item)).astype(str), 7),
+        }
+    )
 
 
 def write_xlsx(frame: pd.DataFrame, path: Path) -> float:
@@ -100,23 +102,34 @@ def bench_file_check(workdir: Path, count: int) -> None:
     series = pd.Series(paths, dtype=str)
     listing, _ = timed(lambda: index_module.validate._missing_files(series), 3)
     stats, _ = timed(lambda: [os.path.exists(p) for p in paths], 3)
-    print(f"file check, {count} files   scandir per folder: {listing:.3f} s   "
-          f"os.path.exists per file: {stats:.3f} s   ({stats / listing:.1f}x)")
+    print(
+        f"file check, {count} files   scandir per folder: {listing:.3f} s   "
+        f"os.path.exists per file: {stats:.3f} s   ({stats / listing:.1f}x)"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=0,
-                        help="keep only the first N rows (0 = all, ~383k)")
+    parser.add_argument(
+        "--rows", type=int, default=0, help="keep only the first N rows (0 = all, ~383k)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthesized sheet")
-    parser.add_argument("--workdir", type=Path,
-                        default=Path(tempfile.gettempdir()) / "audioclf_bench_index",
-                        help="where the synthesized sheet is kept between runs")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "audioclf_bench_index",
+        help="where the synthesized sheet is kept between runs",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median shown)")
-    parser.add_argument("--skip-openpyxl", action="store_true",
-                        help="skip the slow pandas/openpyxl baseline")
-    parser.add_argument("--files", type=int, default=0,
-                        help="also time the existence check on this many files (0 = skip)")
+    parser.add_argument(
+        "--skip-openpyxl", action="store_true", help="skip the slow pandas/openpyxl baseline"
+    )
+    parser.add_argument(
+        "--files",
+        type=int,
+        default=0,
+        help="also time the existence check on this many files (0 = skip)",
+    )
     args = parser.parse_args()
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -124,8 +137,10 @@ def main() -> int:
     if args.rows:
         frame = frame.iloc[: args.rows]
     sheet = args.workdir / f"index_{len(frame)}_seed{args.seed}.xlsx"
-    print(f"sheet: {sheet} ({len(frame)} rows, {frame['a_cls'].nunique()} classes, "
-          f"{frame['a_item'].nunique()} items)")
+    print(
+        f"sheet: {sheet} ({len(frame)} rows, {frame['a_cls'].nunique()} classes, "
+        f"{frame['a_item'].nunique()} items)"
+    )
     if sheet.exists():
         print("  reusing the sheet written by an earlier run")
     else:
@@ -133,15 +148,24 @@ def main() -> int:
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
 
     cache_dir = args.workdir / "cache"
-    cfg = DataConfig(index=str(sheet), path_template="features/{a_id}.npy", check_files=False,
-                     cache_dir=str(cache_dir))
+    cfg = DataConfig(
+        index=str(sheet),
+        path_template="features/{a_id}.npy",
+        check_files=False,
+        cache_dir=str(cache_dir),
+    )
     parse = timed(lambda: index_module.read_table(sheet, cfg), args.repeat)
-    first = timed(lambda: load_index(cfg), args.repeat,
-                  before=lambda: shutil.rmtree(cache_dir, ignore_errors=True))
+    first = timed(
+        lambda: load_index(cfg),
+        args.repeat,
+        before=lambda: shutil.rmtree(cache_dir, ignore_errors=True),
+    )
     cached = timed(lambda: load_index(cfg), max(args.repeat, 5))
     assert len(load_index(cfg)) == len(frame)
-    calamine = timed(lambda: pd.read_excel(sheet, engine="calamine", dtype=str,
-                                           keep_default_na=False), args.repeat)
+    calamine = timed(
+        lambda: pd.read_excel(sheet, engine="calamine", dtype=str, keep_default_na=False),
+        args.repeat,
+    )
 
     def line(label: str, seconds: tuple[float, float], target: float | None = None) -> None:
         wall, cpu = seconds
@@ -153,14 +177,19 @@ def main() -> int:
     line("  of which   read_table (parse only):", parse)
     line("cached       load_index, cache hit:", cached, CACHED_TARGET)
     line("baseline     pandas.read_excel(engine='calamine'):", calamine)
-    ratios = (f"first read / cached: {first[0] / cached[0]:.0f}x   "
-              f"pandas calamine / first read: {calamine[0] / first[0]:.2f}x")
+    ratios = (
+        f"first read / cached: {first[0] / cached[0]:.0f}x   "
+        f"pandas calamine / first read: {calamine[0] / first[0]:.2f}x"
+    )
     if not args.skip_openpyxl:
-        openpyxl_read = timed(lambda: pd.read_excel(sheet, engine="openpyxl", dtype=str,
-                                                    keep_default_na=False), 1)
+        openpyxl_read = timed(
+            lambda: pd.read_excel(sheet, engine="openpyxl", dtype=str, keep_default_na=False), 1
+        )
         line("baseline     pandas.read_excel(engine='openpyxl'):", openpyxl_read)
-        ratios = (f"openpyxl / first read: {openpyxl_read[0] / first[0]:.1f}x   "
-                  f"openpyxl / cached: {openpyxl_read[0] / cached[0]:.0f}x   " + ratios)
+        ratios = (
+            f"openpyxl / first read: {openpyxl_read[0] / first[0]:.1f}x   "
+            f"openpyxl / cached: {openpyxl_read[0] / cached[0]:.0f}x   " + ratios
+        )
     print(f"ratios       {ratios}")
     if args.files:
         bench_file_check(args.workdir, args.files)

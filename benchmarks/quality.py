@@ -104,8 +104,10 @@ class Domain:
 
 def check_speech_tools() -> None:
     if shutil.which("espeak-ng") is None:
-        raise BenchmarkError("espeak-ng is not installed; run `apt-get install espeak-ng flite` "
-                             "(flite for the other-engine column)")
+        raise BenchmarkError(
+            "espeak-ng is not installed; run `apt-get install espeak-ng flite` "
+            "(flite for the other-engine column)"
+        )
     if shutil.which("flite") is None:
         say("flite is not installed: the other-engine column is skipped (apt-get install flite)")
 
@@ -127,16 +129,33 @@ def build_sounds(args) -> dict[str, Path]:
 
 DOMAINS = {
     "speech": Domain(
-        "speech", "spoken words (espeak-ng, flite)",
-        {"known": "known words, unseen voices", "unseen": "unseen words + voices",
-         "other_engine": "other engine (flite)"},
-        "words", "", "word/voice", build_speech, check_speech_tools),
+        "speech",
+        "spoken words (espeak-ng, flite)",
+        {
+            "known": "known words, unseen voices",
+            "unseen": "unseen words + voices",
+            "other_engine": "other engine (flite)",
+        },
+        "words",
+        "",
+        "word/voice",
+        build_speech,
+        check_speech_tools,
+    ),
     "sounds": Domain(
-        "sounds", "recorded instrument notes (General-MIDI sound banks)",
-        {"known_classes_unseen_source": "known instruments, unseen banks",
-         "unseen_classes_train_source": "unseen instruments, training banks",
-         "unseen_classes_unseen_source": "unseen instruments + banks"},
-        "classes", "sounds", "instrument/bank", build_sounds, check_sound_tools),
+        "sounds",
+        "recorded instrument notes (General-MIDI sound banks)",
+        {
+            "known_classes_unseen_source": "known instruments, unseen banks",
+            "unseen_classes_train_source": "unseen instruments, training banks",
+            "unseen_classes_unseen_source": "unseen instruments + banks",
+        },
+        "classes",
+        "sounds",
+        "instrument/bank",
+        build_sounds,
+        check_sound_tools,
+    ),
 }
 
 
@@ -147,17 +166,28 @@ DOMAINS = {
 def train(args, train_sheet: Path, run_dir: Path) -> float:
     """Train through ./run.sh; returns the wall-clock seconds."""
     seed = [] if args.seed is None else [f"train.seed={args.seed}"]
-    command = ["./run.sh", "--nproc", str(args.nproc), str(args.config),
-               f"data.index={train_sheet}", f"train.name={run_dir.name}",
-               f"train.runs_dir={run_dir.parent}", *args.set, *seed]
+    command = [
+        "./run.sh",
+        "--nproc",
+        str(args.nproc),
+        str(args.config),
+        f"data.index={train_sheet}",
+        f"train.name={run_dir.name}",
+        f"train.runs_dir={run_dir.parent}",
+        *args.set,
+        *seed,
+    ]
     log_path = run_dir.parent / f"{run_dir.name}.train.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     say(f"training: {' '.join(command)}")
     say(f"training log: {log_path}")
     start = time.perf_counter()
-    with open(log_path, "w") as log, subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as process:
+    with (
+        open(log_path, "w") as log,
+        subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as process,
+    ):
         for line in process.stdout:
             log.write(line)
             if LOG_LINE.match(line):
@@ -192,13 +222,17 @@ def read_set(sheet: Path) -> pd.DataFrame:
 def cross_item(embeddings: np.ndarray, table: pd.DataFrame) -> dict:
     labels = pd.factorize(table["a_cls"])[0]
     result = retrieval_metrics(embeddings, labels, items=table["a_item"].to_numpy())
-    return {key: (float(value) if isinstance(value, float) else int(value)) for key, value in result.items()}
+    return {
+        key: (float(value) if isinstance(value, float) else int(value))
+        for key, value in result.items()
+    }
 
 
 def mfcc_features(paths: list[str]) -> np.ndarray:
     """[clips, 2 * N_MFCC]: mean and standard deviation over time of each coefficient."""
     transform = torchaudio.transforms.MFCC(
-        sample_rate=tts_words.SAMPLE_RATE, n_mfcc=N_MFCC,
+        sample_rate=tts_words.SAMPLE_RATE,
+        n_mfcc=N_MFCC,
         melkwargs={"n_fft": 400, "hop_length": 160, "n_mels": 40},
     )
     features = np.empty((len(paths), 2 * N_MFCC), dtype=np.float32)
@@ -216,11 +250,15 @@ def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) ->
     from audioclf.inference import embed_files, load_trained
 
     sets = {key: read_set(sheets[key]) for key in domain.eval_sets if key in sheets}
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
 
     say(f"{domain.key} baseline: MFCC statistics of the training clips (for standardisation)")
     train_table = read_set(sheets["train"])
-    train_features = mfcc_features(train_table.loc[train_table["split"] == "train", "path"].tolist())
+    train_features = mfcc_features(
+        train_table.loc[train_table["split"] == "train", "path"].tolist()
+    )
     mean, std = train_features.mean(axis=0), train_features.std(axis=0) + 1e-8
     results: dict[str, dict] = {MFCC_ROW: {}, args.name: {}}
     for key, table in sets.items():
@@ -232,25 +270,39 @@ def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) ->
     net, cfg, ckpt = load_trained(checkpoint, device)
     for key, table in sets.items():
         started = time.perf_counter()
-        embeddings = embed_files(net, cfg, table["path"].tolist(), batch_size=args.batch_size,
-                                 device=device, progress=False)
+        embeddings = embed_files(
+            net,
+            cfg,
+            table["path"].tolist(),
+            batch_size=args.batch_size,
+            device=device,
+            progress=False,
+        )
         results[args.name][key] = cross_item(embeddings, table)
-        say(f"model on {domain.eval_sets[key]}: {summary(results[args.name][key])} "
-            f"({len(table)} clips embedded in {time.perf_counter() - started:.1f} s)")
+        say(
+            f"model on {domain.eval_sets[key]}: {summary(results[args.name][key])} "
+            f"({len(table)} clips embedded in {time.perf_counter() - started:.1f} s)"
+        )
     return results
 
 
 def summary(metrics: dict) -> str:
-    return (f"P@1 {metrics['precision_at_1']:.3f}, MAP@R {metrics['map_at_r']:.3f} "
-            f"({metrics['n_queries']} queries)")
+    return (
+        f"P@1 {metrics['precision_at_1']:.3f}, MAP@R {metrics['map_at_r']:.3f} "
+        f"({metrics['n_queries']} queries)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Report
 
 
-def markdown_table(results: dict[str, dict], train_seconds: dict[str, float | None],
-                   eval_sets: dict[str, str], set_keys: list[str]) -> str:
+def markdown_table(
+    results: dict[str, dict],
+    train_seconds: dict[str, float | None],
+    eval_sets: dict[str, str],
+    set_keys: list[str],
+) -> str:
     header = ["model", "train time"]
     for key in set_keys:
         header += [f"{eval_sets[key]} P@1", "MAP@R"]
@@ -269,8 +321,11 @@ def set_sizes(domain: Domain, sheets: dict[str, Path]) -> dict[str, dict]:
     for key in ("train", *domain.eval_sets):
         if key in sheets:
             table = pd.read_excel(sheets[key], engine="calamine")
-            sizes[key] = {"clips": len(table), domain.class_noun: int(table["a_cls"].nunique()),
-                          "items": int(table["a_item"].nunique())}
+            sizes[key] = {
+                "clips": len(table),
+                domain.class_noun: int(table["a_cls"].nunique()),
+                "items": int(table["a_item"].nunique()),
+            }
             if "source" in table:
                 sizes[key]["sources"] = int(table["source"].nunique())
             if "split" in table:
@@ -328,10 +383,13 @@ def run_domain(args, domain: Domain) -> dict:
         "dataset": str(sheets["train"].parent),
         "set_sizes": set_sizes(domain, sheets),
         "metric": "cross-item retrieval inside each set (query: every clip; candidates: the "
-                  f"set's clips of other {domain.item_noun} items)",
+        f"set's clips of other {domain.item_noun} items)",
         "rows": [
-            {"model": name, "train_seconds": train_seconds if name == args.name else None,
-             "results": per_set}
+            {
+                "model": name,
+                "train_seconds": train_seconds if name == args.name else None,
+                "results": per_set,
+            }
             for name, per_set in results.items()
         ],
         "markdown": table,
@@ -343,42 +401,84 @@ def run_domain(args, domain: Domain) -> dict:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=Path, help="training config (e.g. configs/demo_cnn.yaml)")
-    parser.add_argument("--domain", choices=("speech", "sounds", "both"), default="both",
-                        help="which benchmark domain(s) to run (default: %(default)s)")
-    parser.add_argument("--name", help="run name (default: quality_<config file stem>[_seed<N>], "
-                        "or the checkpoint's folder name with --checkpoint)")
-    parser.add_argument("--runs-dir", type=Path, default=Path("runs/quality"),
-                        help="parent of the run folders (default: %(default)s; sounds runs go "
-                        "in its sounds/ subfolder)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override passed to the training run (repeatable), "
-                        "e.g. --set train.epochs=5")
-    parser.add_argument("--seed", type=int, help="training seed, passed as train.seed=SEED "
-                        "(default: the config's)")
+    parser.add_argument(
+        "--domain",
+        choices=("speech", "sounds", "both"),
+        default="both",
+        help="which benchmark domain(s) to run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--name",
+        help="run name (default: quality_<config file stem>[_seed<N>], "
+        "or the checkpoint's folder name with --checkpoint)",
+    )
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=Path("runs/quality"),
+        help="parent of the run folders (default: %(default)s; sounds runs go "
+        "in its sounds/ subfolder)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override passed to the training run (repeatable), e.g. --set train.epochs=5",
+    )
+    parser.add_argument(
+        "--seed", type=int, help="training seed, passed as train.seed=SEED (default: the config's)"
+    )
     parser.add_argument("--nproc", type=int, default=2, help="training processes (default: 2)")
     parser.add_argument("--checkpoint", type=Path, help="evaluate this checkpoint, no training")
-    parser.add_argument("--skip-train", action="store_true",
-                        help="evaluate each domain's RUNS/.../NAME/best.pt from an earlier run")
-    parser.add_argument("--data", type=Path, default=Path("data/quality"),
-                        help="dataset cache folder (default: %(default)s); each dataset lives in "
-                        "a subfolder named by a hash of its parameters and is reused")
-    parser.add_argument("--data-seed", type=int, default=0,
-                        help="seed of the datasets' random variants (default: 0)")
-    parser.add_argument("--jobs", type=int, choices=(1, 2), default=2,
-                        help="TTS or renderer processes at a time while building a dataset "
-                        "(default: 2)")
-    parser.add_argument("--device", default="auto", help="evaluation device: auto, cpu, cuda, cuda:N")
+    parser.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="evaluate each domain's RUNS/.../NAME/best.pt from an earlier run",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path("data/quality"),
+        help="dataset cache folder (default: %(default)s); each dataset lives in "
+        "a subfolder named by a hash of its parameters and is reused",
+    )
+    parser.add_argument(
+        "--data-seed",
+        type=int,
+        default=0,
+        help="seed of the datasets' random variants (default: 0)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="TTS or renderer processes at a time while building a dataset (default: 2)",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="evaluation device: auto, cpu, cuda, cuda:N"
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="evaluation batch size")
-    parser.add_argument("--out", type=Path, help="JSON results (default: RUNS/NAME.json, or "
-                        "RUNS/sounds/NAME.json with --domain sounds)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="JSON results (default: RUNS/NAME.json, or "
+        "RUNS/sounds/NAME.json with --domain sounds)",
+    )
     args = parser.parse_args(argv)
     check_args(parser, args)
     if args.name is None:
         seed = "" if args.seed is None else f"_seed{args.seed}"
-        args.name = (f"quality_{args.config.stem}{seed}" if args.checkpoint is None
-                     else args.checkpoint.resolve().parent.name)
+        args.name = (
+            f"quality_{args.config.stem}{seed}"
+            if args.checkpoint is None
+            else args.checkpoint.resolve().parent.name
+        )
     args.runs_dir = args.runs_dir.resolve()
     args.domains = [DOMAINS[key] for key in DOMAINS if args.domain in (key, "both")]
     args.out = args.out or args.runs_dir / args.domains[0].runs_subdir / f"{args.name}.json"
@@ -389,8 +489,9 @@ def check_args(parser, args) -> None:
     if args.checkpoint is None and args.config is None:
         parser.error("give --config to train (or --checkpoint to evaluate a trained model)")
     if args.checkpoint is not None and (args.skip_train or args.set or args.seed is not None):
-        parser.error("--checkpoint evaluates an existing model: --skip-train, --set and --seed "
-                     "do not apply")
+        parser.error(
+            "--checkpoint evaluates an existing model: --skip-train, --set and --seed do not apply"
+        )
     if args.seed is not None and any(item.startswith("train.seed=") for item in args.set):
         parser.error("give the training seed once: --seed N or --set train.seed=N")
     if args.config is not None and not args.config.is_file():

@@ -52,7 +52,13 @@ class PandasMPerClass:
     """The same semantics written the way users write it: group-by, per-class .loc, .sample."""
 
     def __init__(
-        self, frame: pd.DataFrame, *, batch_size: int, m: int, rank: int, world_size: int,
+        self,
+        frame: pd.DataFrame,
+        *,
+        batch_size: int,
+        m: int,
+        rank: int,
+        world_size: int,
         seed: int = 0,
     ):
         self.frame, self.batch_size, self.m = frame, batch_size, m
@@ -141,9 +147,13 @@ def time_pandas(classes, items, pilot_batches: int, fraction: float) -> tuple[fl
     timed = max(pilot, int(fraction * n_batches))
     timed_s = pilot_s + time_batches(timed - pilot)
     estimate = plan + timed_s / timed * n_batches
-    return build, estimate, (
-        f"EXTRAPOLATED from {timed} of {n_batches} batches ({timed / n_batches:.1%}): "
-        f"{timed_s / timed * 1e3:.2f} ms/batch"
+    return (
+        build,
+        estimate,
+        (
+            f"EXTRAPOLATED from {timed} of {n_batches} batches ({timed / n_batches:.1%}): "
+            f"{timed_s / timed * 1e3:.2f} ms/batch"
+        ),
     )
 
 
@@ -203,8 +213,7 @@ def main() -> None:
     pandas_ratio, pml_ratio = pandas_epoch / ours, pml_epoch / ours
     print(f"ratios: pandas/audioclf = {pandas_ratio:,.0f}x, pml/audioclf = {pml_ratio:,.1f}x")
     print(
-        f"{verdict(ours <= TARGET_EPOCH_S)}  audioclf rank-epoch {ours:.4f} s "
-        f"<= {TARGET_EPOCH_S} s"
+        f"{verdict(ours <= TARGET_EPOCH_S)}  audioclf rank-epoch {ours:.4f} s <= {TARGET_EPOCH_S} s"
     )
     print(
         f"{verdict(pandas_ratio >= TARGET_PANDAS_RATIO)}  pandas/audioclf {pandas_ratio:,.0f}x "

@@ -95,8 +95,9 @@ SLOT_SECONDS = 2.0  # note-on to the next note-on in the rendered MIDI file (> d
 FADE_SECONDS = 0.02
 PEAK = 0.5  # every clip is scaled to this peak
 SILENT_PEAK = 1e-4  # a rendered note quieter than this is an error (the bank lacks that key)
-INSTALL = ("apt-get install fluidsynth timidity fluid-soundfont-gm minuet-data timgm6mb-soundfont "
-           "freepats")
+INSTALL = (
+    "apt-get install fluidsynth timidity fluid-soundfont-gm minuet-data timgm6mb-soundfont freepats"
+)
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,9 @@ class Source:
 
 SOURCES = (
     Source("fluidr3", "fluid-soundfont-gm", "fluidsynth", "/usr/share/sounds/sf2/FluidR3_GM.sf2"),
-    Source("generaluser", "minuet-data", "fluidsynth",
-           "/usr/share/minuet/soundfonts/GeneralUser*.sf2"),
+    Source(
+        "generaluser", "minuet-data", "fluidsynth", "/usr/share/minuet/soundfonts/GeneralUser*.sf2"
+    ),
     Source("timgm6mb", "timgm6mb-soundfont", "fluidsynth", "/usr/share/sounds/sf2/TimGM6mb.sf2"),
     Source("freepats", "freepats", "timidity", "/etc/timidity/freepats.cfg"),
 )
@@ -122,28 +124,62 @@ HELD_OUT_SOURCES = ("timgm6mb", "freepats")
 # name: (GM program, 0-based; lowest and highest MIDI key played). Ranges are the instruments'
 # usual ones, inside what every bank sounds.
 TRAIN_INSTRUMENTS = {
-    "piano": (0, 33, 96), "harpsichord": (6, 41, 84), "church_organ": (19, 36, 84),
-    "glockenspiel": (9, 72, 103), "timpani": (47, 36, 57), "steel_guitar": (25, 40, 84),
-    "sitar": (104, 48, 77), "pick_bass": (34, 28, 64), "pizzicato_strings": (45, 36, 84),
-    "violin": (40, 55, 96), "string_ensemble": (48, 36, 96), "trumpet": (56, 55, 82),
-    "brass_section": (61, 36, 84), "alto_sax": (65, 49, 80), "oboe": (68, 58, 91),
-    "clarinet": (71, 50, 91), "flute": (73, 60, 96), "pan_flute": (75, 60, 96),
+    "piano": (0, 33, 96),
+    "harpsichord": (6, 41, 84),
+    "church_organ": (19, 36, 84),
+    "glockenspiel": (9, 72, 103),
+    "timpani": (47, 36, 57),
+    "steel_guitar": (25, 40, 84),
+    "sitar": (104, 48, 77),
+    "pick_bass": (34, 28, 64),
+    "pizzicato_strings": (45, 36, 84),
+    "violin": (40, 55, 96),
+    "string_ensemble": (48, 36, 96),
+    "trumpet": (56, 55, 82),
+    "brass_section": (61, 36, 84),
+    "alto_sax": (65, 49, 80),
+    "oboe": (68, 58, 91),
+    "clarinet": (71, 50, 91),
+    "flute": (73, 60, 96),
+    "pan_flute": (75, 60, 96),
 }
 HELD_OUT_INSTRUMENTS = {
-    "electric_piano": (4, 36, 88), "clavinet": (7, 41, 84), "accordion": (21, 48, 84),
-    "tubular_bells": (14, 55, 79), "wood_block": (115, 60, 84), "overdriven_guitar": (29, 40, 84),
-    "fretless_bass": (35, 28, 64), "cello": (42, 36, 76), "voice_oohs": (53, 48, 79),
-    "trombone": (57, 40, 72), "tenor_sax": (66, 44, 75), "baritone_sax": (67, 36, 68),
-    "english_horn": (69, 52, 81), "piccolo": (72, 74, 102), "ocarina": (79, 60, 84),
+    "electric_piano": (4, 36, 88),
+    "clavinet": (7, 41, 84),
+    "accordion": (21, 48, 84),
+    "tubular_bells": (14, 55, 79),
+    "wood_block": (115, 60, 84),
+    "overdriven_guitar": (29, 40, 84),
+    "fretless_bass": (35, 28, 64),
+    "cello": (42, 36, 76),
+    "voice_oohs": (53, 48, 79),
+    "trombone": (57, 40, 72),
+    "tenor_sax": (66, 44, 75),
+    "baritone_sax": (67, 36, 68),
+    "english_horn": (69, 52, 81),
+    "piccolo": (72, 74, 102),
+    "ocarina": (79, 60, 84),
 }
 # Only in train.xlsx: FreePats lacks them, or repeats another bank's recording of them.
 TRAIN_ONLY_INSTRUMENTS = {
-    "vibraphone": (11, 53, 89), "dulcimer": (15, 48, 84), "drawbar_organ": (16, 36, 96),
-    "harmonica": (22, 60, 84), "jazz_guitar": (26, 40, 84), "clean_guitar": (27, 40, 84),
-    "distortion_guitar": (30, 40, 84), "acoustic_bass": (32, 28, 60), "viola": (41, 48, 84),
-    "choir_aahs": (52, 48, 79), "french_horn": (60, 34, 77), "shakuhachi": (77, 55, 84),
-    "whistle": (78, 72, 96), "bagpipe": (109, 55, 79), "shanai": (111, 60, 84),
-    "tinkle_bell": (112, 72, 96), "agogo": (113, 60, 79), "taiko": (116, 36, 60),
+    "vibraphone": (11, 53, 89),
+    "dulcimer": (15, 48, 84),
+    "drawbar_organ": (16, 36, 96),
+    "harmonica": (22, 60, 84),
+    "jazz_guitar": (26, 40, 84),
+    "clean_guitar": (27, 40, 84),
+    "distortion_guitar": (30, 40, 84),
+    "acoustic_bass": (32, 28, 60),
+    "viola": (41, 48, 84),
+    "choir_aahs": (52, 48, 79),
+    "french_horn": (60, 34, 77),
+    "shakuhachi": (77, 55, 84),
+    "whistle": (78, 72, 96),
+    "bagpipe": (109, 55, 79),
+    "shanai": (111, 60, 84),
+    "tinkle_bell": (112, 72, 96),
+    "agogo": (113, 60, 79),
+    "taiko": (116, 36, 60),
     "melodic_tom": (117, 40, 64),
 }
 EVALUATED_INSTRUMENTS = {**TRAIN_INSTRUMENTS, **HELD_OUT_INSTRUMENTS}  # played by all four banks
@@ -224,26 +260,40 @@ def check_freepats_programs(config: Path) -> None:
         patch = re.match(r"\s*(\d+)\s+\S+\.pat\b", line)
         if patch and bank == ("bank", 0):
             programs.add(int(patch.group(1)))
-    absent = sorted(name for name, (program, _, _) in EVALUATED_INSTRUMENTS.items()
-                    if program not in programs)
+    absent = sorted(
+        name for name, (program, _, _) in EVALUATED_INSTRUMENTS.items() if program not in programs
+    )
     if absent:
-        raise ToolMissing(f"{config} has no patch for {', '.join(absent)}; reinstall freepats "
-                          f"(apt-get install --reinstall freepats)")
+        raise ToolMissing(
+            f"{config} has no patch for {', '.join(absent)}; reinstall freepats "
+            f"(apt-get install --reinstall freepats)"
+        )
 
 
 def parameters(seed: int, banks: dict[str, Path]) -> dict:
     """Everything the generated audio depends on (its hash names the dataset folder)."""
     return {
-        "version": VERSION, "seed": seed, "sample_rate": SAMPLE_RATE, "render_rate": RENDER_RATE,
-        "pitches_per_item": PITCHES_PER_ITEM, "variants_per_pitch": VARIANTS_PER_PITCH,
-        "val_pitches": VAL_PITCHES, "velocity_range": VELOCITY_RANGE,
-        "duration_range": DURATION_RANGE, "tail_seconds": TAIL_SECONDS,
-        "slot_seconds": SLOT_SECONDS, "fade_seconds": FADE_SECONDS, "peak": PEAK,
-        "train_instruments": TRAIN_INSTRUMENTS, "held_out_instruments": HELD_OUT_INSTRUMENTS,
+        "version": VERSION,
+        "seed": seed,
+        "sample_rate": SAMPLE_RATE,
+        "render_rate": RENDER_RATE,
+        "pitches_per_item": PITCHES_PER_ITEM,
+        "variants_per_pitch": VARIANTS_PER_PITCH,
+        "val_pitches": VAL_PITCHES,
+        "velocity_range": VELOCITY_RANGE,
+        "duration_range": DURATION_RANGE,
+        "tail_seconds": TAIL_SECONDS,
+        "slot_seconds": SLOT_SECONDS,
+        "fade_seconds": FADE_SECONDS,
+        "peak": PEAK,
+        "train_instruments": TRAIN_INSTRUMENTS,
+        "held_out_instruments": HELD_OUT_INSTRUMENTS,
         "train_only_instruments": TRAIN_ONLY_INSTRUMENTS,
-        "train_sources": TRAIN_SOURCES, "held_out_sources": HELD_OUT_SOURCES,
+        "train_sources": TRAIN_SOURCES,
+        "held_out_sources": HELD_OUT_SOURCES,
         "banks": {name: [str(path), path.stat().st_size] for name, path in sorted(banks.items())},
-        "fluidsynth": tool_version("fluidsynth"), "timidity": tool_version("timidity"),
+        "fluidsynth": tool_version("fluidsynth"),
+        "timidity": tool_version("timidity"),
     }
 
 
@@ -277,8 +327,9 @@ def plan(seed: int, instrument: str, source: str) -> list[Note]:
         for variant in range(VARIANTS_PER_PITCH):
             velocity = int(rng.integers(VELOCITY_RANGE[0], VELOCITY_RANGE[1] + 1))
             duration = round(float(rng.uniform(*DURATION_RANGE)), 3)
-            notes.append(Note(instrument, source, pitch_index, variant, int(key), velocity,
-                              duration))
+            notes.append(
+                Note(instrument, source, pitch_index, variant, int(key), velocity, duration)
+            )
     return notes
 
 
@@ -307,8 +358,16 @@ def midi_file(program: int, notes: list[Note]) -> bytes:
         track += _variable_length(when - now) + message
         now = when
     track += _variable_length(slot_ms) + b"\xff\x2f\x00"
-    return (b"MThd" + (6).to_bytes(4, "big") + (0).to_bytes(2, "big") + (1).to_bytes(2, "big")
-            + (480).to_bytes(2, "big") + b"MTrk" + len(track).to_bytes(4, "big") + track)
+    return (
+        b"MThd"
+        + (6).to_bytes(4, "big")
+        + (0).to_bytes(2, "big")
+        + (1).to_bytes(2, "big")
+        + (480).to_bytes(2, "big")
+        + b"MTrk"
+        + len(track).to_bytes(4, "big")
+        + track
+    )
 
 
 def _variable_length(value: int) -> bytes:
@@ -322,10 +381,36 @@ def _variable_length(value: int) -> bytes:
 
 def render_command(source: Source, bank: Path, midi: Path, wav: Path) -> list[str]:
     if source.renderer == "fluidsynth":
-        return ["fluidsynth", "-ni", "-q", "-R", "0", "-C", "0", "-g", "0.5",
-                "-r", str(RENDER_RATE), "-F", str(wav), str(bank), str(midi)]
-    return ["timidity", "-c", str(bank), "-OwM", "-s", str(RENDER_RATE), "-EFreverb=0",
-            "-EFchorus=0", "-o", str(wav), str(midi)]
+        return [
+            "fluidsynth",
+            "-ni",
+            "-q",
+            "-R",
+            "0",
+            "-C",
+            "0",
+            "-g",
+            "0.5",
+            "-r",
+            str(RENDER_RATE),
+            "-F",
+            str(wav),
+            str(bank),
+            str(midi),
+        ]
+    return [
+        "timidity",
+        "-c",
+        str(bank),
+        "-OwM",
+        "-s",
+        str(RENDER_RATE),
+        "-EFreverb=0",
+        "-EFchorus=0",
+        "-o",
+        str(wav),
+        str(midi),
+    ]
 
 
 def render_item(source: Source, bank: Path, notes: list[Note]) -> list[np.ndarray]:
@@ -338,14 +423,21 @@ def render_item(source: Source, bank: Path, notes: list[Note]) -> list[np.ndarra
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0 or not wav.exists() or wav.stat().st_size <= 44:
             message = " ".join((result.stderr or result.stdout).split())[:300]
-            raise RuntimeError(f"{' '.join(command)} produced no audio "
-                               f"(exit {result.returncode}): {message}")
+            raise RuntimeError(
+                f"{' '.join(command)} produced no audio (exit {result.returncode}): {message}"
+            )
         audio, rate = soundfile.read(wav, dtype="float32", always_2d=True)
     audio = audio.mean(axis=1)
     slot = int(SLOT_SECONDS * rate)
     audio = np.pad(audio, (0, max(0, slot * len(notes) - len(audio))))
-    return [_clip(audio[index * slot: index * slot + int((note.duration + TAIL_SECONDS) * rate)],
-                  rate, note) for index, note in enumerate(notes)]
+    return [
+        _clip(
+            audio[index * slot : index * slot + int((note.duration + TAIL_SECONDS) * rate)],
+            rate,
+            note,
+        )
+        for index, note in enumerate(notes)
+    ]
 
 
 def _clip(audio: np.ndarray, rate: int, note: Note) -> np.ndarray:
@@ -365,8 +457,13 @@ def _clip(audio: np.ndarray, rate: int, note: Note) -> np.ndarray:
 # Building the sheets
 
 
-def build(root: str | Path = "data/quality/sounds", *, seed: int = 0, jobs: int = 2,
-          log: Callable[[str], None] = print) -> dict[str, Path]:
+def build(
+    root: str | Path = "data/quality/sounds",
+    *,
+    seed: int = 0,
+    jobs: int = 2,
+    log: Callable[[str], None] = print,
+) -> dict[str, Path]:
     """Build (or reuse) the dataset; returns {sheet key: sheet path}.
 
     Raises ToolMissing when fluidsynth, timidity or a bank is not installed."""
@@ -386,19 +483,24 @@ def build(root: str | Path = "data/quality/sounds", *, seed: int = 0, jobs: int 
         partial = sheets[key].with_name(sheets[key].name + ".partial.xlsx")
         table.to_excel(partial, index=False)
         os.replace(partial, sheets[key])
-        log(f"dataset: wrote {sheets[key]} ({len(table)} clips, {table.a_cls.nunique()} "
+        log(
+            f"dataset: wrote {sheets[key]} ({len(table)} clips, {table.a_cls.nunique()} "
             f"instruments x {table.source.nunique()} sources, "
-            f"{table.seconds.mean():.2f} s per clip)")
+            f"{table.seconds.mean():.2f} s per clip)"
+        )
     return sheets
 
 
-def _render_sheet(key: str, seed: int, banks: dict[str, Path], folder: Path, jobs: int,
-                  log: Callable[[str], None]) -> pd.DataFrame:
+def _render_sheet(
+    key: str, seed: int, banks: dict[str, Path], folder: Path, jobs: int, log: Callable[[str], None]
+) -> pd.DataFrame:
     instruments, source_names = SHEETS[key]
     sources = {source.name: source for source in SOURCES}
     items = [plan(seed, instrument, name) for instrument in instruments for name in source_names]
-    log(f"dataset: rendering {sum(map(len, items))} notes ({len(items)} instrument/source items) "
-        f"for {key}.xlsx ({jobs} at a time)")
+    log(
+        f"dataset: rendering {sum(map(len, items))} notes ({len(items)} instrument/source items) "
+        f"for {key}.xlsx ({jobs} at a time)"
+    )
 
     def render_and_write(notes: list[Note]) -> list[tuple]:
         source = sources[notes[0].source]
@@ -407,8 +509,19 @@ def _render_sheet(key: str, seed: int, banks: dict[str, Path], folder: Path, job
             target = folder / note.relative_path
             target.parent.mkdir(parents=True, exist_ok=True)
             soundfile.write(target, np.clip(audio, -1.0, 1.0), SAMPLE_RATE, subtype="PCM_16")
-            rows.append((note.instrument, note.item, note.clip_id, note.relative_path, note.split,
-                         note.source, note.key, note.velocity, len(audio) / SAMPLE_RATE))
+            rows.append(
+                (
+                    note.instrument,
+                    note.item,
+                    note.clip_id,
+                    note.relative_path,
+                    note.split,
+                    note.source,
+                    note.key,
+                    note.velocity,
+                    len(audio) / SAMPLE_RATE,
+                )
+            )
         return rows
 
     # Threads are enough: the work is in the renderer processes and in numpy/scipy.
@@ -418,14 +531,21 @@ def _render_sheet(key: str, seed: int, banks: dict[str, Path], folder: Path, job
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="data/quality/sounds",
-                        help="parent folder (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the keys, velocities and durations (default: 0)")
-    parser.add_argument("--jobs", type=int, choices=(1, 2), default=2,
-                        help="renderer processes at a time")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default="data/quality/sounds", help="parent folder (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the keys, velocities and durations (default: 0)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, choices=(1, 2), default=2, help="renderer processes at a time"
+    )
     args = parser.parse_args(argv)
     try:
         sheets = build(args.out, seed=args.seed, jobs=args.jobs)

@@ -32,8 +32,9 @@ from audioclf.step import NonFiniteGuard, TrainStep  # noqa: E402
 
 
 def make_config(model: str):
-    return load_config(Path(__file__).resolve().parents[1] / f"configs/demo_{model}.yaml",
-                       ["optim.warmup_steps=0"])
+    return load_config(
+        Path(__file__).resolve().parents[1] / f"configs/demo_{model}.yaml", ["optim.warmup_steps=0"]
+    )
 
 
 def make_batches(cfg, steps: int, seed: int = 0):
@@ -77,8 +78,14 @@ def time_audioclf(cfg, batches, model=None) -> float:
     def loss_fn(output, labels):
         return loss_core(output[0], labels, output[1])
 
-    step = TrainStep(model, opt, precision, loss_fn, guard=NonFiniteGuard(10),
-                     max_grad_norm=cfg.optim.max_grad_norm)
+    step = TrainStep(
+        model,
+        opt,
+        precision,
+        loss_fn,
+        guard=NonFiniteGuard(10),
+        max_grad_norm=cfg.optim.max_grad_norm,
+    )
     start = time.perf_counter()
     step.start_epoch()
     for number, batch in enumerate(batches):  # the Trainer's loop, without a loader
@@ -96,8 +103,13 @@ def _ddp_worker(rank, world, port, model_name, steps, queue):
     from audioclf import distributed
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     cfg = make_config(model_name)
     env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")
     batches = make_batches(cfg, steps, seed=rank)
@@ -119,8 +131,10 @@ def ddp_samples_per_second(model_name: str, steps: int, world: int) -> float:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, world, port, model_name, steps, queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_ddp_worker, args=(r, world, port, model_name, steps, queue))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     seconds = queue.get(timeout=600)
@@ -131,8 +145,9 @@ def ddp_samples_per_second(model_name: str, steps: int, world: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", choices=["cnn", "conformer"], default="cnn")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats (best counts)")
@@ -152,8 +167,10 @@ def main() -> None:
     samples = args.steps * cfg.sampler.batch_size
     b, o = min(bare), min(ours)
     overhead = o / b - 1
-    print(f"model {args.model}, batch {cfg.sampler.batch_size}, {args.steps} steps, 1 thread, "
-          f"best of {args.repeats}")
+    print(
+        f"model {args.model}, batch {cfg.sampler.batch_size}, {args.steps} steps, 1 thread, "
+        f"best of {args.repeats}"
+    )
     print(f"bare loop        {samples / b:8.1f} samples/s  ({b:.2f} s)")
     print(f"audioclf loop    {samples / o:8.1f} samples/s  ({o:.2f} s)")
     print(f"overhead         {overhead * 100:+.1f} %   (audioclf time / bare time = {o / b:.3f})")

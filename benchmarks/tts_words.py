@@ -49,26 +49,91 @@ VARIANTS_PER_VOICE = 4
 
 # Mixed lengths (1 to 4 syllables); no two words sound alike (no butter/button, no rocket/pocket).
 TRAIN_WORDS = (
-    "dog", "fish", "house", "tree", "milk", "shoe", "clock", "bread", "cheese", "train",
-    "apple", "basket", "window", "yellow", "river", "garden", "chicken", "music", "pencil",
-    "orange", "table", "doctor", "monkey", "candle", "rocket", "butter", "jacket", "ladder",
-    "island", "zebra", "umbrella", "elephant", "banana", "computer", "tomato", "dinosaur",
-    "kangaroo", "calendar", "vegetable", "helicopter",
+    "dog",
+    "fish",
+    "house",
+    "tree",
+    "milk",
+    "shoe",
+    "clock",
+    "bread",
+    "cheese",
+    "train",
+    "apple",
+    "basket",
+    "window",
+    "yellow",
+    "river",
+    "garden",
+    "chicken",
+    "music",
+    "pencil",
+    "orange",
+    "table",
+    "doctor",
+    "monkey",
+    "candle",
+    "rocket",
+    "butter",
+    "jacket",
+    "ladder",
+    "island",
+    "zebra",
+    "umbrella",
+    "elephant",
+    "banana",
+    "computer",
+    "tomato",
+    "dinosaur",
+    "kangaroo",
+    "calendar",
+    "vegetable",
+    "helicopter",
 )
 HELD_OUT_WORDS = (
-    "cat", "sun", "book", "frog", "chair", "kitchen", "forest", "pepper", "dragon", "pillow",
-    "lemon", "carpet", "guitar", "hammer", "mirror", "potato", "octopus", "telephone",
-    "butterfly", "hospital",
+    "cat",
+    "sun",
+    "book",
+    "frog",
+    "chair",
+    "kitchen",
+    "forest",
+    "pepper",
+    "dragon",
+    "pillow",
+    "lemon",
+    "carpet",
+    "guitar",
+    "hammer",
+    "mirror",
+    "potato",
+    "octopus",
+    "telephone",
+    "butterfly",
+    "hospital",
 )
 # espeak-ng accent + voice variant. Held-out voices use variants no training voice uses.
 TRAIN_VOICES = (
-    "en-us+m1", "en-gb+f1", "en-gb-scotland+m2", "en-gb-x-gbclan+f3", "en-gb-x-rp+m4",
-    "en-gb-x-gbcwmd+f4", "en-029+m5", "en-us-nyc+f1", "en-us+klatt", "en-gb+croak",
+    "en-us+m1",
+    "en-gb+f1",
+    "en-gb-scotland+m2",
+    "en-gb-x-gbclan+f3",
+    "en-gb-x-rp+m4",
+    "en-gb-x-gbcwmd+f4",
+    "en-029+m5",
+    "en-us-nyc+f1",
+    "en-us+klatt",
+    "en-gb+croak",
     "en-gb-x-rp+m6",
 )
 VAL_VOICES = ("en-gb-scotland+f3", "en-us-nyc+m4", "en-029+f4")  # in train.xlsx, split=val
 HELD_OUT_VOICES = (
-    "en-us+m3", "en-gb-scotland+f2", "en-gb+m7", "en-gb-x-rp+klatt2", "en-us-nyc+m8", "en-029+f5",
+    "en-us+m3",
+    "en-gb-scotland+f2",
+    "en-gb+m7",
+    "en-gb-x-rp+klatt2",
+    "en-us-nyc+m8",
+    "en-029+f5",
 )
 FLITE_VOICES = ("kal", "awb", "rms", "slt", "kal16")
 # Modest ranges around the engines' defaults (espeak-ng: 175 words/min, pitch 50 of 0-99).
@@ -119,13 +184,22 @@ class Clip:
 def parameters(seed: int) -> dict:
     """Everything the generated audio depends on (its hash names the dataset folder)."""
     return {
-        "version": VERSION, "seed": seed, "sample_rate": SAMPLE_RATE,
-        "variants_per_voice": VARIANTS_PER_VOICE, "train_words": TRAIN_WORDS,
-        "held_out_words": HELD_OUT_WORDS, "train_voices": TRAIN_VOICES, "val_voices": VAL_VOICES,
-        "held_out_voices": HELD_OUT_VOICES, "flite_voices": FLITE_VOICES,
-        "speed_range": SPEED_RANGE, "pitch_range": PITCH_RANGE,
-        "flite_stretch_range": FLITE_STRETCH_RANGE, "trim_db": TRIM_DB,
-        "trim_pad_seconds": TRIM_PAD_SECONDS, "espeak_ng": tool_version("espeak-ng"),
+        "version": VERSION,
+        "seed": seed,
+        "sample_rate": SAMPLE_RATE,
+        "variants_per_voice": VARIANTS_PER_VOICE,
+        "train_words": TRAIN_WORDS,
+        "held_out_words": HELD_OUT_WORDS,
+        "train_voices": TRAIN_VOICES,
+        "val_voices": VAL_VOICES,
+        "held_out_voices": HELD_OUT_VOICES,
+        "flite_voices": FLITE_VOICES,
+        "speed_range": SPEED_RANGE,
+        "pitch_range": PITCH_RANGE,
+        "flite_stretch_range": FLITE_STRETCH_RANGE,
+        "trim_db": TRIM_DB,
+        "trim_pad_seconds": TRIM_PAD_SECONDS,
+        "espeak_ng": tool_version("espeak-ng"),
     }
 
 
@@ -155,7 +229,9 @@ def plan(seed: int) -> dict[str, list[tuple[Clip, str]]]:
                 for variant in range(VARIANTS_PER_VOICE):
                     speed = int(rng.integers(SPEED_RANGE[0], SPEED_RANGE[1] + 1))
                     pitch = int(rng.integers(PITCH_RANGE[0], PITCH_RANGE[1] + 1))
-                    clips.append((Clip("espeak-ng", word, voice, variant, speed, pitch), split_of(voice)))
+                    clips.append(
+                        (Clip("espeak-ng", word, voice, variant, speed, pitch), split_of(voice))
+                    )
         return clips
 
     flite = []
@@ -166,8 +242,11 @@ def plan(seed: int) -> dict[str, list[tuple[Clip, str]]]:
                 stretch = round(float(rng.uniform(*FLITE_STRETCH_RANGE)), 3)
                 flite.append((Clip("flite", word, voice, variant, stretch, 0), "test"))
     return {
-        "train": espeak(TRAIN_WORDS, TRAIN_VOICES + VAL_VOICES,
-                        lambda voice: "val" if voice in VAL_VOICES else "train"),
+        "train": espeak(
+            TRAIN_WORDS,
+            TRAIN_VOICES + VAL_VOICES,
+            lambda voice: "val" if voice in VAL_VOICES else "train",
+        ),
         "known": espeak(TRAIN_WORDS, HELD_OUT_VOICES, lambda voice: "test"),
         "unseen": espeak(HELD_OUT_WORDS, HELD_OUT_VOICES, lambda voice: "test"),
         "other_engine": flite,
@@ -183,15 +262,36 @@ def synthesise(clip: Clip, target: Path) -> float:
     with tempfile.TemporaryDirectory(prefix="tts_") as tmp:
         raw = Path(tmp) / "raw.wav"
         if clip.engine == "espeak-ng":
-            command = ["espeak-ng", "-v", clip.voice, "-s", str(int(clip.speed)),
-                       "-p", str(clip.pitch), "-w", str(raw), clip.word]
+            command = [
+                "espeak-ng",
+                "-v",
+                clip.voice,
+                "-s",
+                str(int(clip.speed)),
+                "-p",
+                str(clip.pitch),
+                "-w",
+                str(raw),
+                clip.word,
+            ]
         else:
-            command = ["flite", "-voice", clip.voice, "--setf", f"duration_stretch={clip.speed}",
-                       "-t", clip.word, "-o", str(raw)]
+            command = [
+                "flite",
+                "-voice",
+                clip.voice,
+                "--setf",
+                f"duration_stretch={clip.speed}",
+                "-t",
+                clip.word,
+                "-o",
+                str(raw),
+            ]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0 or not raw.exists() or raw.stat().st_size <= 44:
             message = " ".join((result.stderr or result.stdout).split())[:300]
-            raise RuntimeError(f"{' '.join(command)} produced no audio (exit {result.returncode}): {message}")
+            raise RuntimeError(
+                f"{' '.join(command)} produced no audio (exit {result.returncode}): {message}"
+            )
         audio, rate = soundfile.read(raw, dtype="float32", always_2d=True)
     audio = audio.mean(axis=1)
     if rate != SAMPLE_RATE:
@@ -214,7 +314,7 @@ def trim_silence(audio: np.ndarray, sample_rate: int) -> np.ndarray:
     if rms.max() == 0 or len(loud) == 0:
         return audio
     pad = int(TRIM_PAD_SECONDS * sample_rate)
-    return audio[max(0, loud[0] * frame - pad): min(len(audio), (loud[-1] + 1) * frame + pad)]
+    return audio[max(0, loud[0] * frame - pad) : min(len(audio), (loud[-1] + 1) * frame + pad)]
 
 
 def check_voices(voices, engine: str) -> None:
@@ -228,8 +328,13 @@ def check_voices(voices, engine: str) -> None:
                 raise RuntimeError(f"{engine} voice {voice!r} does not work here: {exc}") from None
 
 
-def build(root: str | Path = "data/quality", *, seed: int = 0, jobs: int = 2,
-          log: Callable[[str], None] = print) -> dict[str, Path]:
+def build(
+    root: str | Path = "data/quality",
+    *,
+    seed: int = 0,
+    jobs: int = 2,
+    log: Callable[[str], None] = print,
+) -> dict[str, Path]:
     """Build (or reuse) the dataset; returns {sheet key: sheet path} of the sheets that exist.
 
     Raises ToolMissing when espeak-ng is not installed. Without flite the other-engine sheet is
@@ -261,30 +366,43 @@ def build(root: str | Path = "data/quality", *, seed: int = 0, jobs: int = 2,
         partial = sheets[key].with_name(sheets[key].name + ".partial.xlsx")
         table.to_excel(partial, index=False)
         os.replace(partial, sheets[key])
-        log(f"dataset: wrote {sheets[key]} ({len(table)} clips, {table.a_cls.nunique()} words, "
-            f"{table.a_item.nunique()} word/voice items, {table.seconds.mean():.2f} s per clip)")
+        log(
+            f"dataset: wrote {sheets[key]} ({len(table)} clips, {table.a_cls.nunique()} words, "
+            f"{table.a_item.nunique()} word/voice items, {table.seconds.mean():.2f} s per clip)"
+        )
     return sheets
 
 
-def _synthesise_sheet(clips: list[tuple[Clip, str]], folder: Path, jobs: int, key: str,
-                      log: Callable[[str], None]) -> list[tuple]:
+def _synthesise_sheet(
+    clips: list[tuple[Clip, str]], folder: Path, jobs: int, key: str, log: Callable[[str], None]
+) -> list[tuple]:
     # Threads are enough: the work is in the TTS processes and in numpy/scipy, outside the GIL.
     log(f"dataset: synthesising {len(clips)} clips for {SHEETS[key]} ({jobs} at a time)")
     rows = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(synthesise, clip, folder / clip.relative_path) for clip, _ in clips]
         for done, ((clip, split), future) in enumerate(zip(clips, futures), start=1):
-            rows.append((clip.word, clip.item, clip.clip_id, clip.relative_path, split, future.result()))
+            rows.append(
+                (clip.word, clip.item, clip.clip_id, clip.relative_path, split, future.result())
+            )
             if done % 500 == 0:
                 log(f"dataset:   {done}/{len(clips)}")
     return rows
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="data/quality", help="parent folder (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of speeds and pitches (default: 0)")
-    parser.add_argument("--jobs", type=int, choices=(1, 2), default=2, help="TTS processes at a time")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default="data/quality", help="parent folder (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of speeds and pitches (default: 0)"
+    )
+    parser.add_argument(
+        "--jobs", type=int, choices=(1, 2), default=2, help="TTS processes at a time"
+    )
     args = parser.parse_args(argv)
     try:
         sheets = build(args.out, seed=args.seed, jobs=args.jobs)

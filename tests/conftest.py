@@ -17,5 +17,3 @@ def tiny_demo(tmp_path_factory) -> Path:
     from audioclf.data.demo import generate_demo
 
     return generate_demo(tmp_path_factory.mktemp("demo"), classes=12, items=3, ids=4, seed=0)
-
-

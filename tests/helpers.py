@@ -26,31 +26,55 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TINY_MODELS = {
     "cnn": {"name": "cnn", "embedding_dim": 16, "cnn": {"width": 8, "depth": 2}},
-    "conformer": {"name": "conformer", "embedding_dim": 16,
-                  "conformer": {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 2,
-                                "kernel_size": 7}},
+    "conformer": {
+        "name": "conformer",
+        "embedding_dim": 16,
+        "conformer": {
+            "d_model": 32,
+            "num_heads": 2,
+            "ffn_dim": 64,
+            "num_layers": 2,
+            "kernel_size": 7,
+        },
+    },
 }
 
 
-def make_checkpoint(path: Path, name: str = "cnn", classes: tuple[str, ...] = (), seed: int = 0
-                    ) -> Path:
+def make_checkpoint(
+    path: Path, name: str = "cnn", classes: tuple[str, ...] = (), seed: int = 0
+) -> Path:
     """A checkpoint as the trainer writes it (model, config, classes), of an untrained model
     with non-trivial BatchNorm statistics."""
     from audioclf.models import build_net
 
-    cfg = config_from_dict({
-        "features": {"sample_rate": 8000, "n_fft": 256, "win_length": 200, "hop_length": 80,
-                     "n_mels": 32},
-        "model": {**TINY_MODELS[name], "head": "softmax" if classes else "none"},
-    })
+    cfg = config_from_dict(
+        {
+            "features": {
+                "sample_rate": 8000,
+                "n_fft": 256,
+                "win_length": 200,
+                "hop_length": 80,
+                "n_mels": 32,
+            },
+            "model": {**TINY_MODELS[name], "head": "softmax" if classes else "none"},
+        }
+    )
     torch.manual_seed(seed)
     net = build_net(cfg, len(classes))
     for module in net.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
             module.running_mean.uniform_(-0.2, 0.2)
             module.running_var.uniform_(0.5, 2.0)
-    torch.save({"model": net.state_dict(), "config": to_dict(cfg), "classes": list(classes),
-                "epoch": 3, "step": 30}, path)
+    torch.save(
+        {
+            "model": net.state_dict(),
+            "config": to_dict(cfg),
+            "classes": list(classes),
+            "epoch": 3,
+            "step": 30,
+        },
+        path,
+    )
     return path
 
 
@@ -60,24 +84,44 @@ def make_checkpoint(path: Path, name: str = "cnn", classes: tuple[str, ...] = ()
 
 TINY = {
     "cnn": ["model.name=cnn", "model.cnn.width=8", "model.cnn.depth=2"],
-    "conformer": ["model.name=conformer", "model.conformer.d_model=32",
-                  "model.conformer.num_heads=2", "model.conformer.ffn_dim=64",
-                  "model.conformer.num_layers=1", "model.conformer.kernel_size=7"],
+    "conformer": [
+        "model.name=conformer",
+        "model.conformer.d_model=32",
+        "model.conformer.num_heads=2",
+        "model.conformer.ffn_dim=64",
+        "model.conformer.num_layers=1",
+        "model.conformer.kernel_size=7",
+    ],
 }
 
 
 def tiny_config(index: Path, runs_dir: Path, model: str = "cnn", *extra: str) -> Config:
     """A config that trains in seconds on CPU: tiny model, short crops, small batches."""
-    return load_config(None, [
-        f"data.index={index}", "data.num_workers=0", "data.val_ratio=0.25",
-        "sampler.batch_size=8", "sampler.m=2",
-        "features.n_mels=32", "clips.crop_seconds=0.5", "clips.eval_max_seconds=1.0",
-        "model.embedding_dim=16", *TINY[model],
-        "optim.lr=0.003", "optim.warmup_steps=0",
-        f"train.runs_dir={runs_dir}", "train.name=t", "train.epochs=2", "train.log_every_steps=0",
-        "eval.every=1", "eval.batch_size=16", "checkpoint.keep_last=1", *extra,
-    ])
-
+    return load_config(
+        None,
+        [
+            f"data.index={index}",
+            "data.num_workers=0",
+            "data.val_ratio=0.25",
+            "sampler.batch_size=8",
+            "sampler.m=2",
+            "features.n_mels=32",
+            "clips.crop_seconds=0.5",
+            "clips.eval_max_seconds=1.0",
+            "model.embedding_dim=16",
+            *TINY[model],
+            "optim.lr=0.003",
+            "optim.warmup_steps=0",
+            f"train.runs_dir={runs_dir}",
+            "train.name=t",
+            "train.epochs=2",
+            "train.log_every_steps=0",
+            "eval.every=1",
+            "eval.batch_size=16",
+            "checkpoint.keep_last=1",
+            *extra,
+        ],
+    )
 
 
 def fit(cfg: Config, hooks=None) -> dict:
@@ -100,13 +144,23 @@ def free_port() -> int:
 def _entry(rank, world_size, port, fn, args, out_dir, backend):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     try:
         extra = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=60),
-                                **extra)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+            **extra,
+        )
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # reported to the parent, which asserts
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -116,13 +170,16 @@ def _entry(rank, world_size, port, fn, args, out_dir, backend):
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_in_group(fn, tmp_path, *args, world_size: int = 2, timeout: float = 120.0,
-                 backend: str = "gloo") -> list:
+def run_in_group(
+    fn, tmp_path, *args, world_size: int = 2, timeout: float = 120.0, backend: str = "gloo"
+) -> list:
     """fn(rank, world_size, *args) on each rank; returns results by rank; raises on any error."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, str(tmp_path), backend))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, str(tmp_path), backend))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -161,8 +218,15 @@ def cli_args(config: Config) -> list[str]:
 
 def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
     """Run a launcher in its own session; on timeout kill the whole group (no orphan workers)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -180,14 +244,33 @@ def child_env() -> dict:
 # The Trainer's epoch loop over plain batches
 
 
-def run_epoch(model, batches, objective, optimizer, precision, *, accumulate=1, guard=None,
-                    sync_every=1, batch_size=0, placeholder=None, should_stop=None):
+def run_epoch(
+    model,
+    batches,
+    objective,
+    optimizer,
+    precision,
+    *,
+    accumulate=1,
+    guard=None,
+    sync_every=1,
+    batch_size=0,
+    placeholder=None,
+    should_stop=None,
+):
     """The Trainer's epoch loop over a list of batches: micro-batches, an update every
     `accumulate`, a sync every `sync_every` updates and at the end. Returns (EpochResult,
     optimizer steps taken)."""
-    step = TrainStep(model, optimizer, precision, objective,
-                     guard=guard or NonFiniteGuard(patience=10**9), accumulate=accumulate,
-                     batch_size=batch_size, placeholder=placeholder)
+    step = TrainStep(
+        model,
+        optimizer,
+        precision,
+        objective,
+        guard=guard or NonFiniteGuard(patience=10**9),
+        accumulate=accumulate,
+        batch_size=batch_size,
+        placeholder=placeholder,
+    )
     step.start_epoch()
     steps = 0
     for position, batch in enumerate(batches, start=1):
@@ -244,8 +327,14 @@ def sample_rows() -> pd.DataFrame:
             for _ in range(IDS):
                 sample_id = f"{len(rows) + 1:03d}"
                 item = f"{cls}_rec{i}"
-                rows.append({"a_cls": cls, "a_item": item, "a_id": sample_id,
-                             "path": f"wav/{cls}/{item}/{sample_id}.wav"})
+                rows.append(
+                    {
+                        "a_cls": cls,
+                        "a_item": item,
+                        "a_id": sample_id,
+                        "path": f"wav/{cls}/{item}/{sample_id}.wav",
+                    }
+                )
     return pd.DataFrame(rows)
 
 

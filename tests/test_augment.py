@@ -32,8 +32,12 @@ def only(**fields) -> Augmenter:
 
 def all_on() -> Augmenter:
     """Every piece at probability 1; speed never 1.0, so it always changes the clip."""
-    cfg = AugmentConfig(enabled=True, speed_factors=(0.9, 1.1), noise_colors=("pink",),
-                        **{name: 1.0 for name in PIECES})
+    cfg = AugmentConfig(
+        enabled=True,
+        speed_factors=(0.9, 1.1),
+        noise_colors=("pink",),
+        **{name: 1.0 for name in PIECES},
+    )
     return Augmenter(cfg, FEATURES, CROP)
 
 
@@ -88,10 +92,14 @@ def test_same_seed_same_output_other_seed_differs():
     assert not torch.equal(first, other)
     assert torch.equal(wave, before)  # the input is never modified in place
     feats = np.random.default_rng(1).standard_normal((30, FEATURES.n_mels)).astype(np.float32)
-    assert np.array_equal(augment.log_mel(feats, np.random.default_rng(7)),
-                          augment.log_mel(feats, np.random.default_rng(7)))
-    assert not np.array_equal(augment.log_mel(feats, np.random.default_rng(7)),
-                              augment.log_mel(feats, np.random.default_rng(8)))
+    assert np.array_equal(
+        augment.log_mel(feats, np.random.default_rng(7)),
+        augment.log_mel(feats, np.random.default_rng(7)),
+    )
+    assert not np.array_equal(
+        augment.log_mel(feats, np.random.default_rng(7)),
+        augment.log_mel(feats, np.random.default_rng(8)),
+    )
 
 
 @pytest.mark.slow
@@ -110,8 +118,15 @@ def test_pickled_copy_in_another_process_gives_identical_output():
         "sys.stdout.buffer.write(pickle.dumps(out.numpy()))\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3"}
-    child = subprocess.run([sys.executable, "-c", script], input=pickle.dumps((augment, wave)),
-                           capture_output=True, cwd=ROOT, env=env, timeout=120, check=True)
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        input=pickle.dumps((augment, wave)),
+        capture_output=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     assert np.array_equal(pickle.loads(child.stdout), augment_item(augment, wave, 11).numpy())
 
 
@@ -172,8 +187,10 @@ def test_noise_colours_have_their_spectral_slope():
 
 def test_gain_within_range_and_peak_limited():
     augment, wave = only(gain_prob=1.0, gain_db=(-4.0, 2.0)), signal()
-    gains = [10 * np.log10(power(augment.after_crop(wave, np.random.default_rng(s))) / power(wave))
-             for s in range(20)]
+    gains = [
+        10 * np.log10(power(augment.after_crop(wave, np.random.default_rng(s))) / power(wave))
+        for s in range(20)
+    ]
     assert -4.001 <= min(gains) and max(gains) <= 2.001
     assert max(gains) - min(gains) > 1.0
     # A gain past full scale is scaled back to peak 1.0, not clipped: the waveform keeps its shape.
@@ -218,8 +235,13 @@ def test_eq_changes_the_spectrum_not_the_length_or_level():
     assert power(out) == pytest.approx(power(wave), rel=1e-4)
     hz = np.fft.rfftfreq(8000, 1.0 / SR)
     edges = np.geomspace(100, 7000, 9)
-    bands_in, bands_out = ([np.sum(np.abs(np.fft.rfft(x.numpy()))[(hz >= lo) & (hz < hi)] ** 2)
-                            for lo, hi in zip(edges[:-1], edges[1:])] for x in (wave, out))
+    bands_in, bands_out = (
+        [
+            np.sum(np.abs(np.fft.rfft(x.numpy()))[(hz >= lo) & (hz < hi)] ** 2)
+            for lo, hi in zip(edges[:-1], edges[1:])
+        ]
+        for x in (wave, out)
+    )
     change_db = 10 * np.log10(np.array(bands_out) / np.array(bands_in))
     assert change_db.max() - change_db.min() > 3.0
 
@@ -228,8 +250,13 @@ def test_log_mel_eq_matches_the_waveform_eq():
     # The same seed draws the same curve in both domains (EQ is the only piece on).
     augment = only(eq_prob=1.0)
     mel = torchaudio.transforms.MelSpectrogram(
-        SR, n_fft=FEATURES.n_fft, win_length=FEATURES.win_length, hop_length=FEATURES.hop_length,
-        f_min=FEATURES.f_min, n_mels=FEATURES.n_mels)
+        SR,
+        n_fft=FEATURES.n_fft,
+        win_length=FEATURES.win_length,
+        hop_length=FEATURES.hop_length,
+        f_min=FEATURES.f_min,
+        n_mels=FEATURES.n_mels,
+    )
     wave = torch.from_numpy(0.1 * np.random.default_rng(0).standard_normal(4 * SR, np.float32))
     # Below ~200 Hz a mel band is as wide as the curve's features, and log(mean) != mean(log).
     compared = augment.mel_centres_hz >= 200.0
@@ -265,8 +292,9 @@ def test_noise_files_are_used(tmp_path):
     write_tone(tmp_path / "a.wav", 3000.0, 1000)  # shorter than a crop: tiled
     write_tone(tmp_path / "sub" / "b.flac", 5000.0, 20000)  # found recursively
     (tmp_path / "notes.txt").write_text("not audio")
-    augment = only(noise_prob=1.0, noise_file_prob=1.0, noise_dir=str(tmp_path),
-                   noise_snr_db=(10.0, 10.0))
+    augment = only(
+        noise_prob=1.0, noise_file_prob=1.0, noise_dir=str(tmp_path), noise_snr_db=(10.0, 10.0)
+    )
     assert [Path(p).name for p in augment.noise_files] == ["a.wav", "b.flac"]
     wave = tone(200.0, 8000, amplitude=0.3)
     picked = set()
@@ -291,27 +319,34 @@ def test_missing_or_empty_noise_dir_is_one_clear_error(tmp_path, make):
     Augmenter(AugmentConfig(enabled=False, noise_dir=str(folder)), FEATURES, CROP)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("augment.gain_db=[3, -3]", "augment.gain_db"),
-    ("augment.noise_snr_db=[20, 5]", "augment.noise_snr_db"),
-    ("augment.reverb_rt60=[0.5]", "augment.reverb_rt60"),
-    ("augment.reverb_rt60=[0.0, 0.5]", "augment.reverb_rt60"),
-    ("augment.noise_prob=1.5", "augment.noise_prob"),
-    ("augment.speed_prob=-0.1", "augment.speed_prob"),
-    ("augment.speed_factors=[]", "augment.speed_factors"),
-    ("augment.speed_factors=[0.9, 3.0]", "augment.speed_factors"),
-    ("augment.eq_bands=1", "augment.eq_bands"),
-    ("augment.noise_colors=[red]", "augment.noise_colors"),
-    ("augment.noise_colors=[]", "augment.noise_colors"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("augment.gain_db=[3, -3]", "augment.gain_db"),
+        ("augment.noise_snr_db=[20, 5]", "augment.noise_snr_db"),
+        ("augment.reverb_rt60=[0.5]", "augment.reverb_rt60"),
+        ("augment.reverb_rt60=[0.0, 0.5]", "augment.reverb_rt60"),
+        ("augment.noise_prob=1.5", "augment.noise_prob"),
+        ("augment.speed_prob=-0.1", "augment.speed_prob"),
+        ("augment.speed_factors=[]", "augment.speed_factors"),
+        ("augment.speed_factors=[0.9, 3.0]", "augment.speed_factors"),
+        ("augment.eq_bands=1", "augment.eq_bands"),
+        ("augment.noise_colors=[red]", "augment.noise_colors"),
+        ("augment.noise_colors=[]", "augment.noise_colors"),
+    ],
+)
 def test_invalid_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])
 
 
 def test_settings_load_from_overrides():
-    overrides = ["augment.enabled=true", "augment.gain_db=[-3, 3]", "augment.noise_colors=[pink]",
-                 "augment.speed_factors=[0.95, 1.05]"]
+    overrides = [
+        "augment.enabled=true",
+        "augment.gain_db=[-3, 3]",
+        "augment.noise_colors=[pink]",
+        "augment.speed_factors=[0.95, 1.05]",
+    ]
     cfg = load_config(None, overrides).augment
     assert cfg.enabled and cfg.gain_db == (-3.0, 3.0) and cfg.noise_colors == ("pink",)
     assert Augmenter(cfg, FEATURES, CROP).speed_ratios == [(19, 20), (21, 20)]

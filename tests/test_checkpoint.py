@@ -91,8 +91,12 @@ def test_versions_recorded():
 
 def test_cuda_rng_is_saved_and_restored_for_the_rank_device_only(monkeypatch):
     restored = []
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.tensor([7, int(device.index)]))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: restored.append((state, device)))
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", lambda device=None: torch.tensor([7, int(device.index)])
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device=None: restored.append((state, device))
+    )
     gpu1 = torch.device("cuda", 1)
     saved = checkpoint.rng_state(gpu1)
     assert torch.equal(saved["cuda"], torch.tensor([7, 1])) and "cuda" not in checkpoint.rng_state()
@@ -114,4 +118,5 @@ def test_fp16_resumes_from_a_checkpoint_without_a_loss_scale():
     checkpoint.ScalerState(fp16).load_state_dict(bf16_state)  # GradScaler itself raises here
     assert fp16.get_scale() == 1024.0
     checkpoint.ScalerState(torch.amp.GradScaler("cpu", enabled=False)).load_state_dict(
-        fp16.state_dict())
+        fp16.state_dict()
+    )

@@ -24,8 +24,16 @@ def test_shipped_configs_load(path):
 
 def test_yaml_then_overrides(tmp_path):
     path = write(tmp_path, {"train": {"epochs": 5, "name": "x"}, "model": {"name": "conformer"}})
-    cfg = load_config(path, ["train.epochs=3", "sampler.m=8", "sampler.batch_size=64",
-                             "model.conformer.num_layers=2", "features.f_max=7600"])
+    cfg = load_config(
+        path,
+        [
+            "train.epochs=3",
+            "sampler.m=8",
+            "sampler.batch_size=64",
+            "model.conformer.num_layers=2",
+            "features.f_max=7600",
+        ],
+    )
     assert cfg.train.epochs == 3 and cfg.train.name == "x"
     assert cfg.model.name == "conformer" and cfg.model.conformer.num_layers == 2
     assert (cfg.sampler.m, cfg.sampler.batch_size) == (8, 64)
@@ -54,16 +62,25 @@ def test_int_accepted_for_float_and_null_for_optional():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["train.epochz=3"], r"unknown config key train\.epochz.*valid keys: name, runs_dir, epochs"),
+        (
+            ["train.epochz=3"],
+            r"unknown config key train\.epochz.*valid keys: name, runs_dir, epochs",
+        ),
         (["nope.x=1"], r"unknown config key nope.*valid keys: data, sampler"),
         (["model.conformer.layers=2"], r"unknown config key model\.conformer\.layers.*num_layers"),
         (["train.epochs=abc"], r"train\.epochs='abc' has the wrong type: expected int, got str"),
         (["train.epochs=1.5"], r"train\.epochs=1\.5 has the wrong type: expected int"),
         (["train.deterministic=3"], r"train\.deterministic=3 has the wrong type: expected bool"),
         (["optim.lr=true"], r"optim\.lr=True has the wrong type: expected float"),
-        (["model.name=rnn"], r"model\.name='rnn' is not a valid choice: use one of 'cnn', 'conformer'"),
+        (
+            ["model.name=rnn"],
+            r"model\.name='rnn' is not a valid choice: use one of 'cnn', 'conformer'",
+        ),
         (["train.opt_level=O4"], r"train\.opt_level='O4' has the wrong type"),
-        (["sampler.m=3"], r"sampler\.batch_size=32 is invalid: expected a multiple of sampler\.m=3"),
+        (
+            ["sampler.m=3"],
+            r"sampler\.batch_size=32 is invalid: expected a multiple of sampler\.m=3",
+        ),
         (["sampler.m=1", "sampler.batch_size=4"], r"sampler\.m=1.*triplet loss needs positives"),
         (["train.epochs=0"], r"train\.epochs=0 is invalid"),
         (["data.val_ratio=1.5"], r"data\.val_ratio=1\.5 is invalid"),
@@ -112,11 +129,14 @@ def test_the_configuration_reference_is_current():
     page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     text = page.read_text()
     assert text == readme_with_reference(text), (
-        "docs/configuration.md is stale: run python -m audioclf.config --update-readme")
+        "docs/configuration.md is stale: run python -m audioclf.config --update-readme"
+    )
 
 
-@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.lr=.nan", "optim.max_grad_norm=-.inf",
-                                      "optim.weight_decay=1e999"])
+@pytest.mark.parametrize(
+    "override",
+    ["optim.lr=inf", "optim.lr=.nan", "optim.max_grad_norm=-.inf", "optim.weight_decay=1e999"],
+)
 def test_non_finite_numbers_are_refused(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"{key}=.* is invalid: expected a finite number"):

@@ -25,15 +25,32 @@ CUDA = torch.device("cuda", 0)
 
 
 def tiny_net_config(model: str, *extra: str):
-    return load_config(None, ["features.kind=npy", "features.n_mels=32", "model.embedding_dim=16",
-                              "sampler.batch_size=16", "sampler.m=4", *TINY[model], *extra])
+    return load_config(
+        None,
+        [
+            "features.kind=npy",
+            "features.n_mels=32",
+            "model.embedding_dim=16",
+            "sampler.batch_size=16",
+            "sampler.m=4",
+            *TINY[model],
+            *extra,
+        ],
+    )
 
 
 def feature_batches(cfg, steps: int):
     g = torch.Generator().manual_seed(0)
     labels = torch.arange(4).repeat_interleave(4)
-    return [(torch.randn(16, 120, 32, generator=g), torch.randint(60, 121, (16,), generator=g),
-             labels, torch.arange(16)) for _ in range(steps)]
+    return [
+        (
+            torch.randn(16, 120, 32, generator=g),
+            torch.randint(60, 121, (16,), generator=g),
+            labels,
+            torch.arange(16),
+        )
+        for _ in range(steps)
+    ]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -62,8 +79,15 @@ def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
     from tests.helpers import run_epoch
 
     guard = NonFiniteGuard(5)
-    result, steps = run_epoch(net, feature_batches(cfg, 6), loss_fn, optimizer,
-                              resolve_precision(cfg.train, CUDA), guard=guard, sync_every=3)
+    result, steps = run_epoch(
+        net,
+        feature_batches(cfg, 6),
+        loss_fn,
+        optimizer,
+        resolve_precision(cfg.train, CUDA),
+        guard=guard,
+        sync_every=3,
+    )
     assert steps == 6 and torch.isfinite(torch.tensor(result.loss))
     assert guard.consecutive == 0
     assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
@@ -76,14 +100,15 @@ def _nccl_collectives(rank, world):
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    env = distributed.DistEnv(rank=rank, world_size=world, device=device, strategy="ddp",
-                              backend="nccl")
+    env = distributed.DistEnv(
+        rank=rank, world_size=world, device=device, strategy="ddp", backend="nccl"
+    )
     distributed.barrier()
     total = distributed.all_reduce_sum([1.0, 2.0], device=device).tolist()
     gathered = distributed.gather_objects({"rank": rank})
     shared = distributed.broadcast_object("from 0" if rank == 0 else None)
     first = distributed.primary_first(lambda: "built")
-    stop = distributed.any_rank(False, device=device)
+    stop = bool(distributed.all_reduce_max(torch.zeros(1, device=device)).item() > 0)
     x = torch.randn(4, 3, device=device, requires_grad=True)
     everything = distributed.all_gather_with_grad(x)
     everything.sum().backward()
@@ -94,8 +119,18 @@ def _nccl_collectives(rank, world):
     output, _ = model(torch.randn(8, 120, 32, device=device), torch.full((8,), 120, device=device))
     output.sum().backward()
     drift = distributed.check_parameter_consistency(model, device=device)
-    return (total, gathered, shared, first, stop, tuple(everything.shape), x.grad.sum().item(),
-            nograd.tolist(), synced, drift)
+    return (
+        total,
+        gathered,
+        shared,
+        first,
+        stop,
+        tuple(everything.shape),
+        x.grad.sum().item(),
+        nograd.tolist(),
+        synced,
+        drift,
+    )
 
 
 def test_nccl_collectives_and_syncbn_at_world_size_1(tmp_path):
@@ -112,12 +147,30 @@ def test_gpu_checkpoint_resumes_on_cpu_and_exports(tmp_path, tiny_demo):
     from audioclf.trainer import fit
 
     runs = tmp_path / "runs"
-    gpu = fit(tiny_config(tiny_demo, runs, "cnn", "train.epochs=1", "train.device=cuda",
-                          "train.precision=bf16", "eval.every=1"))
+    gpu = fit(
+        tiny_config(
+            tiny_demo,
+            runs,
+            "cnn",
+            "train.epochs=1",
+            "train.device=cuda",
+            "train.precision=bf16",
+            "eval.every=1",
+        )
+    )
     ckpt = checkpoint.load(Path(gpu["run_dir"]) / "last.pt")
     assert ckpt["optimizer"]["param_groups"][0]["fused"] is True
-    cpu = fit(tiny_config(tiny_demo, runs, "cnn", "train.epochs=2", "train.device=cpu",
-                          "train.precision=fp32", "checkpoint.resume=auto"))
+    cpu = fit(
+        tiny_config(
+            tiny_demo,
+            runs,
+            "cnn",
+            "train.epochs=2",
+            "train.device=cpu",
+            "train.precision=fp32",
+            "checkpoint.resume=auto",
+        )
+    )
     assert cpu["step"] == 2 * gpu["step"]
     for fmt, name in (("torchscript", "model.pt"), ("onnx", "model.onnx")):
         meta = export_model(Path(cpu["run_dir"]) / "best.pt", fmt, tmp_path / name)
@@ -129,8 +182,13 @@ def test_data_parallel_runs_bf16_inside_the_replicas():
 
     cfg = tiny_net_config("conformer")
     env = distributed.DistEnv(device=CUDA, strategy="dp")
-    model = distributed.wrap(build_net(cfg, 0), env, sync_bn=True, find_unused_parameters=False,
-                             autocast_dtype=torch.bfloat16)
+    model = distributed.wrap(
+        build_net(cfg, 0),
+        env,
+        sync_bn=True,
+        find_unused_parameters=False,
+        autocast_dtype=torch.bfloat16,
+    )
     dtypes = []
     inner = distributed.unwrap(model)
     inner.embedder.subsampling.proj.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))

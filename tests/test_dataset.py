@@ -35,22 +35,28 @@ def npy_files(tmp_path):
     paths = []
     for i, frames in enumerate([300, 120, 10]):
         path = tmp_path / f"feat{i}.npy"
-        np.save(path, np.repeat(np.arange(frames, dtype=np.float32)[:, None], 16, axis=1) + 1000 * i)
+        np.save(
+            path, np.repeat(np.arange(frames, dtype=np.float32)[:, None], 16, axis=1) + 1000 * i
+        )
         paths.append(str(path))
     return paths
 
 
 def audio_cfg(**kw):
     """(features, clips) of 8 kHz audio files."""
-    return (FeaturesConfig(kind="audio", sample_rate=RATE),
-            ClipsConfig(crop_seconds=0.25, eval_max_seconds=0.75, **kw))
+    return (
+        FeaturesConfig(kind="audio", sample_rate=RATE),
+        ClipsConfig(crop_seconds=0.25, eval_max_seconds=0.75, **kw),
+    )
 
 
 def npy_cfg(**kw):
     """(features, clips) of .npy files; hop 80 at 8 kHz: a crop of 0.5 s = 4000 samples = 51
     frames; eval max 1 s = 101 frames."""
-    return (FeaturesConfig(kind="npy", sample_rate=RATE, hop_length=80, n_mels=16),
-            ClipsConfig(crop_seconds=0.5, eval_max_seconds=1.0, **kw))
+    return (
+        FeaturesConfig(kind="npy", sample_rate=RATE, hop_length=80, n_mels=16),
+        ClipsConfig(crop_seconds=0.5, eval_max_seconds=1.0, **kw),
+    )
 
 
 LABELS = np.array([0, 1, 1])
@@ -73,8 +79,10 @@ def test_audio_eval_full_and_centre(audio_files):
 
 
 def test_same_seed_same_crop_different_seed_different_crop(audio_files, npy_files):
-    for ds in (AudioDataset(audio_files, LABELS, *audio_cfg(), train=True),
-               AudioDataset(npy_files, LABELS, *npy_cfg(), train=True)):
+    for ds in (
+        AudioDataset(audio_files, LABELS, *audio_cfg(), train=True),
+        AudioDataset(npy_files, LABELS, *npy_cfg(), train=True),
+    ):
         assert torch.equal(ds[(0, 7)][0], ds[(0, 7)][0])
         crops = [ds[(0, seed)][0] for seed in range(8)]
         assert sum(not torch.equal(crops[0], c) for c in crops[1:]) >= 6
@@ -116,8 +124,9 @@ def test_collate_pads_and_reports_lengths(npy_files, audio_files):
 def test_bad_file_error_names_file_row_and_fix(tmp_path, audio_files, npy_files):
     bad_wav = tmp_path / "bad.wav"
     bad_wav.write_bytes(b"not a wav file at all")
-    ds = AudioDataset([audio_files[0], str(bad_wav)], np.array([0, 1]), *audio_cfg(), train=True,
-                      rows=[2, 17])
+    ds = AudioDataset(
+        [audio_files[0], str(bad_wav)], np.array([0, 1]), *audio_cfg(), train=True, rows=[2, 17]
+    )
     with pytest.raises(AudioReadError) as info:
         ds[(1, 0)]
     message = str(info.value)
@@ -125,16 +134,23 @@ def test_bad_file_error_names_file_row_and_fix(tmp_path, audio_files, npy_files)
 
     wrong = tmp_path / "wrong.npy"
     np.save(wrong, np.zeros((50, 3), np.float32))
-    nds = AudioDataset([npy_files[0], str(wrong)], np.array([0, 1]), *npy_cfg(), train=False,
-                       rows=[5, 9])
+    nds = AudioDataset(
+        [npy_files[0], str(wrong)], np.array([0, 1]), *npy_cfg(), train=False, rows=[5, 9]
+    )
     with pytest.raises(FeatureFileError, match=r"row 9.*wrong.npy.*skip_bad_files"):
         nds[1]
 
 
 def test_skip_mode_skips_counts_and_collate_drops(tmp_path, npy_files, caplog):
     missing = str(tmp_path / "missing.npy")
-    ds = AudioDataset([npy_files[0], missing, npy_files[1]], LABELS, *npy_cfg(), train=True,
-                      rows=[2, 3, 4], skip_bad_files=True)
+    ds = AudioDataset(
+        [npy_files[0], missing, npy_files[1]],
+        LABELS,
+        *npy_cfg(),
+        train=True,
+        rows=[2, 3, 4],
+        skip_bad_files=True,
+    )
     with caplog.at_level(logging.WARNING, logger="audioclf"):
         items = [ds[(i, i)] for i in range(3)]
         assert items[1] is None and ds.skipped == 1

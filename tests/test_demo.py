@@ -144,8 +144,25 @@ def test_classes_are_learnable_but_not_trivial(tmp_path):
 
 
 def test_command_line(tmp_path, capsys):
-    assert demo.main(["--out", str(tmp_path / "d"), "--classes", "2", "--items", "2", "--ids", "1",
-                      "--seed", "1", "--sample-rate", "8000"]) == 0
+    assert (
+        demo.main(
+            [
+                "--out",
+                str(tmp_path / "d"),
+                "--classes",
+                "2",
+                "--items",
+                "2",
+                "--ids",
+                "1",
+                "--seed",
+                "1",
+                "--sample-rate",
+                "8000",
+            ]
+        )
+        == 0
+    )
     assert "index:" in capsys.readouterr().out
     wave, rate = soundfile.read(tmp_path / "d" / "wav" / "c01" / "c01_i1" / "c01_i1_00.wav")
     assert rate == 8000

@@ -11,8 +11,12 @@ from tests.helpers import run_in_group
 def _ddp_mlp(rank, world):
     torch.manual_seed(0)
     env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")
-    return distributed.wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), env,
-                            sync_bn=True, find_unused_parameters=False)
+    return distributed.wrap(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        env,
+        sync_bn=True,
+        find_unused_parameters=False,
+    )
 
 
 def _sgd_step(model, forward, rank):
@@ -74,12 +78,19 @@ def _accumulation_worker(rank, world):
 
         model.register_comm_hook(None, counting_hook)
         torch.manual_seed(rank)
-        loader = [(torch.randn(8, 4), torch.full((8,), 4), torch.randint(0, 2, (8,)),
-                   torch.arange(8)) for _ in range(4)]
+        loader = [
+            (torch.randn(8, 4), torch.full((8,), 4), torch.randint(0, 2, (8,)), torch.arange(8))
+            for _ in range(4)
+        ]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _, steps = run_epoch(
-            model, loader, nn.functional.cross_entropy, opt,
-            resolve_precision(TrainConfig(), torch.device("cpu")), accumulate=accumulate)
+            model,
+            loader,
+            nn.functional.cross_entropy,
+            opt,
+            resolve_precision(TrainConfig(), torch.device("cpu")),
+            accumulate=accumulate,
+        )
         drift = distributed.check_parameter_consistency(model, action="warn")
         out[accumulate] = (len(calls), steps, drift)
     return out
@@ -110,7 +121,7 @@ def _collectives_worker(rank, world):
     except Exception as exc:
         failed = f"{type(exc).__name__}: {exc}"
     total = distributed.all_reduce_sum([rank + 1.0, 10.0]).tolist()
-    stop = distributed.any_rank(rank == 1)
+    stop = bool(distributed.all_reduce_max(torch.tensor([float(rank == 1)])).item() > 0)
     gathered = distributed.gather_objects({"rank": rank})
     return ok, failed, order, total, stop, gathered
 
@@ -139,17 +150,26 @@ def _global_loss_worker(rank, world):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # frozen: per-sample losses are fixed
     torch.manual_seed(10 + rank)
     size = 3 if rank == 0 else 9  # unequal: a mean of rank means would be wrong
-    loader = [(torch.randn(size, 4), torch.full((size,), 4), torch.randint(0, 2, (size,)),
-               torch.arange(size)) for _ in range(2)]
+    loader = [
+        (
+            torch.randn(size, 4),
+            torch.full((size,), 4),
+            torch.randint(0, 2, (size,)),
+            torch.arange(size),
+        )
+        for _ in range(2)
+    ]
 
     def loss_fn(out, labels):
         return nn.functional.cross_entropy(out, labels)
 
-    result, _ = run_epoch(model, loader, loss_fn, opt,
-                          resolve_precision(TrainConfig(), torch.device("cpu")))
+    result, _ = run_epoch(
+        model, loader, loss_fn, opt, resolve_precision(TrainConfig(), torch.device("cpu"))
+    )
     with torch.no_grad():
-        per_sample = torch.cat([nn.functional.cross_entropy(model(x, n), y, reduction="none")
-                                for x, n, y, _ in loader])
+        per_sample = torch.cat(
+            [nn.functional.cross_entropy(model(x, n), y, reduction="none") for x, n, y, _ in loader]
+        )
     return result.loss, result.samples, per_sample.tolist()
 
 
@@ -165,8 +185,15 @@ def test_checkpoints_load_across_syncbn_and_batchnorm():
     from audioclf.config import load_config
     from audioclf.models import build_net
 
-    cfg = load_config(None, ["model.name=conformer", "model.conformer.d_model=32",
-                             "model.conformer.num_heads=2", "model.conformer.num_layers=1"])
+    cfg = load_config(
+        None,
+        [
+            "model.name=conformer",
+            "model.conformer.d_model=32",
+            "model.conformer.num_heads=2",
+            "model.conformer.num_layers=1",
+        ],
+    )
     plain = build_net(cfg, 0)
     synced = nn.SyncBatchNorm.convert_sync_batchnorm(build_net(cfg, 0))
     assert any(isinstance(m, nn.SyncBatchNorm) for m in synced.modules())
@@ -194,8 +221,13 @@ def test_data_parallel_replicas_keep_the_autocast_dtype():
 def test_dp_warns_that_sync_bn_has_no_effect(caplog):
     env = distributed.DistEnv(strategy="dp")
     with caplog.at_level("WARNING", logger="audioclf"):
-        model = distributed.wrap(nn.Linear(2, 2), env, sync_bn=True, find_unused_parameters=False,
-                                 autocast_dtype=torch.bfloat16)
+        model = distributed.wrap(
+            nn.Linear(2, 2),
+            env,
+            sync_bn=True,
+            find_unused_parameters=False,
+            autocast_dtype=torch.bfloat16,
+        )
     assert "sync_bn has no effect with dist.strategy=dp" in caplog.text
     assert isinstance(model.module, distributed.AutocastReplica)
 

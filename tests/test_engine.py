@@ -19,8 +19,14 @@ CPU = torch.device("cpu")
 def test_accumulation_matches_one_update_on_the_union():
     k, size = 4, 8
     micro = random_batches(k, size)
-    union = [(torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro]),
-              torch.cat([b[2] for b in micro]), torch.cat([b[3] for b in micro]))]
+    union = [
+        (
+            torch.cat([b[0] for b in micro]),
+            torch.cat([b[1] for b in micro]),
+            torch.cat([b[2] for b in micro]),
+            torch.cat([b[3] for b in micro]),
+        )
+    ]
     results = []
     for loader, accumulate in ((micro, k), (union, 1)):
         model = Linear()
@@ -49,20 +55,30 @@ def test_nonfinite_steps_are_skipped_and_counted():
     bad = random_batches(2, 4)
     bad = [(torch.full_like(x, float("nan")), n, y, p) for x, n, y, p in bad]
     guard = NonFiniteGuard(patience=5)
-    r, steps = run_epoch(model, bad, mse, opt, resolve_precision(TrainConfig(), CPU),
-                               guard=guard)
+    r, steps = run_epoch(model, bad, mse, opt, resolve_precision(TrainConfig(), CPU), guard=guard)
     assert guard.total == 2 and steps == 2 and math.isnan(r.loss)
     for a, b in zip(before, model.parameters()):
         assert torch.equal(a, b)  # skipped: parameters untouched, not NaN
     with pytest.raises(NonFiniteLossError, match="3 consecutive steps.*nonfinite_patience"):
-        run_epoch(model, bad + bad, mse, opt, resolve_precision(TrainConfig(), CPU),
-                        guard=NonFiniteGuard(patience=3))
+        run_epoch(
+            model,
+            bad + bad,
+            mse,
+            opt,
+            resolve_precision(TrainConfig(), CPU),
+            guard=NonFiniteGuard(patience=3),
+        )
 
 
 def test_the_stop_vote_and_the_guard_are_one_sync():
     model = Linear()
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                     resolve_precision(TrainConfig(), CPU), mse, guard=NonFiniteGuard(5))
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        resolve_precision(TrainConfig(), CPU),
+        mse,
+        guard=NonFiniteGuard(5),
+    )
     step.start_epoch()
     step.micro_batch(random_batches(1, 4)[0])
     step.update()
@@ -170,8 +186,9 @@ def test_a_nonfinite_step_changes_no_state(precision):
     x, lengths, labels, positions = random_batches(1, 8, seed=5)[0]
     x[3, 1] = float("nan")  # one NaN sample, as a corrupt file would give
     guard = NonFiniteGuard(patience=5)
-    result, steps = run_epoch(model, [(x, lengths, labels, positions)], mse, optimizer,
-                                    settings, guard=guard)
+    result, steps = run_epoch(
+        model, [(x, lengths, labels, positions)], mse, optimizer, settings, guard=guard
+    )
     assert steps == 1 and guard.total == 1 and guard.consecutive == 1
     after = _state_of(model, optimizer, settings.scaler)
     assert len(before) == len(after)
@@ -185,8 +202,9 @@ def test_fp16_overflow_steps_are_not_failures():
     settings = resolve_precision(TrainConfig(precision="fp16"), CPU)
     settings.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
     guard = NonFiniteGuard(patience=1)
-    result, steps = run_epoch(model, random_batches(6, 8), mse, optimizer, settings, guard=guard,
-                                    sync_every=2)
+    result, steps = run_epoch(
+        model, random_batches(6, 8), mse, optimizer, settings, guard=guard, sync_every=2
+    )
     assert guard.overflow >= 1 and guard.total == 0 and steps == 6
     assert settings.scaler.get_scale() < 2.0**127  # GradScaler lowered the scale as designed
 
@@ -209,8 +227,11 @@ def _count_host_syncs(run) -> int:
             parent = parent.cpu_parent
         return False
 
-    return sum(1 for e in prof.events()
-               if e.name == "aten::_local_scalar_dense" and not in_optimizer_step(e))
+    return sum(
+        1
+        for e in prof.events()
+        if e.name == "aten::_local_scalar_dense" and not in_optimizer_step(e)
+    )
 
 
 def sync_free_mse(output, labels):
@@ -223,9 +244,17 @@ def test_the_loop_reads_the_device_once_per_sync_interval():
     settings = resolve_precision(TrainConfig(), CPU)
     loader = random_batches(40, 4)
     run_epoch(model, loader[:2], mse, optimizer, settings)  # warm-up
-    syncs = _count_host_syncs(lambda: run_epoch(
-        model, loader, sync_free_mse, optimizer, settings, sync_every=10,
-        should_stop=lambda: False))
+    syncs = _count_host_syncs(
+        lambda: run_epoch(
+            model,
+            loader,
+            sync_free_mse,
+            optimizer,
+            settings,
+            sync_every=10,
+            should_stop=lambda: False,
+        )
+    )
     # 40 steps, a sync every 10, plus the epoch's all-reduced totals (and no per-step reads)
     assert syncs <= 40 // 10 + 1, syncs
 
@@ -233,18 +262,34 @@ def test_the_loop_reads_the_device_once_per_sync_interval():
 def test_a_batch_with_no_readable_item_is_dropped_and_counted():
     model = WithBatchNorm()
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
-    empty = torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), \
-        torch.zeros(0, dtype=torch.int64)
+    empty = (
+        torch.zeros(0, 4),
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64),
+    )
     loader = random_batches(2, 8)
     short = tuple(t[:5] for t in random_batches(1, 8, seed=3)[0])
     running = model.bn.running_mean.clone()
     placeholder = (torch.zeros(2, 4), torch.tensor([4, 4]))
-    result, _ = run_epoch(model, [empty], mse, optimizer,
-                                resolve_precision(TrainConfig(), CPU), batch_size=8,
-                                placeholder=placeholder)
+    result, _ = run_epoch(
+        model,
+        [empty],
+        mse,
+        optimizer,
+        resolve_precision(TrainConfig(), CPU),
+        batch_size=8,
+        placeholder=placeholder,
+    )
     assert torch.equal(model.bn.running_mean, running)  # the placeholder taught BatchNorm nothing
     assert (result.skipped_batches, result.skipped_items, result.samples) == (1, 8, 0)
-    result, _ = run_epoch(model, [loader[0], short, loader[1]], mse, optimizer,
-                                resolve_precision(TrainConfig(), CPU), batch_size=8,
-                                placeholder=placeholder)
+    result, _ = run_epoch(
+        model,
+        [loader[0], short, loader[1]],
+        mse,
+        optimizer,
+        resolve_precision(TrainConfig(), CPU),
+        batch_size=8,
+        placeholder=placeholder,
+    )
     assert (result.skipped_batches, result.skipped_items, result.samples) == (0, 3, 21)

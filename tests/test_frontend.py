@@ -87,12 +87,16 @@ def test_frontend_both_kinds(kind):
         total, frames = 60, [60, 30]
     feats, feat_lengths = frontend(x, lengths)
     assert feats.shape == (2, total, 32) and feat_lengths.tolist() == frames
-    assert not feats[1, frames[1]:].any()  # padding stays zero after normalisation
+    assert not feats[1, frames[1] :].any()  # padding stays zero after normalisation
     assert feats[0].mean().abs() < 1e-4
 
 
 def test_frontend_rejects_wrong_input_shape():
     with pytest.raises(ValueError, match=r"\[batch, frames, 32\]"):
-        FeatureFrontend(FeaturesConfig(kind="npy", n_mels=32))(torch.zeros(2, 10, 40), torch.tensor([10, 10]))
+        FeatureFrontend(FeaturesConfig(kind="npy", n_mels=32))(
+            torch.zeros(2, 10, 40), torch.tensor([10, 10])
+        )
     with pytest.raises(ValueError, match=r"\[batch, samples\]"):
-        FeatureFrontend(FeaturesConfig(kind="audio"))(torch.zeros(2, 10, 40), torch.tensor([10, 10]))
+        FeatureFrontend(FeaturesConfig(kind="audio"))(
+            torch.zeros(2, 10, 40), torch.tensor([10, 10])
+        )

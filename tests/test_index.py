@@ -38,20 +38,26 @@ def cache_files(sheet: Path) -> list[Path]:
 
 
 def expected_table(frame: pd.DataFrame, root: Path) -> pd.DataFrame:
-    return pd.DataFrame({
-        "cls": frame["a_cls"], "item": frame["a_item"], "id": frame["a_id"],
-        "path": [str(root / p) for p in frame["path"]],
-        "row": np.arange(len(frame), dtype=np.int64) + 2,
-        "split": "",
-    }).astype({"cls": str, "item": str, "id": str, "path": str, "split": str})
+    return pd.DataFrame(
+        {
+            "cls": frame["a_cls"],
+            "item": frame["a_item"],
+            "id": frame["a_id"],
+            "path": [str(root / p) for p in frame["path"]],
+            "row": np.arange(len(frame), dtype=np.int64) + 2,
+            "split": "",
+        }
+    ).astype({"cls": str, "item": str, "id": str, "path": str, "split": str})
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
 
 
-@pytest.mark.parametrize("suffix,engine", [(".xlsx", "calamine"), (".xlsx", "openpyxl"),
-                                           (".csv", None), (".parquet", None)])
+@pytest.mark.parametrize(
+    "suffix,engine",
+    [(".xlsx", "calamine"), (".xlsx", "openpyxl"), (".csv", None), (".parquet", None)],
+)
 def test_every_format_reads_the_same_table(tmp_path, monkeypatch, suffix, engine):
     if engine:
         monkeypatch.setattr(index_module.reader, "_excel_engine", lambda: engine)
@@ -78,9 +84,12 @@ def test_excel_cells_read_as_text_like_pandas(tmp_path, monkeypatch, engine):
     book.active.append(["NA", "null", 12345678901234, "y.wav"])
     book.save(tmp_path / "typed.xlsx")
     raw = read_table(tmp_path / "typed.xlsx", DataConfig())
-    assert raw.to_dict("list") == {"a_cls": ["3", "", "NA"], "a_item": ["4", "", "null"],
-                                   "a_id": ["007", "", "12345678901234"],
-                                   "path": ["x.wav", "", "y.wav"]}
+    assert raw.to_dict("list") == {
+        "a_cls": ["3", "", "NA"],
+        "a_item": ["4", "", "null"],
+        "a_id": ["007", "", "12345678901234"],
+        "path": ["x.wav", "", "y.wav"],
+    }
     with pytest.warns(UserWarning, match="fewer than 2 items"):
         index = load_index(DataConfig(index=str(tmp_path / "typed.xlsx"), check_files=False))
     assert index.table["row"].tolist() == [2, 4]
@@ -99,19 +108,29 @@ def test_direct_calamine_reads_what_pandas_reads(tmp_path):
     book.active.append(["tail", None, None, None, None])
     book.save(tmp_path / "messy.xlsx")
     ours = read_table(tmp_path / "messy.xlsx", DataConfig())
-    pandas = pd.read_excel(tmp_path / "messy.xlsx", engine="calamine", dtype=str,
-                           keep_default_na=False)
+    pandas = pd.read_excel(
+        tmp_path / "messy.xlsx", engine="calamine", dtype=str, keep_default_na=False
+    )
     pandas.columns = [c.strip() for c in pandas.columns]
     pd.testing.assert_frame_equal(ours, pandas)
 
 
 def test_parquet_numbers_read_as_text(tmp_path):
-    frame = pd.DataFrame({"a_cls": ["x", "x", "y"], "a_item": [1.0, 2.0, float("nan")],
-                          "a_id": np.array([7, 8, 9], dtype=np.int64), "path": ["a", "b", "c"]})
+    frame = pd.DataFrame(
+        {
+            "a_cls": ["x", "x", "y"],
+            "a_item": [1.0, 2.0, float("nan")],
+            "a_id": np.array([7, 8, 9], dtype=np.int64),
+            "path": ["a", "b", "c"],
+        }
+    )
     sheet = write_sheet(frame, tmp_path / "index.parquet")
     assert read_table(sheet, DataConfig()).to_dict("list") == {
-        "a_cls": ["x", "x", "y"], "a_item": ["1", "2", ""], "a_id": ["7", "8", "9"],
-        "path": ["a", "b", "c"]}
+        "a_cls": ["x", "x", "y"],
+        "a_item": ["1", "2", ""],
+        "a_id": ["7", "8", "9"],
+        "path": ["a", "b", "c"],
+    }
     with pytest.raises(IndexValidationError, match=r"'a_item' \(item\) is empty in 1 row 4"):
         load_index(DataConfig(index=str(sheet), check_files=False))
 
@@ -158,43 +177,61 @@ def set_cells(column, positions, value):
     def mutate(frame):
         frame.loc[positions, column] = value
         return frame
+
     return mutate
 
 
 ERROR_CASES = {
     "missing class column": (
-        drop_column("a_cls"), {},
+        drop_column("a_cls"),
+        {},
         r"index\.xlsx has no column 'a_cls' \(data\.class_column\); columns present: 'a_item', "
-        r"'a_id', 'path'.*data\.class_column=<column>"),
+        r"'a_id', 'path'.*data\.class_column=<column>",
+    ),
     "renamed item column": (
-        drop_column("a_item"), {"item_column": "source"},
-        r"no column 'source' \(data\.item_column\)"),
+        drop_column("a_item"),
+        {"item_column": "source"},
+        r"no column 'source' \(data\.item_column\)",
+    ),
     "neither path column nor template": (
-        drop_column("path"), {},
+        drop_column("path"),
+        {},
         r"no path column 'path' and data\.path_template is empty.*add a path column.*"
-        r"set data\.path_template"),
+        r"set data\.path_template",
+    ),
     "template names a missing column": (
-        drop_column("path"), {"path_template": "wav/{a_cls}/{sample}.wav"},
-        r"data\.path_template 'wav/\{a_cls\}/\{sample\}\.wav' names column\(s\) 'sample'"),
+        drop_column("path"),
+        {"path_template": "wav/{a_cls}/{sample}.wav"},
+        r"data\.path_template 'wav/\{a_cls\}/\{sample\}\.wav' names column\(s\) 'sample'",
+    ),
     "empty cells": (
-        lambda f: set_cells("a_item", [5, 7], "  ")(set_cells("a_cls", [2], "")(f)), {},
+        lambda f: set_cells("a_item", [5, 7], "  ")(set_cells("a_cls", [2], "")(f)),
+        {},
         r"empty cells: column 'a_cls' \(class\) is empty in 1 row 4; column 'a_item' \(item\) "
-        r"is empty in 2 rows 7, 9"),
+        r"is empty in 2 rows 7, 9",
+    ),
     "empty template field": (
         lambda f: set_cells("a_id", [0], "")(f.drop(columns=["path"])),
         {"path_template": "wav/{a_id}.wav", "check_files": False},
-        r"column 'a_id' \(id\) is empty in 1 row 2"),
+        r"column 'a_id' \(id\) is empty in 1 row 2",
+    ),
     "duplicate ids": (
-        set_cells("a_id", [3, 8], "003"), {},
-        r"'a_id' \(data\.id_column\) must be unique, but 1 id\(s\) repeat: '003' at rows 4, 5, 10"),
+        set_cells("a_id", [3, 8], "003"),
+        {},
+        r"'a_id' \(data\.id_column\) must be unique, but 1 id\(s\) repeat: '003' at rows 4, 5, 10",
+    ),
     "missing files": (
-        lambda f: f.assign(path=f["path"].where(f.index % 5 != 1, "wav/gone.wav")), {},
+        lambda f: f.assign(path=f["path"].where(f.index % 5 != 1, "wav/gone.wav")),
+        {},
         r"3 of 12 referenced files do not exist: row 3: \S*/wav/gone\.wav; row 8: .*"
-        r"data\.check_files=false"),
+        r"data\.check_files=false",
+    ),
     "bad split values": (
-        lambda f: f.assign(split=["train"] * 8 + ["training", "val", "", "test"]), {},
+        lambda f: f.assign(split=["train"] * 8 + ["training", "val", "", "test"]),
+        {},
         r"'split' \(data\.split_column\) must hold train, val or test in every row, but has "
-        r"'', 'training' at rows 10, 12"),
+        r"'', 'training' at rows 10, 12",
+    ),
     "no data rows": (lambda f: f.iloc[:0], {}, r"index\.xlsx has no data rows"),
     "only blank rows": (lambda f: f.map(lambda _: ""), {}, r"has no data rows"),
 }
@@ -252,8 +289,9 @@ def test_path_template_gives_the_same_paths(dataset, tmp_path):
 def test_path_template_with_format_spec(tmp_path):
     frame = sample_rows().drop(columns=["path"])
     sheet = write_sheet(frame, tmp_path / "index.csv")
-    index = load_index(DataConfig(index=str(sheet), path_template="f/{a_cls!s}-{a_id:>5}.npy",
-                                  check_files=False))
+    index = load_index(
+        DataConfig(index=str(sheet), path_template="f/{a_cls!s}-{a_id:>5}.npy", check_files=False)
+    )
     assert index.table["path"].iloc[0] == str(tmp_path / "f" / "bird-  001.npy")
 
 
@@ -294,6 +332,7 @@ def test_relative_root_is_relative_to_the_working_directory(tmp_path, monkeypatc
 def forbid_parsing(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("read_table was called on a cache hit")
+
     monkeypatch.setattr(index_module, "read_table", fail)
 
 
@@ -372,7 +411,9 @@ def test_file_check_is_recorded_in_the_cache(dataset, tmp_path, monkeypatch):
     _, sheet = dataset
     load_index(DataConfig(index=str(sheet), check_files=False))
     load_index(DataConfig(index=str(sheet), check_files=True))  # checks, records it
-    monkeypatch.setattr(index_module.validate, "_missing_files", lambda paths: pytest.fail("re-checked"))
+    monkeypatch.setattr(
+        index_module.validate, "_missing_files", lambda paths: pytest.fail("re-checked")
+    )
     forbid_parsing(monkeypatch)
     assert len(load_index(DataConfig(index=str(sheet), check_files=True))) == 12
 
@@ -383,13 +424,20 @@ def test_file_check_is_recorded_in_the_cache(dataset, tmp_path, monkeypatch):
 
 def synthetic_index(classes=40, items=4, ids=2, seed=0) -> Index:
     rng = np.random.default_rng(seed)
-    rows = [(f"c{c:02d}", f"c{c:02d}_i{i}", f"c{c:02d}_i{i}_{k}")
-            for c in range(classes) for i in range(items) for k in range(ids)]
+    rows = [
+        (f"c{c:02d}", f"c{c:02d}_i{i}", f"c{c:02d}_i{i}_{k}")
+        for c in range(classes)
+        for i in range(items)
+        for k in range(ids)
+    ]
     table = pd.DataFrame(rows, columns=["cls", "item", "id"]).iloc[rng.permutation(len(rows))]
-    table = table.reset_index(drop=True).assign(path=lambda t: "/x/" + t["id"],
-                                                row=np.arange(len(rows)) + 2, split="")
-    return Index(table.astype({"cls": str, "item": str, "id": str, "path": str, "split": str}),
-                 Path("/x/index.xlsx"))
+    table = table.reset_index(drop=True).assign(
+        path=lambda t: "/x/" + t["id"], row=np.arange(len(rows)) + 2, split=""
+    )
+    return Index(
+        table.astype({"cls": str, "item": str, "id": str, "path": str, "split": str}),
+        Path("/x/index.xlsx"),
+    )
 
 
 def test_classes_labels_subset():
@@ -435,8 +483,10 @@ def test_class_holdout_keeps_a_class_on_each_side():
 
 def test_item_holdout_shares_classes_not_items():
     index = synthetic_index(items=5)
-    single = index.subset((index.table["item"] != "c07_i1") & (index.table["cls"] != "c07")
-                          | (index.table["item"] == "c07_i0"))
+    single = index.subset(
+        (index.table["item"] != "c07_i1") & (index.table["cls"] != "c07")
+        | (index.table["item"] == "c07_i0")
+    )
     cfg = DataConfig(holdout="items", val_ratio=0.2, seed=1)
     splits = split_index(single, cfg)
     items, classes = split_sets(splits, "item"), split_sets(splits, "cls")
@@ -449,15 +499,24 @@ def test_item_holdout_shares_classes_not_items():
 
 
 @settings(max_examples=40, deadline=None)
-@given(items_per_class=st.lists(st.integers(1, 5), min_size=1, max_size=12),
-       ratio=st.sampled_from([0.0, 0.1, 0.2, 0.5, 0.9]), seed=st.integers(0, 3),
-       holdout=st.sampled_from(["classes", "items"]))
+@given(
+    items_per_class=st.lists(st.integers(1, 5), min_size=1, max_size=12),
+    ratio=st.sampled_from([0.0, 0.1, 0.2, 0.5, 0.9]),
+    seed=st.integers(0, 3),
+    holdout=st.sampled_from(["classes", "items"]),
+)
 def test_generated_split_is_a_partition(items_per_class, ratio, seed, holdout):
-    rows = [(f"c{c}", f"c{c}_i{i}", f"c{c}_i{i}_{k}")
-            for c, n in enumerate(items_per_class) for i in range(n) for k in range(2)]
+    rows = [
+        (f"c{c}", f"c{c}_i{i}", f"c{c}_i{i}_{k}")
+        for c, n in enumerate(items_per_class)
+        for i in range(n)
+        for k in range(2)
+    ]
     table = pd.DataFrame(rows, columns=["cls", "item", "id"]).assign(path="/x", row=2, split="")
-    index = Index(table.astype({"cls": str, "item": str, "id": str, "path": str, "split": str}),
-                  Path("/x.csv"))
+    index = Index(
+        table.astype({"cls": str, "item": str, "id": str, "path": str, "split": str}),
+        Path("/x.csv"),
+    )
     cfg = DataConfig(holdout=holdout, val_ratio=ratio, seed=seed)
     splits = split_index(index, cfg)
     ids = split_sets(splits, "id")

@@ -44,14 +44,20 @@ def _rank_main(rank: int, port: int, sheet: str, out_dir: str) -> None:
         return parse(path, cfg)
 
     index_module.read_table = recording_read_table
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         index = distributed.primary_first(index_module.load_index, DataConfig(index=sheet))
         index.table.to_parquet(out / f"table.rank{rank}.parquet")
     except Exception as exc:
         (out / f"error.rank{rank}.json").write_text(
-            json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+            json.dumps({"type": type(exc).__name__, "message": str(exc)})
+        )
     finally:
         dist.destroy_process_group()
 
@@ -59,8 +65,9 @@ def _rank_main(rank: int, port: int, sheet: str, out_dir: str) -> None:
 def run_ranks(sheet: Path, out_dir: Path) -> None:
     """Start both ranks and join them, failing if they are not done within JOIN_SECONDS."""
     out_dir.mkdir()
-    context = mp.spawn(_rank_main, args=(_free_port(), str(sheet), str(out_dir)),
-                       nprocs=WORLD_SIZE, join=False)
+    context = mp.spawn(
+        _rank_main, args=(_free_port(), str(sheet), str(out_dir)), nprocs=WORLD_SIZE, join=False
+    )
     deadline = time.monotonic() + JOIN_SECONDS
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
         if time.monotonic() > deadline:

@@ -85,8 +85,10 @@ def load(sheet: Path, **overrides) -> pd.DataFrame:
 def test_upper_case_header_below_a_title_reads_as_the_plain_sheet(tmp_path, suffix, notes):
     plain_sheet = write_rows(tmp_path / f"plain{suffix}", [HEADER, *body()])
     messy_sheet = write_rows(tmp_path / f"messy{suffix}", [*TITLE, MESSY_HEADER, *body()])
-    plain, messy = (load_index(DataConfig(index=str(sheet), root=str(tmp_path), check_files=False))
-                    for sheet in (plain_sheet, messy_sheet))
+    plain, messy = (
+        load_index(DataConfig(index=str(sheet), root=str(tmp_path), check_files=False))
+        for sheet in (plain_sheet, messy_sheet)
+    )
     shifted = plain.table.assign(row=plain.table["row"] + len(TITLE))  # the sheet's own rows
     pd.testing.assert_frame_equal(messy.table, shifted)
     assert messy.table["row"].tolist()[:2] == [4, 5]  # header on row 3, data from row 4
@@ -96,7 +98,8 @@ def test_upper_case_header_below_a_title_reads_as_the_plain_sheet(tmp_path, suff
         "'a_id' (rows 1-2 above it are not read; data.header_row=3 says so outright); columns "
         "matched ignoring case and spaces: 'A_CLS' as 'a_cls' (data.class_column), 'A_Item' as "
         "'a_item' (data.item_column), 'A_ID' as 'a_id' (data.id_column), 'PATH' as 'path' "
-        "(data.path_column)"]
+        "(data.path_column)"
+    ]
     cfg = DataConfig(val_ratio=0.34, seed=2)
     plain_splits, messy_splits = split_index(plain, cfg), split_index(messy, cfg)
     for name in ("train", "val"):  # the same training and validation sets
@@ -108,12 +111,12 @@ def test_plain_sheet_logs_nothing(tmp_path, suffix, notes):
     assert notes == []
 
 
-def test_assumptions_are_logged_on_a_cache_hit_too(tmp_path, suffix, notes,
-                                                    monkeypatch):
+def test_assumptions_are_logged_on_a_cache_hit_too(tmp_path, suffix, notes, monkeypatch):
     sheet = write_rows(tmp_path / f"messy{suffix}", [*TITLE, MESSY_HEADER, *body()])
     first = load(sheet)
-    monkeypatch.setattr(index_module, "read_table",
-                        lambda *a: pytest.fail("read_table was called on a cache hit"))
+    monkeypatch.setattr(
+        index_module, "read_table", lambda *a: pytest.fail("read_table was called on a cache hit")
+    )
     pd.testing.assert_frame_equal(load(sheet), first)
     assert len(notes) == 2 and notes[0] == notes[1]
 
@@ -126,13 +129,14 @@ def test_read_table_rows_line_up_with_the_index_rows(tmp_path, suffix):
     assert list(raw.columns) == HEADER  # the configured names
     picked = raw.iloc[table["row"].to_numpy() - FIRST_DATA_ROW]
     assert picked["a_id"].tolist() == table["id"].tolist()
-    assert (raw.iloc[:len(TITLE)] == "").all().all()  # sheet rows 2-3 (blank, header): blank
+    assert (raw.iloc[: len(TITLE)] == "").all().all()  # sheet rows 2-3 (blank, header): blank
 
 
 def test_spaces_inside_names_and_the_split_and_template_columns_match(tmp_path, suffix):
     rows = [[*r[:3], r[2], "train" if k < 8 else "val"] for k, r in enumerate(body())]
-    sheet = write_rows(tmp_path / f"s{suffix}", [["Sample  Class", "A_ITEM", "a_id", "FILE",
-                                                  " Split "], *rows])
+    sheet = write_rows(
+        tmp_path / f"s{suffix}", [["Sample  Class", "A_ITEM", "a_id", "FILE", " Split "], *rows]
+    )
     table = load(sheet, class_column="sample class", path_template="wav/{file}.npy")
     assert table["cls"].tolist()[:2] == ["bird", "bird"]
     assert table["path"].iloc[0] == str(tmp_path / "wav" / "00001.npy")
@@ -144,8 +148,11 @@ def test_parquet_column_names_match_too(tmp_path):
     frame.to_parquet(tmp_path / "index.parquet", index=False)
     table = load(tmp_path / "index.parquet")
     assert table["id"].iloc[0] == "00001" and table["row"].tolist()[:2] == [2, 3]
-    with pytest.raises(IndexValidationError, match=r"index\.parquet is a parquet file.*"
-                       r"data\.header_row=3 does not apply; set data\.header_row=null"):
+    with pytest.raises(
+        IndexValidationError,
+        match=r"index\.parquet is a parquet file.*"
+        r"data\.header_row=3 does not apply; set data\.header_row=null",
+    ):
         load(tmp_path / "index.parquet", header_row=3)
 
 
@@ -160,33 +167,42 @@ def test_header_row_names_the_header(tmp_path, suffix, notes):
     table = load(sheet, header_row=3)
     assert table["row"].tolist()[:2] == [4, 5] and table["id"].iloc[0] == "00001"
     assert len(table) == 12
-    assert notes == [f"index file {sheet}: columns matched ignoring case and spaces: 'A_CLS' as "
-                     "'a_cls' (data.class_column), 'A_Item' as 'a_item' (data.item_column), "
-                     "'A_ID' as 'a_id' (data.id_column), 'PATH' as 'path' (data.path_column)"]
+    assert notes == [
+        f"index file {sheet}: columns matched ignoring case and spaces: 'A_CLS' as "
+        "'a_cls' (data.class_column), 'A_Item' as 'a_item' (data.item_column), "
+        "'A_ID' as 'a_id' (data.id_column), 'PATH' as 'path' (data.path_column)"
+    ]
 
 
 def test_header_row_that_does_not_hold_the_columns(tmp_path, suffix):
     sheet = write_rows(tmp_path / f"h{suffix}", [*TITLE, HEADER, *body()])
-    pattern = (r"has no column 'a_cls' \(data\.class_column\).*columns present: 'bird', "
-               r"'bird_rec0', '00001'.*data\.header_row=4 reads row 4 as the header: set it to "
-               r"the row holding the column names, or to null")
+    pattern = (
+        r"has no column 'a_cls' \(data\.class_column\).*columns present: 'bird', "
+        r"'bird_rec0', '00001'.*data\.header_row=4 reads row 4 as the header: set it to "
+        r"the row holding the column names, or to null"
+    )
     with pytest.raises(IndexValidationError, match=pattern):
         load(sheet, header_row=4)
 
 
 def test_header_row_past_the_end(tmp_path, suffix):
     sheet = write_rows(tmp_path / f"h{suffix}", [HEADER, *body()])
-    with pytest.raises(IndexValidationError, match=r"has 13 row\(s\), so data\.header_row=40 "
-                       r"names no row; set data\.header_row to the row holding the column names"):
+    with pytest.raises(
+        IndexValidationError,
+        match=r"has 13 row\(s\), so data\.header_row=40 "
+        r"names no row; set data\.header_row to the row holding the column names",
+    ):
         load(sheet, header_row=40)
 
 
 def test_header_below_the_searched_rows_needs_header_row(tmp_path, suffix):
     notes_rows = [["Recordings"]] + [[f"note {k}"] for k in range(HEADER_SEARCH_ROWS)]
     sheet = write_rows(tmp_path / f"deep{suffix}", [*notes_rows, HEADER, *body()])
-    pattern = (r"No row among the first 20 holds all of 'a_cls', 'a_item', 'a_id', so row 1 "
-               r"was read as the header: if the header is further down, set "
-               r"data\.header_row=<its row>")
+    pattern = (
+        r"No row among the first 20 holds all of 'a_cls', 'a_item', 'a_id', so row 1 "
+        r"was read as the header: if the header is further down, set "
+        r"data\.header_row=<its row>"
+    )
     with pytest.raises(IndexValidationError, match=pattern):
         load(sheet)
     assert not (tmp_path / ".audioclf_cache").exists()
@@ -212,11 +228,15 @@ def test_cache_keys_on_header_row(tmp_path, suffix):
 
 
 def test_two_columns_matching_one_name_is_an_error(tmp_path, suffix):
-    sheet = write_rows(tmp_path / f"amb{suffix}",
-                       [["title"], ["a_cls", "A_CLS", *HEADER[1:]], *[[r[0], *r] for r in body()]])
-    pattern = (r"amb\.\w+: columns 'a_cls', 'A_CLS' of the header \(row 2\) both match "
-               r"data\.class_column='a_cls' \(column names match ignoring case and spaces\); "
-               r"rename or delete all but one of them")
+    sheet = write_rows(
+        tmp_path / f"amb{suffix}",
+        [["title"], ["a_cls", "A_CLS", *HEADER[1:]], *[[r[0], *r] for r in body()]],
+    )
+    pattern = (
+        r"amb\.\w+: columns 'a_cls', 'A_CLS' of the header \(row 2\) both match "
+        r"data\.class_column='a_cls' \(column names match ignoring case and spaces\); "
+        r"rename or delete all but one of them"
+    )
     with pytest.raises(IndexValidationError, match=pattern):
         load(sheet)
     assert not (tmp_path / ".audioclf_cache").exists()
@@ -237,8 +257,10 @@ def test_errors_name_the_sheets_own_rows(tmp_path, suffix):
 
 def test_no_data_rows_names_the_header_row(tmp_path, suffix):
     sheet = write_rows(tmp_path / f"empty{suffix}", [*TITLE, HEADER])
-    with pytest.raises(IndexValidationError,
-                       match=r"has no data rows \(the header is row 3, data starts at row 4\)"):
+    with pytest.raises(
+        IndexValidationError,
+        match=r"has no data rows \(the header is row 3, data starts at row 4\)",
+    ):
         load(sheet)
 
 
@@ -247,8 +269,14 @@ def test_excel_text_cells_keep_their_text(tmp_path, monkeypatch, engine):
     """Ids stored as text stay text; numbers typed as numbers read as the number they hold."""
     monkeypatch.setattr(index_module.reader, "_excel_engine", lambda: engine)
     book = openpyxl.Workbook()
-    for row in [["Title"], HEADER, ["x", "i", "00123", "a"], ["x", "j", "2026-01-02", "b"],
-                ["y", "k", 123, "c"], ["y", "l", 4.0, "d"]]:
+    for row in [
+        ["Title"],
+        HEADER,
+        ["x", "i", "00123", "a"],
+        ["x", "j", "2026-01-02", "b"],
+        ["y", "k", 123, "c"],
+        ["y", "l", 4.0, "d"],
+    ]:
         book.active.append(row)
     book.save(tmp_path / "typed.xlsx")
     table = load(tmp_path / "typed.xlsx")

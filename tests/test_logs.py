@@ -105,8 +105,11 @@ def test_a_resumed_run_keeps_the_earlier_projector_entries(tmp_path):
     resumed.projector(embeddings, names, names, epoch=3, step=30)
     resumed.close()
     entries = projector_entries(tmp_path / "tensorboard")
-    assert sorted(entries) == ["validation/epoch_001:00010", "validation/epoch_002:00020",
-                               "validation/epoch_003:00030"]
+    assert sorted(entries) == [
+        "validation/epoch_001:00010",
+        "validation/epoch_002:00020",
+        "validation/epoch_003:00030",
+    ]
     assert len(read_tsv(entries["validation/epoch_002:00020"] / "tensors.tsv")) == 3  # replaced
 
 
@@ -123,4 +126,5 @@ def test_training_sends_validation_embeddings_to_the_projector(tmp_path, tiny_de
     val = split_index(load_index(cfg.data), cfg.data)["val"]
     assert metadata[0] == ["class", "item"] and len(metadata) == len(val) + 1
     assert sorted(tuple(row) for row in metadata[1:]) == sorted(
-        zip(val.table["cls"], val.table["item"], strict=True))
+        zip(val.table["cls"], val.table["item"], strict=True)
+    )

@@ -44,7 +44,9 @@ def reference_loss(emb, labels, margin, keep):
 def test_all_miner_matches_the_definition():
     emb = embeddings()
     loss, stats = objective(margin=0.3, miner="all").with_stats(emb, LABELS)
-    expected, count = reference_loss(emb.detach(), LABELS, 0.3, lambda s, a, p, n: s[a, n] - s[a, p] + 0.3 > 0)
+    expected, count = reference_loss(
+        emb.detach(), LABELS, 0.3, lambda s, a, p, n: s[a, n] - s[a, p] + 0.3 > 0
+    )
     torch.testing.assert_close(loss, expected)
     assert stats["triplets"] == count and stats["triplet_loss"] == pytest.approx(expected.item())
 
@@ -92,7 +94,9 @@ def test_ce_weight_adds_cross_entropy():
     logits = torch.randn(8, 4, requires_grad=True)
     plain, plain_stats = objective(miner="all").with_stats(emb, LABELS, logits)
     assert "ce_loss" not in plain_stats  # logits are ignored without a head
-    loss, stats = objective(miner="all", head="softmax", ce_weight=0.5).with_stats(emb, LABELS, logits)
+    loss, stats = objective(miner="all", head="softmax", ce_weight=0.5).with_stats(
+        emb, LABELS, logits
+    )
     ce = F.cross_entropy(logits, LABELS)
     torch.testing.assert_close(loss, plain + 0.5 * ce)
     assert stats["ce_loss"] == pytest.approx(ce.item())
@@ -101,8 +105,11 @@ def test_ce_weight_adds_cross_entropy():
 
 
 @pytest.mark.parametrize("miner", ["batch_hard", "semi_hard", "all"])
-@pytest.mark.parametrize("labels", [torch.zeros(4, dtype=torch.long), torch.arange(4)],
-                         ids=["one-class", "all-singletons"])
+@pytest.mark.parametrize(
+    "labels",
+    [torch.zeros(4, dtype=torch.long), torch.arange(4)],
+    ids=["one-class", "all-singletons"],
+)
 def test_batch_without_triplets_gives_zero_loss_with_a_grad_path(miner, labels):
     layer = torch.nn.Linear(3, 5)
     loss, stats = objective(miner=miner).with_stats(F.normalize(layer(torch.randn(4, 3))), labels)
@@ -148,16 +155,27 @@ def test_margin_head_loss_and_grads_equal_pml(head, subcenters):
 
     torch.manual_seed(0)
     margin, scale, classes = 0.3, 20.0, 4
-    settings = dict(miner="all", ce_weight=1.0, head=head, head_margin=margin, head_scale=scale,
-                    subcenters=subcenters)
+    settings = dict(
+        miner="all",
+        ce_weight=1.0,
+        head=head,
+        head_margin=margin,
+        head_scale=scale,
+        subcenters=subcenters,
+    )
     classifier = ClassifierHead(6, classes, scale=scale, subcenters=subcenters)
     emb = embeddings(5)
     _, stats = objective(**settings).with_stats(emb, LABELS, classifier(emb))
     if head == "arcface":
         pml = pml_losses.ArcFaceLoss(classes, 6, margin=math.degrees(margin), scale=scale)
     else:
-        pml = pml_losses.SubCenterArcFaceLoss(num_classes=classes, embedding_size=6, sub_centers=subcenters,
-                                              margin=math.degrees(margin), scale=scale)
+        pml = pml_losses.SubCenterArcFaceLoss(
+            num_classes=classes,
+            embedding_size=6,
+            sub_centers=subcenters,
+            margin=math.degrees(margin),
+            scale=scale,
+        )
     with torch.no_grad():
         pml.W.copy_(classifier.linear.weight.T)
     expected = pml(emb, LABELS)
@@ -176,7 +194,9 @@ def test_margin_raises_the_loss_and_softmax_head_is_unchanged():
     logits = classifier(emb)
 
     def ce(**kw):
-        return objective(miner="all", ce_weight=1.0, **kw).with_stats(emb, LABELS, logits)[1]["ce_loss"]
+        return objective(miner="all", ce_weight=1.0, **kw).with_stats(emb, LABELS, logits)[1][
+            "ce_loss"
+        ]
 
     plain = F.cross_entropy(logits, LABELS).item()
     assert ce(head="softmax", head_margin=0.5) == pytest.approx(plain)  # the margin is arcface's
@@ -188,11 +208,14 @@ def test_margin_raises_the_loss_and_softmax_head_is_unchanged():
 def test_margin_head_on_a_rank_with_no_rows(head):
     """A rank whose batch was unreadable feeds 0 rows: zero loss, a (zero) gradient for the head."""
     model = ModelConfig(head=head)
-    classifier = ClassifierHead(6, 4, scale=model.effective_head_scale, subcenters=model.head_subcenters)
+    classifier = ClassifierHead(
+        6, 4, scale=model.effective_head_scale, subcenters=model.head_subcenters
+    )
     layer = torch.nn.Linear(3, 6)
     emb = F.normalize(layer(torch.randn(0, 3)), dim=1)
     loss, stats = objective(miner="semi_hard", ce_weight=1.0, head=head).with_stats(
-        emb, torch.zeros(0, dtype=torch.long), classifier(emb))
+        emb, torch.zeros(0, dtype=torch.long), classifier(emb)
+    )
     assert loss.item() == 0.0 and stats["triplets"] == 0
     loss.backward()
     assert classifier.linear.weight.grad is not None and not classifier.linear.weight.grad.any()
@@ -211,7 +234,9 @@ def test_margin_head_loss_is_fp32_under_bf16_autocast():
     assert emb.dtype == torch.bfloat16 and logits.dtype == loss.dtype == torch.float32
     assert loss.item() == loss_fn(emb.float(), LABELS, classifier(emb.float())).item()
     loss.backward()
-    assert torch.isfinite(classifier.linear.weight.grad).all() and classifier.linear.weight.grad.any()
+    assert (
+        torch.isfinite(classifier.linear.weight.grad).all() and classifier.linear.weight.grad.any()
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,8 +244,14 @@ def test_margin_head_loss_is_fp32_under_bf16_autocast():
 
 
 def test_margin_warmup_values():
-    loss_fn = objective(margin=0.3, miner="semi_hard", ce_weight=1.0, head="arcface", head_margin=0.2,
-                        margin_warmup_epochs=4)
+    loss_fn = objective(
+        margin=0.3,
+        miner="semi_hard",
+        ce_weight=1.0,
+        head="arcface",
+        head_margin=0.2,
+        margin_warmup_epochs=4,
+    )
     triplet, head = loss_fn.terms["triplet"], loss_fn.terms["ce"]
     for epoch, factor in [(0, 0.2), (1, 0.4), (2, 0.6), (3, 0.8), (4, 1.0), (9, 1.0)]:
         loss_fn.set_epoch(epoch)
@@ -240,8 +271,10 @@ def test_margin_warmup_values():
 def test_margin_warmup_changes_the_mined_triplets_and_the_loss(miner):
     emb = embeddings(1)
     loss_fn = objective(margin=0.4, miner=miner, margin_warmup_epochs=2)
-    keep = {"all": lambda m: lambda s, a, p, n: s[a, n] - s[a, p] + m > 0,
-            "semi_hard": lambda m: lambda s, a, p, n: s[a, p] > s[a, n] > s[a, p] - m}[miner]
+    keep = {
+        "all": lambda m: lambda s, a, p, n: s[a, n] - s[a, p] + m > 0,
+        "semi_hard": lambda m: lambda s, a, p, n: s[a, p] > s[a, n] > s[a, p] - m,
+    }[miner]
     for epoch, margin in [(0, 0.4 / 3), (1, 0.8 / 3), (2, 0.4)]:
         loss_fn.set_epoch(epoch)
         loss, stats = loss_fn.with_stats(emb, LABELS)
@@ -268,14 +301,17 @@ def test_softmax_head_has_no_margin_to_warm_up():
 # Config
 
 
-@pytest.mark.parametrize("override, message", [
-    ("loss.head_margin=-0.1", r"loss\.head_margin=-0\.1 is invalid: expected >= 0"),
-    ("model.head_scale=0", r"model\.head_scale=0\.0 is invalid: expected > 0"),
-    ("model.subcenters=0", r"model\.subcenters=0 is invalid: expected >= 1"),
-    ("loss.margin_warmup_epochs=-1", r"loss\.margin_warmup_epochs=-1 is invalid"),
-    ("loss.margin=-0.2", r"loss\.margin=-0\.2 is invalid"),
-    ("model.head=cosface", r"model\.head='cosface' is not a valid choice"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("loss.head_margin=-0.1", r"loss\.head_margin=-0\.1 is invalid: expected >= 0"),
+        ("model.head_scale=0", r"model\.head_scale=0\.0 is invalid: expected > 0"),
+        ("model.subcenters=0", r"model\.subcenters=0 is invalid: expected >= 1"),
+        ("loss.margin_warmup_epochs=-1", r"loss\.margin_warmup_epochs=-1 is invalid"),
+        ("loss.margin=-0.2", r"loss\.margin=-0\.2 is invalid"),
+        ("model.head=cosface", r"model\.head='cosface' is not a valid choice"),
+    ],
+)
 def test_loss_config_validation(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["model.head=softmax", override])
@@ -296,8 +332,16 @@ def test_head_scale_defaults_by_head():
 
 def test_configs_of_the_earlier_layout_are_read_with_a_warning():
     with pytest.warns(UserWarning, match="loss.head -> model.head"):
-        cfg = load_config(None, ["loss.ce_weight=1", "loss.head=arcface", "loss.subcenters=2",
-                                 "features.crop_seconds=0.7", "features.spec_augment=false"])
+        cfg = load_config(
+            None,
+            [
+                "loss.ce_weight=1",
+                "loss.head=arcface",
+                "loss.subcenters=2",
+                "features.crop_seconds=0.7",
+                "features.spec_augment=false",
+            ],
+        )
     assert (cfg.model.head, cfg.model.subcenters, cfg.loss.ce_weight) == ("arcface", 2, 1.0)
     assert cfg.clips.crop_seconds == 0.7 and cfg.spec_augment.enabled is False
     with pytest.warns(UserWarning, match="model.head=none"):

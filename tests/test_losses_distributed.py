@@ -36,9 +36,9 @@ def fresh_model():
 
 
 def loss_and_grads(model, x, labels, miner, cross_rank):
-    loss, stats = TripletLoss(LossConfig(margin=0.3, miner=miner, cross_rank=cross_rank)).with_stats(
-        F.normalize(model(x), dim=1), labels
-    )
+    loss, stats = TripletLoss(
+        LossConfig(margin=0.3, miner=miner, cross_rank=cross_rank)
+    ).with_stats(F.normalize(model(x), dim=1), labels)
     loss.backward()
     return loss.item(), stats["triplets"], [p.grad.clone() for p in model.parameters()]
 
@@ -48,8 +48,13 @@ def _rank_main(rank, port, out_dir):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         x, labels = fixed_batch()
         results = {}
@@ -100,7 +105,9 @@ def test_local_loss_differs_from_the_global_one():
     """Guards the comparison above: the halves alone do not give the global loss or gradient."""
     x, labels = fixed_batch()
     global_loss, _, global_grads = loss_and_grads(fresh_model(), x, labels, "all", cross_rank=False)
-    half_loss, _, half_grads = loss_and_grads(fresh_model(), x[:6], labels[:6], "all", cross_rank=False)
+    half_loss, _, half_grads = loss_and_grads(
+        fresh_model(), x[:6], labels[:6], "all", cross_rank=False
+    )
     assert abs(half_loss - global_loss) > 1e-3
     assert (half_grads[0] - global_grads[0]).abs().max() > 1e-3
 
@@ -116,11 +123,21 @@ def _margin_net(head):
     from audioclf.config import load_config
     from audioclf.models import build_net
 
-    cfg = load_config(None, [
-        "features.kind=npy", "features.n_mels=16", "spec_augment.enabled=false",
-        "model.cnn.width=4", "model.cnn.depth=2", "model.cnn.dropout=0", "model.embedding_dim=8",
-        f"model.head={head}", "loss.miner=all", "loss.margin_warmup_epochs=2",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "features.kind=npy",
+            "features.n_mels=16",
+            "spec_augment.enabled=false",
+            "model.cnn.width=4",
+            "model.cnn.depth=2",
+            "model.cnn.dropout=0",
+            "model.embedding_dim=8",
+            f"model.head={head}",
+            "loss.miner=all",
+            "loss.margin_warmup_epochs=2",
+        ],
+    )
     torch.manual_seed(11)
     return build_net(cfg, HEAD_CLASSES), cfg
 
@@ -176,7 +193,9 @@ def _steps_with(head, rank):
         loss_fn(embeddings, labels, logits).backward()
         grad = net.head.linear.weight.grad.clone()
         optimizer.step()
-        steps.append({"before": before, "grad": grad, "weight": net.head.linear.weight.detach().clone()})
+        steps.append(
+            {"before": before, "grad": grad, "weight": net.head.linear.weight.detach().clone()}
+        )
     return steps
 
 

@@ -47,8 +47,9 @@ def tiny_config(name, pooling=None, embedding_dim=16):
         name=name,
         embedding_dim=embedding_dim,
         cnn=CNNConfig(width=8, depth=2, dropout=0.0),
-        conformer=ConformerConfig(d_model=32, num_heads=2, ffn_dim=64, num_layers=2,
-                                  kernel_size=7, dropout=0.0),
+        conformer=ConformerConfig(
+            d_model=32, num_heads=2, ffn_dim=64, num_layers=2, kernel_size=7, dropout=0.0
+        ),
         # 4 stages (total stride 8), identity and 1×1-conv shortcuts, 2 blocks in one stage
         resnet=ResNetConfig(width=4, blocks=[1, 2, 1, 1]),
     )
@@ -74,9 +75,17 @@ def test_shapes_and_unit_norm(name, batch, frames):
     torch.testing.assert_close(out.norm(dim=1), torch.ones(batch))
 
 
-@pytest.mark.parametrize("name, pooling", [("cnn", "mean_max"), ("cnn", "attentive_stats"),
-                                           ("conformer", "attentive_stats"), ("conformer", "mean"),
-                                           ("resnet", "stats"), ("resnet", "attentive_stats")])
+@pytest.mark.parametrize(
+    "name, pooling",
+    [
+        ("cnn", "mean_max"),
+        ("cnn", "attentive_stats"),
+        ("conformer", "attentive_stats"),
+        ("conformer", "mean"),
+        ("resnet", "stats"),
+        ("resnet", "attentive_stats"),
+    ],
+)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
 def test_padding_does_not_change_an_embedding(name, pooling, dtype, tol):
     model = tiny_model(name, pooling).to(dtype).eval()
@@ -170,8 +179,11 @@ def test_onnx_export_with_dynamic_batch_and_time(name, tmp_path):
     path = tmp_path / f"{name}.onnx"
     batch, frames = torch.export.Dim("batch"), torch.export.Dim("frames")
     torch.onnx.export(
-        model, (torch.randn(2, 40, N_MELS), torch.tensor([40, 25])), str(path),
-        input_names=["feats", "lengths"], output_names=["embeddings"],
+        model,
+        (torch.randn(2, 40, N_MELS), torch.tensor([40, 25])),
+        str(path),
+        input_names=["feats", "lengths"],
+        output_names=["embeddings"],
         dynamic_shapes={"feats": {0: batch, 1: frames}, "lengths": {0: batch}},
     )
     onnx.checker.check_model(onnx.load(str(path)))
@@ -181,7 +193,9 @@ def test_onnx_export_with_dynamic_batch_and_time(name, tmp_path):
         feats, lengths = torch.randn(n, t, N_MELS), torch.randint(1, t + 1, (n,))
         (out,) = session.run(None, {"feats": feats.numpy(), "lengths": lengths.numpy()})
         with torch.no_grad():
-            torch.testing.assert_close(torch.from_numpy(out), model(feats, lengths), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.from_numpy(out), model(feats, lengths), atol=1e-5, rtol=0
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,11 +257,22 @@ def test_triplet_loss_falls_on_separable_patterns(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_waveform_embedding_does_not_depend_on_the_batch(name):
     """A clip embedded alone equals the same clip zero-padded next to a longer one."""
-    cfg = load_config(None, [
-        f"model.name={name}", "features.n_mels=32", "model.cnn.width=8", "model.cnn.depth=2",
-        "model.conformer.d_model=32", "model.conformer.num_heads=2", "model.conformer.ffn_dim=64",
-        "model.conformer.num_layers=1", "model.conformer.kernel_size=7", "model.resnet.width=4",
-        "model.resnet.blocks=[1,1,1,1]"])
+    cfg = load_config(
+        None,
+        [
+            f"model.name={name}",
+            "features.n_mels=32",
+            "model.cnn.width=8",
+            "model.cnn.depth=2",
+            "model.conformer.d_model=32",
+            "model.conformer.num_heads=2",
+            "model.conformer.ffn_dim=64",
+            "model.conformer.num_layers=1",
+            "model.conformer.kernel_size=7",
+            "model.resnet.width=4",
+            "model.resnet.blocks=[1,1,1,1]",
+        ],
+    )
     torch.manual_seed(0)
     net = build_net(cfg, 0).eval()
     short, long = torch.randn(1, 12345) * 0.1, torch.randn(1, 20000) * 0.1
@@ -309,25 +334,40 @@ def test_stats_pooling_is_masked_mean_and_std():
     junk = x.clone()
     junk[1, 3:] = 1e4
     pooled = StatsPooling(4)(junk, mask)
-    torch.testing.assert_close(pooled[1], torch.cat([x[1, :3].mean(0), x[1, :3].std(0, unbiased=False)]))
+    torch.testing.assert_close(
+        pooled[1], torch.cat([x[1, :3].mean(0), x[1, :3].std(0, unbiased=False)])
+    )
     torch.testing.assert_close(pooled[0], torch.cat([x[0].mean(0), x[0].std(0, unbiased=False)]))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.resnet.blocks=[]", r"model\.resnet\.blocks=\[\] is invalid"),
-    ("model.resnet.blocks=[3,0,2]", r"model\.resnet\.blocks=\[3, 0, 2\] is invalid: expected a non-empty"),
-    ("model.resnet.width=0", r"model\.resnet\.width=0 is invalid"),
-    ("model.resnet.pooling=mean", r"model\.resnet\.pooling='mean' is not a valid choice"),
-    ("model.cnn.pooling=max", r"model\.cnn\.pooling='max' is not a valid choice"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.resnet.blocks=[]", r"model\.resnet\.blocks=\[\] is invalid"),
+        (
+            "model.resnet.blocks=[3,0,2]",
+            r"model\.resnet\.blocks=\[3, 0, 2\] is invalid: expected a non-empty",
+        ),
+        ("model.resnet.width=0", r"model\.resnet\.width=0 is invalid"),
+        ("model.resnet.pooling=mean", r"model\.resnet\.pooling='mean' is not a valid choice"),
+        ("model.cnn.pooling=max", r"model\.cnn\.pooling='max' is not a valid choice"),
+    ],
+)
 def test_model_config_validation(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
 
 
 def test_model_config_reads_blocks_and_poolings():
-    cfg = load_config(None, ["model.name=resnet", "model.resnet.blocks=[2, 2]",
-                             "model.resnet.pooling=attentive_stats", "model.cnn.pooling=attentive_stats"])
+    cfg = load_config(
+        None,
+        [
+            "model.name=resnet",
+            "model.resnet.blocks=[2, 2]",
+            "model.resnet.pooling=attentive_stats",
+            "model.cnn.pooling=attentive_stats",
+        ],
+    )
     assert cfg.model.resnet.blocks == [2, 2] and cfg.model.resnet.pooling == "attentive_stats"
     assert ModelConfig().resnet.blocks == [3, 4, 6, 3] and ModelConfig().cnn.pooling == "mean_max"
 
@@ -366,13 +406,17 @@ def test_angular_margin_past_pi_keeps_falling_as_pml():
     margin, scale = 0.4, 30.0
     angles = torch.tensor([0.0, 0.3, 1.5, 2.5, math.pi - 0.45, math.pi - 0.35, 3.1, math.pi])
     cosines = torch.cos(angles)[:, None].double()
-    ours = angular_margin_logits(scale * cosines, torch.zeros(len(angles), dtype=torch.long), scale, margin)
+    ours = angular_margin_logits(
+        scale * cosines, torch.zeros(len(angles), dtype=torch.long), scale, margin
+    )
     pml = ArcFaceLoss(num_classes=2, embedding_size=2, margin=math.degrees(margin), scale=scale)
     reference = scale * pml.modify_cosine_of_target_classes(cosines[:, 0])
     torch.testing.assert_close(ours[:, 0], reference, atol=1e-6, rtol=0)
     past = angles + margin > math.pi
     assert past.any() and (~past).any()
-    torch.testing.assert_close(ours[past, 0], scale * (cosines[past, 0] - margin * math.sin(margin)))
+    torch.testing.assert_close(
+        ours[past, 0], scale * (cosines[past, 0] - margin * math.sin(margin))
+    )
     assert (ours[1:, 0] < ours[:-1, 0]).all()  # monotonic in θ
 
 
@@ -399,8 +443,15 @@ def test_head_is_fp32_under_autocast():
 
 @pytest.mark.parametrize("head, rows", [("softmax", 5), ("arcface", 5), ("subcenter_arcface", 15)])
 def test_build_net_head_follows_model_config(head, rows):
-    cfg = load_config(None, ["features.kind=npy", f"features.n_mels={N_MELS}", "model.cnn.depth=2",
-                             f"model.head={head}"])
+    cfg = load_config(
+        None,
+        [
+            "features.kind=npy",
+            f"features.n_mels={N_MELS}",
+            "model.cnn.depth=2",
+            f"model.head={head}",
+        ],
+    )
     net = build_net(cfg, 5)
     assert net.head.linear.weight.shape == (rows, cfg.model.embedding_dim)
     assert net.head.scale == (16.0 if head == "softmax" else 30.0)

@@ -23,10 +23,18 @@ CPU = torch.device("cpu")
 STUBS = Path(__file__).parent / "stubs"
 
 
-@pytest.mark.parametrize("world, ref, mode, expected", [
-    (4, 1, "sqrt", 2.0), (2, 1, "sqrt", math.sqrt(2)), (8, 2, "sqrt", 2.0),
-    (4, 1, "linear", 4.0), (2, 4, "linear", 0.5), (4, 1, "none", 1.0), (1, 1, "sqrt", 1.0),
-])
+@pytest.mark.parametrize(
+    "world, ref, mode, expected",
+    [
+        (4, 1, "sqrt", 2.0),
+        (2, 1, "sqrt", math.sqrt(2)),
+        (8, 2, "sqrt", 2.0),
+        (4, 1, "linear", 4.0),
+        (2, 4, "linear", 0.5),
+        (4, 1, "none", 1.0),
+        (1, 1, "sqrt", 1.0),
+    ],
+)
 def test_lr_scaling(world, ref, mode, expected):
     assert lr_scale(world, ref, mode) == pytest.approx(expected)
 
@@ -58,7 +66,9 @@ def test_step_and_plateau_schedules():
     step = LRSchedule(opt, OptimConfig(scheduler="step", step_size=2, gamma=0.1), 1.0, 10)
     step.apply(step=0, epoch=2)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
-    plateau = LRSchedule(opt, OptimConfig(scheduler="plateau", plateau_patience=1, gamma=0.5), 1.0, 10)
+    plateau = LRSchedule(
+        opt, OptimConfig(scheduler="plateau", plateau_patience=1, gamma=0.5), 1.0, 10
+    )
     for loss in [1.0, 0.9, 0.95, 0.95]:  # best 0.9, then two bad epochs > patience 1
         plateau.epoch_end(loss)
     plateau.apply(step=0, epoch=4)
@@ -69,6 +79,7 @@ def test_step_and_plateau_schedules():
 def apex_stub(monkeypatch):
     """tests/stubs/apex: apex.optimizers.FusedAdam with apex's signatures (zero_grad() takes no
     argument, the step count lives in each param group)."""
+
     def forget_apex():
         for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.")]:
             del sys.modules[name]
@@ -81,16 +92,24 @@ def apex_stub(monkeypatch):
 
 def _step_batches():
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 4, generator=g), torch.full((8,), 4),
-             torch.randint(0, 3, (8,), generator=g), torch.arange(8)) for _ in range(3)]
+    return [
+        (
+            torch.randn(8, 4, generator=g),
+            torch.full((8,), 4),
+            torch.randint(0, 3, (8,), generator=g),
+            torch.arange(8),
+        )
+        for _ in range(3)
+    ]
 
 
 def test_apex_fused_adam_trains_through_the_loop(apex_stub):
     model = Linear()
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="fused_adam"), CPU)
     assert type(optimizer).__module__ == "apex.optimizers"
-    _, steps = run_epoch(model, _step_batches(), mse, optimizer,
-                         resolve_precision(TrainConfig(), CPU))
+    _, steps = run_epoch(
+        model, _step_batches(), mse, optimizer, resolve_precision(TrainConfig(), CPU)
+    )
     assert steps == 3 and optimizer.param_groups[0]["step"] == 3
 
 

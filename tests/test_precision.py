@@ -10,13 +10,16 @@ from audioclf.precision import configure_backends, resolve_precision
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("overrides, name, dtype, scaler", [
-    ({}, "fp32", None, False),
-    ({"precision": "bf16"}, "bf16", torch.bfloat16, False),
-    ({"precision": "fp16"}, "fp16", torch.float16, True),
-    ({"opt_level": "O0", "precision": "bf16"}, "fp32", None, False),
-    ({"opt_level": "O1"}, "fp16", torch.float16, True),
-])
+@pytest.mark.parametrize(
+    "overrides, name, dtype, scaler",
+    [
+        ({}, "fp32", None, False),
+        ({"precision": "bf16"}, "bf16", torch.bfloat16, False),
+        ({"precision": "fp16"}, "fp16", torch.float16, True),
+        ({"opt_level": "O0", "precision": "bf16"}, "fp32", None, False),
+        ({"opt_level": "O1"}, "fp16", torch.float16, True),
+    ],
+)
 def test_precision_resolution(overrides, name, dtype, scaler):
     p = resolve_precision(TrainConfig(**overrides), CPU)
     assert (p.name, p.dtype, p.scaler.is_enabled()) == (name, dtype, scaler)
@@ -47,8 +50,11 @@ def test_bf16_on_a_gpu_that_only_emulates_it_is_refused(monkeypatch):
 
 
 def test_tf32_and_cudnn_benchmark_follow_the_config():
-    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.backends.cudnn.benchmark)
+    flags = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+    )
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -61,8 +67,11 @@ def test_tf32_and_cudnn_benchmark_follow_the_config():
         configure_backends(TrainConfig(tf32=False, deterministic=True), torch.device("cuda", 0))
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.benchmark
     finally:
-        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-         torch.backends.cudnn.benchmark) = flags
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = flags
 
 
 def test_auto_fits_the_device(monkeypatch):

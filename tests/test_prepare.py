@@ -27,8 +27,9 @@ ROWS = 36  # 6 classes x 2 items x 3 ids
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Path:
     """The tiny demo set, with index.xlsx and the same rows as index.csv."""
-    sheet = generate_demo(tmp_path_factory.mktemp("prepare") / "demo", classes=6, items=2, ids=3,
-                          seed=0)
+    sheet = generate_demo(
+        tmp_path_factory.mktemp("prepare") / "demo", classes=6, items=2, ids=3, seed=0
+    )
     read_table(sheet, DataConfig()).to_csv(sheet.with_suffix(".csv"), index=False)
     return sheet
 
@@ -59,8 +60,9 @@ def test_npy_features_give_the_audio_front_end_output(demo, tmp_path, capsys):
     config = tmp_path / "feats.yaml"
     config.write_text("features:\n  n_mels: 32\n  f_max: 7000.0\n")
     out = tmp_path / "out"
-    code, stdout, _ = prepare(capsys, "--index", demo, "--out", out, "--config", config,
-                              "--workers", 1)
+    code, stdout, _ = prepare(
+        capsys, "--index", demo, "--out", out, "--config", config, "--workers", 1
+    )
     assert code == 0
     assert f"{ROWS} rows: {ROWS} files written, 0 already present, 0 skipped" in stdout
 
@@ -69,8 +71,12 @@ def test_npy_features_give_the_audio_front_end_output(demo, tmp_path, capsys):
     source = load_index(DataConfig(index=str(demo)))
     assert len(prepared) == ROWS
     assert prepared.table[["cls", "item", "id"]].equals(source.table[["cls", "item", "id"]])
-    assert list(read_table(out / "index.xlsx", DataConfig()).columns) == ["a_cls", "a_item",
-                                                                          "a_id", "path"]
+    assert list(read_table(out / "index.xlsx", DataConfig()).columns) == [
+        "a_cls",
+        "a_item",
+        "a_id",
+        "path",
+    ]
     audio_frontend = FeatureFrontend(cfg.features).eval()
     npy_cfg = load_config(config, ["features.kind=npy"]).features
     npy_frontend = FeatureFrontend(npy_cfg).eval()
@@ -80,8 +86,9 @@ def test_npy_features_give_the_audio_front_end_output(demo, tmp_path, capsys):
         assert mel.dtype == np.float32 and mel.shape[1] == 32
         with torch.no_grad():
             from_audio, audio_frames = audio_frontend(wave[None], torch.tensor([len(wave)]))
-            from_npy, npy_frames = npy_frontend(torch.from_numpy(mel)[None],
-                                                torch.tensor([len(mel)]))
+            from_npy, npy_frames = npy_frontend(
+                torch.from_numpy(mel)[None], torch.tensor([len(mel)])
+            )
         assert int(audio_frames) == int(npy_frames) == len(mel)
         torch.testing.assert_close(from_npy[0], from_audio[0, : len(mel)], rtol=0, atol=1e-5)
 
@@ -94,14 +101,17 @@ def test_npy_features_give_the_audio_front_end_output(demo, tmp_path, capsys):
 
 
 def test_same_bytes_as_the_demo_features(demo, tmp_path, capsys):
-    with_features = generate_demo(tmp_path / "demo", classes=6, items=2, ids=3, seed=0,
-                                  features=True).parent
+    with_features = generate_demo(
+        tmp_path / "demo", classes=6, items=2, ids=3, seed=0, features=True
+    ).parent
     code, _, _ = prepare(capsys, "--index", demo, "--out", tmp_path / "out", "--workers", 1)
     assert code == 0
     prepared = npy_files(tmp_path / "out" / "features")
     # the demo writes features/<cls>/<item>/<id>.npy
-    reference = {f"{p.parent.parent.name}/{p.name}": p.read_bytes()
-                 for p in sorted((with_features / "features").rglob("*.npy"))}
+    reference = {
+        f"{p.parent.parent.name}/{p.name}": p.read_bytes()
+        for p in sorted((with_features / "features").rglob("*.npy"))
+    }
     assert len(prepared) == ROWS and prepared == reference
 
 
@@ -109,8 +119,24 @@ def test_same_bytes_as_the_demo_features(demo, tmp_path, capsys):
 # Names
 
 
-TRICKY_IDS = ["a/b", "a\\b", "a:b", "A:B", "a%2Fb", "a_b", "..", ".hidden", "a b", "名字",
-              "x" * 300, "x" * 299 + "y", "CON", "a*b?", "Straße", "STRASSE"]
+TRICKY_IDS = [
+    "a/b",
+    "a\\b",
+    "a:b",
+    "A:B",
+    "a%2Fb",
+    "a_b",
+    "..",
+    ".hidden",
+    "a b",
+    "名字",
+    "x" * 300,
+    "x" * 299 + "y",
+    "CON",
+    "a*b?",
+    "Straße",
+    "STRASSE",
+]
 
 
 def test_names_are_safe_and_distinct():
@@ -123,7 +149,7 @@ def test_names_are_safe_and_distinct():
         top, folder, name = path.split("/")
         assert top == "features" and name.endswith(".npy")
         for part in (folder, name):
-            assert not part.startswith(".") and not set(part) & set("\\:*?\" <>|")
+            assert not part.startswith(".") and not set(part) & set('\\:*?" <>|')
             assert len(part.encode()) <= 210
     # readable where nothing collides; '~' + a hash where only case tells names apart
     assert paths[0].startswith("features/x%2Fy~") and paths[0].endswith("/a%2Fb.npy")
@@ -160,19 +186,25 @@ def test_shards_together_equal_one_run(demo, tmp_path, capsys):
     whole, first_last, last_first = tmp_path / "whole", tmp_path / "a", tmp_path / "b"
     assert prepare(capsys, "--index", sheet, "--out", whole, "--workers", 2)[0] == 0
 
-    code, out, _ = prepare(capsys, "--index", sheet, "--out", last_first, "--shard", "1/2",
-                           "--workers", 1)
+    code, out, _ = prepare(
+        capsys, "--index", sheet, "--out", last_first, "--shard", "1/2", "--workers", 1
+    )
     assert code == 0 and "shard 1/2: 18 rows: 18 files written" in out
     assert "waiting for shard(s) 0/2" in out and not (last_first / "index.csv").exists()
     odd_rows = pd.read_csv(sheet, dtype=str)["a_id"].iloc[1::2]
     assert sorted(Path(p).stem for p in npy_files(last_first)) == sorted(odd_rows)
-    code, out, _ = prepare(capsys, "--index", sheet, "--out", last_first, "--shard", "0/2",
-                           "--workers", 2)
+    code, out, _ = prepare(
+        capsys, "--index", sheet, "--out", last_first, "--shard", "0/2", "--workers", 2
+    )
     assert code == 0 and f"index: {last_first / 'index.csv'} ({ROWS} rows)" in out
 
     for shard in ("0/2", "1/2"):
-        assert prepare(capsys, "--index", sheet, "--out", first_last, "--shard", shard,
-                       "--workers", 1)[0] == 0
+        assert (
+            prepare(
+                capsys, "--index", sheet, "--out", first_last, "--shard", shard, "--workers", 1
+            )[0]
+            == 0
+        )
 
     reference = npy_files(whole)
     assert len(reference) == ROWS
@@ -219,11 +251,14 @@ def test_unreadable_audio_stops_the_run_or_is_skipped(demo, tmp_path, capsys):
     assert err.startswith(f"{PROG}: error: row 9 of ") and str(broken) in err
     assert "--skip-bad" in err and not (out / "index.csv").exists()
 
-    code, stdout, _ = prepare(capsys, "--index", tmp_path / "index.csv", "--out", out,
-                              "--workers", 2, "--skip-bad")
+    code, stdout, _ = prepare(
+        capsys, "--index", tmp_path / "index.csv", "--out", out, "--workers", 2, "--skip-bad"
+    )
     assert code == 0
-    written, present, skipped = map(int, re.search(
-        r"(\d+) files written, (\d+) already present, (\d+) skipped", stdout).groups())
+    written, present, skipped = map(
+        int,
+        re.search(r"(\d+) files written, (\d+) already present, (\d+) skipped", stdout).groups(),
+    )
     assert written + present == ROWS - 1 and skipped == 1 and present > 0  # resumed
     skipped = pd.read_csv(out / "skipped.csv", dtype=str)
     assert list(skipped.columns) == ["row", "id", "path", "reason"]
@@ -233,8 +268,9 @@ def test_unreadable_audio_stops_the_run_or_is_skipped(demo, tmp_path, capsys):
     assert len(written) == ROWS - 1 and table["a_id"][7] not in set(written["a_id"])
 
     shutil.copyfile(table["path"][6], broken)  # fixed: the next run takes it in
-    code, stdout, _ = prepare(capsys, "--index", tmp_path / "index.csv", "--out", out,
-                              "--workers", 1, "--skip-bad")
+    code, stdout, _ = prepare(
+        capsys, "--index", tmp_path / "index.csv", "--out", out, "--workers", 1, "--skip-bad"
+    )
     assert code == 0 and f"1 files written, {ROWS - 1} already present, 0 skipped" in stdout
     assert not (out / "skipped.csv").exists()
     assert len(pd.read_csv(out / "index.csv")) == ROWS
@@ -249,8 +285,18 @@ def test_sharded_index_leaves_out_every_shards_skipped_rows(demo, tmp_path, caps
     for order in (("0/2", "1/2"), ("1/2", "0/2")):
         out = tmp_path / "".join(order).replace("/", "")
         for shard in order:
-            code, stdout, _ = prepare(capsys, "--index", tmp_path / "index.csv", "--out", out,
-                                      "--shard", shard, "--skip-bad", "--workers", 1)
+            code, stdout, _ = prepare(
+                capsys,
+                "--index",
+                tmp_path / "index.csv",
+                "--out",
+                out,
+                "--shard",
+                shard,
+                "--skip-bad",
+                "--workers",
+                1,
+            )
             assert code == 0
         assert f"index: {out / 'index.csv'} ({ROWS - 1} rows)" in stdout
         assert not (out / "skipped-0-of-2.csv").exists()
@@ -262,15 +308,22 @@ def test_sharded_index_leaves_out_every_shards_skipped_rows(demo, tmp_path, caps
 
 def _npy_sheet(tmp_path: Path) -> Path:
     np.save(tmp_path / "f.npy", np.zeros((3, 64), np.float32))
-    pd.DataFrame({"a_cls": ["c", "c"], "a_item": ["i", "j"], "a_id": ["1", "2"],
-                  "path": ["f.npy", "f.npy"]}).to_csv(tmp_path / "feats.csv", index=False)
+    pd.DataFrame(
+        {"a_cls": ["c", "c"], "a_item": ["i", "j"], "a_id": ["1", "2"], "path": ["f.npy", "f.npy"]}
+    ).to_csv(tmp_path / "feats.csv", index=False)
     return tmp_path / "feats.csv"
 
 
 def _text_sheet(tmp_path: Path) -> Path:
     (tmp_path / "notes.txt").write_text("not audio")
-    pd.DataFrame({"a_cls": ["c", "c"], "a_item": ["i", "j"], "a_id": ["1", "2"],
-                  "path": ["notes.txt", "notes.txt"]}).to_csv(tmp_path / "text.csv", index=False)
+    pd.DataFrame(
+        {
+            "a_cls": ["c", "c"],
+            "a_item": ["i", "j"],
+            "a_id": ["1", "2"],
+            "path": ["notes.txt", "notes.txt"],
+        }
+    ).to_csv(tmp_path / "text.csv", index=False)
     return tmp_path / "text.csv"
 
 
@@ -292,10 +345,14 @@ BAD_INPUTS = {
     "features index": (lambda tmp, demo: ["--index", _npy_sheet(tmp)], "already a features index"),
     "non-audio file": (lambda tmp, demo: ["--index", _text_sheet(tmp)], "not audio files"),
     "output under a file": (lambda tmp, demo: ["--out", _file_as_parent(tmp)], "cannot be written"),
-    "output not ours": (lambda tmp, demo: ["--out", demo.parent / "wav"],
-                        "not a folder written by prepare"),
-    "output overwrites the input": (lambda tmp, demo: ["--out", demo.parent],
-                                    "would overwrite the input sheet"),
+    "output not ours": (
+        lambda tmp, demo: ["--out", demo.parent / "wav"],
+        "not a folder written by prepare",
+    ),
+    "output overwrites the input": (
+        lambda tmp, demo: ["--out", demo.parent],
+        "would overwrite the input sheet",
+    ),
     "zero workers": (lambda tmp, demo: ["--workers", 0], "--workers must be >= 1"),
 }
 
@@ -325,8 +382,9 @@ def test_other_settings_into_the_same_folder_are_refused(demo, tmp_path, capsys)
     out = tmp_path / "out"
     assert prepare(capsys, "--index", demo, "--out", out, "--workers", 1)[0] == 0
     files = npy_files(out)
-    code, _, err = prepare(capsys, "--index", demo, "--out", out, "--workers", 1,
-                           "features.n_mels=32")
+    code, _, err = prepare(
+        capsys, "--index", demo, "--out", out, "--workers", 1, "features.n_mels=32"
+    )
     assert code == 2 and "holds features made with other settings" in err
     assert npy_files(out) == files
 
@@ -336,6 +394,12 @@ def test_help_explains_sharding_resuming_and_skipping(capsys):
         main(["--help"])
     text = capsys.readouterr().out
     assert exit_info.value.code == 0
-    for needle in ("--shard i/n", "the last shard to finish", "A rerun skips files", "skipped.csv",
-                   "features.kind=npy", "--workers N"):
+    for needle in (
+        "--shard i/n",
+        "the last shard to finish",
+        "A rerun skips files",
+        "skipped.csv",
+        "features.kind=npy",
+        "--workers N",
+    ):
         assert needle in text

@@ -92,8 +92,12 @@ def test_crop_or_pad_rejects_bad_input():
 
 
 @settings(max_examples=60, deadline=None)
-@given(total=st.integers(1, 300), length=st.integers(1, 300), seed=st.integers(0, 2**32),
-       pad_mode=st.sampled_from(["repeat", "zeros"]))
+@given(
+    total=st.integers(1, 300),
+    length=st.integers(1, 300),
+    seed=st.integers(0, 2**32),
+    pad_mode=st.sampled_from(["repeat", "zeros"]),
+)
 def test_crop_or_pad_always_gives_the_length(total, length, seed, pad_mode):
     wave = torch.arange(1, total + 1, dtype=torch.float32)
     out = crop_or_pad(wave, length, np.random.default_rng(seed), pad_mode)
@@ -162,8 +166,9 @@ def test_npy_dtypes_byte_orders_and_fortran_order(tmp_path, dtype, fortran):
 def test_short_npy_is_padded_like_audio(tmp_path):
     frames = np.arange(3 * 2, dtype=np.float32).reshape(3, 2) + 1
     path = _write(tmp_path / "short.npy", frames)
-    np.testing.assert_array_equal(read_npy_crop(path, 7, None, "frames_bins", 2, "repeat"),
-                                  frames[[0, 1, 2, 0, 1, 2, 0]])
+    np.testing.assert_array_equal(
+        read_npy_crop(path, 7, None, "frames_bins", 2, "repeat"), frames[[0, 1, 2, 0, 1, 2, 0]]
+    )
     zeros = read_npy_crop(path, 5, None, "frames_bins", 2, "zeros")
     np.testing.assert_array_equal(zeros[:3], frames)
     assert not zeros[3:].any()

@@ -21,9 +21,17 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_sh(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["./run.sh", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, **(env or {})))
+def run_sh(
+    *args: str, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["./run.sh", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def test_help_lists_the_commands():
@@ -35,7 +43,9 @@ def test_help_lists_the_commands():
 
 def test_missing_config_is_one_clear_line():
     out = run_sh("configs/nope.yaml")
-    assert out.returncode == 2 and out.stderr.strip() == "run.sh: config configs/nope.yaml not found"
+    assert (
+        out.returncode == 2 and out.stderr.strip() == "run.sh: config configs/nope.yaml not found"
+    )
 
 
 def test_background_run_and_stop(tmp_path, tiny_demo):
@@ -50,7 +60,9 @@ def test_background_run_and_stop(tmp_path, tiny_demo):
     try:
         log = run_dir / "train.log"
         deadline = time.time() + 120
-        while time.time() < deadline and "epoch 2/500" not in (log.read_text() if log.exists() else ""):
+        while time.time() < deadline and "epoch 2/500" not in (
+            log.read_text() if log.exists() else ""
+        ):
             time.sleep(0.5)
         assert "epoch 2/500" in log.read_text(), (run_dir / "nohup.log").read_text()[-3000:]
         stopped = run_sh("stop", "bg", env={"RUNS_DIR": str(runs)})
@@ -71,8 +83,15 @@ def test_stop_treats_a_zombie_as_stopped(tmp_path):
     # A process that exited but was never reaped (a container without an init) still answers
     # kill -0; stop must not wait 120 s for it.
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
-         "print(pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+            "print(pid, flush=True)\ntime.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         zombie = int(parent.stdout.readline())
         time.sleep(0.3)
@@ -93,13 +112,20 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_dem
     save_config(cfg, tmp_path / "fg.yaml")
     # A new session, as a terminal gives the foreground job; Ctrl-C reaches run.sh alone (its
     # torchrun has a session of its own).
-    proc = subprocess.Popen(["./run.sh", "--nproc", "2", str(tmp_path / "fg.yaml")], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["./run.sh", "--nproc", "2", str(tmp_path / "fg.yaml")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     log = runs / "fg" / "train.log"
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and "epoch 1/500" not in (log.read_text() if log.exists() else ""):
+        while time.time() < deadline and "epoch 1/500" not in (
+            log.read_text() if log.exists() else ""
+        ):
             time.sleep(0.5)
         assert "epoch 1/500" in log.read_text()
         proc.send_signal(signal.SIGINT)
@@ -112,4 +138,5 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_dem
     ckpt = checkpoint.load(runs / "fg" / "last.pt")
     assert err.strip().splitlines()[-1] == (
         f"run.sh: stopped at epoch {ckpt['epoch'] + 1}, step {ckpt['step']}; last.pt saved; "
-        "resume with checkpoint.resume=auto")
+        "resume with checkpoint.resume=auto"
+    )

@@ -15,14 +15,17 @@ from audioclf.rundir import LOCK_FILE, RunFolderBusy, RunLock, check_free, prepa
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[1]
-HOLD = ("import sys, time\nfrom pathlib import Path\nfrom audioclf.rundir import RunLock\n"
-        "lock = RunLock(Path(sys.argv[1]))\nlock.acquire()\nprint('held', flush=True)\n"
-        "time.sleep(60)\n")
+HOLD = (
+    "import sys, time\nfrom pathlib import Path\nfrom audioclf.rundir import RunLock\n"
+    "lock = RunLock(Path(sys.argv[1]))\nlock.acquire()\nprint('held', flush=True)\n"
+    "time.sleep(60)\n"
+)
 
 
 def _holder(run_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -32,9 +35,12 @@ def test_a_held_folder_is_refused_naming_its_holder_and_freed_when_it_dies(tmp_p
     run_dir.mkdir()
     holder = _holder(run_dir)
     try:
-        with pytest.raises(RunFolderBusy, match=rf"in use by another run \(pid {holder.pid} on "
-                                                r".*, started .* UTC\).*another train.name"
-                                                r".*\./run\.sh stop run"):
+        with pytest.raises(
+            RunFolderBusy,
+            match=rf"in use by another run \(pid {holder.pid} on "
+            r".*, started .* UTC\).*another train.name"
+            r".*\./run\.sh stop run",
+        ):
             check_free(run_dir)
         with pytest.raises(RunFolderBusy, match=f"pid {holder.pid}"):
             RunLock(run_dir).acquire()

@@ -45,15 +45,28 @@ def test_each_tool_refuses_a_payload_without_running_it(tmp_path, capsys, tool):
     path, marker = crafted(tmp_path)
     if tool == "evaluate":
         from audioclf.evaluate import main
+
         status = main(["--checkpoint", str(path), "--out", str(tmp_path / "eval"), "--quiet"])
     elif tool == "embed":
         from audioclf.embed import main
-        status = main(["--model", str(path), "--index", str(tmp_path / "none.xlsx"),
-                       "--save", str(tmp_path / "e"), "--quiet"])
+
+        status = main(
+            [
+                "--model",
+                str(path),
+                "--index",
+                str(tmp_path / "none.xlsx"),
+                "--save",
+                str(tmp_path / "e"),
+                "--quiet",
+            ]
+        )
     else:
         from audioclf.export import main
-        status = main(["--checkpoint", str(path), "--format", "state_dict",
-                       "--out", str(tmp_path / "x.pt")])
+
+        status = main(
+            ["--checkpoint", str(path), "--format", "state_dict", "--out", str(tmp_path / "x.pt")]
+        )
     _refused(capsys, status, path)
     assert not marker.exists()
     assert not (tmp_path / "eval").exists() and not (tmp_path / "x.pt").exists()
@@ -80,8 +93,16 @@ def test_the_opt_in_loads_a_trusted_file(tmp_path):
 def test_what_audioclf_writes_loads_as_data(tmp_path, tiny_demo):
     from audioclf.trainer import fit
 
-    fit(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "model.head=arcface",
-                    "train.opt_level=O1"))
+    fit(
+        tiny_config(
+            tiny_demo,
+            tmp_path / "runs",
+            "cnn",
+            "train.epochs=1",
+            "model.head=arcface",
+            "train.opt_level=O1",
+        )
+    )
     # Plain torch.load(weights_only=True), without audioclf's allow-list for 0.1 files.
     state = torch.load(tmp_path / "runs" / "t" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "rng", "sampler", "scaler", "config", "versions"} <= set(state)

@@ -68,8 +68,13 @@ class Setup:
 
     def sampler(self, rank: int = 0, **overrides) -> MPerClassSampler:
         kwargs = dict(
-            batch_size=self.batch_size, m=self.m, rank=rank, world_size=self.world_size,
-            seed=self.seed, split=self.split, small_classes=self.small_classes,
+            batch_size=self.batch_size,
+            m=self.m,
+            rank=rank,
+            world_size=self.world_size,
+            seed=self.seed,
+            split=self.split,
+            small_classes=self.small_classes,
         )
         kwargs.update(overrides)
         return MPerClassSampler(self.index.classes, self.index.items, **kwargs)
@@ -100,11 +105,18 @@ def setups(draw, splits=("classes", "batches")) -> Setup:
     fewest_classes = 2 * world_size * classes_per_batch
     n_classes = draw(st.integers(fewest_classes, fewest_classes + 10))
     index = make_index(
-        draw(st.integers(0, 2**32 - 1)), n_classes, max_items=draw(st.integers(1, 8)),
-        max_ids=draw(st.integers(1, 5)), names=draw(st.booleans()),
+        draw(st.integers(0, 2**32 - 1)),
+        n_classes,
+        max_items=draw(st.integers(1, 8)),
+        max_ids=draw(st.integers(1, 5)),
+        names=draw(st.booleans()),
     )
     return Setup(
-        index, classes_per_batch * m, m, world_size, seed=draw(st.integers(0, 2**32 - 1)),
+        index,
+        classes_per_batch * m,
+        m,
+        world_size,
+        seed=draw(st.integers(0, 2**32 - 1)),
         split=draw(st.sampled_from(splits)),
         small_classes=draw(st.sampled_from(["replace", "skip"])),
     )
@@ -268,7 +280,11 @@ def test_length_rule_matches_documented_formulas(index):
     batch_size, world_size = 8, 3
     samplers = [
         MPerClassSampler(
-            index.classes, index.items, batch_size=batch_size, m=2, rank=rank,
+            index.classes,
+            index.items,
+            batch_size=batch_size,
+            m=2,
+            rank=rank,
             world_size=world_size,
         )
         for rank in range(world_size)
@@ -277,7 +293,11 @@ def test_length_rule_matches_documented_formulas(index):
     assert {len(s) for s in samplers} == {min(share_rows) // batch_size}
 
     batches = MPerClassSampler(
-        index.classes, index.items, batch_size=batch_size, m=2, world_size=world_size,
+        index.classes,
+        index.items,
+        batch_size=batch_size,
+        m=2,
+        world_size=world_size,
         split="batches",
     )
     assert len(batches) == len(index.classes) // batch_size // world_size
@@ -413,7 +433,11 @@ def test_epoch_without_a_batch_raises_and_says_why():
     message = r"0 batches: 8 sampleable rows make 1 global batches.*world_size=2"
     with pytest.raises(ValueError, match=message):
         _sampler(
-            classes=list("aabbccdd"), items=[0, 1] * 4, batch_size=8, m=2, world_size=2,
+            classes=list("aabbccdd"),
+            items=[0, 1] * 4,
+            batch_size=8,
+            m=2,
+            world_size=2,
             split="batches",
         )
 

@@ -47,7 +47,10 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, split: str, result_dir: str) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )
     try:
@@ -76,7 +79,10 @@ def _worker(rank: int, port: int, split: str, result_dir: str) -> None:
 
 def _run_group(split: str, tmp_path: Path) -> list:
     context = mp.start_processes(
-        _worker, args=(_free_port(), split, str(tmp_path)), nprocs=WORLD_SIZE, join=False,
+        _worker,
+        args=(_free_port(), split, str(tmp_path)),
+        nprocs=WORLD_SIZE,
+        join=False,
         start_method="spawn",
     )
     deadline = time.monotonic() + 2 * TIMEOUT_S

@@ -21,14 +21,23 @@ from tests.helpers import cli_args, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "CUDA_VISIBLE_DEVICES")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 def _without_launchers(env: dict) -> dict:
     """env minus every SLURM and torchrun variable (the tests may themselves run under SLURM)."""
-    return {k: v for k, v in env.items()
-            if not k.startswith(("SLURM_", "SRUN_", "TORCHELASTIC_")) and k not in LAUNCH_VARS}
+    return {
+        k: v
+        for k, v in env.items()
+        if not k.startswith(("SLURM_", "SRUN_", "TORCHELASTIC_")) and k not in LAUNCH_VARS
+    }
 
 
 @pytest.fixture
@@ -54,31 +63,42 @@ def launch_env(monkeypatch):
 
 def srun_task(procid: int, ntasks: int, localid: int, **extra: str) -> dict:
     """The variables srun gives one task of a step (job 4242 on gpu01-gpu02)."""
-    return {"SLURM_PROCID": str(procid), "SLURM_NTASKS": str(ntasks),
-            "SLURM_LOCALID": str(localid), "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4242",
-            "SLURM_JOB_NODELIST": "gpu[01-02]", **extra}
+    return {
+        "SLURM_PROCID": str(procid),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_LOCALID": str(localid),
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu[01-02]",
+        **extra,
+    }
 
 
 # --- node lists ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("nodelist, first", [
-    ("localhost", "localhost"),
-    ("127.0.0.1", "127.0.0.1"),
-    ("gpu[01-04,07],cpu3", "gpu01"),
-    ("cpu3,gpu[01-04,07]", "cpu3"),
-    ("node[7]", "node7"),
-    ("n[009-011,020]", "n009"),
-    ("gpu[10-12]", "gpu10"),
-    ("gpu-a100-[3-4]", "gpu-a100-3"),
-    ("rack[2-3]-node[05-06]", "rack2-node05"),
-    (" gpu01 ", "gpu01"),
-])
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("localhost", "localhost"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("gpu[01-04,07],cpu3", "gpu01"),
+        ("cpu3,gpu[01-04,07]", "cpu3"),
+        ("node[7]", "node7"),
+        ("n[009-011,020]", "n009"),
+        ("gpu[10-12]", "gpu10"),
+        ("gpu-a100-[3-4]", "gpu-a100-3"),
+        ("rack[2-3]-node[05-06]", "rack2-node05"),
+        (" gpu01 ", "gpu01"),
+    ],
+)
 def test_first_host_of_compressed_node_lists(nodelist, first):
     assert _first_host(nodelist) == first
 
 
-@pytest.mark.parametrize("nodelist", ["", "gpu[01-04", "gpu[a-b]", "gpu[]", "gpu[1-2-3]",
-                                      "gpu]1", "gpu [1-2]"])
+@pytest.mark.parametrize(
+    "nodelist", ["", "gpu[01-04", "gpu[a-b]", "gpu[]", "gpu[1-2-3]", "gpu]1", "gpu [1-2]"]
+)
 def test_malformed_node_lists_are_not_guessed(nodelist):
     assert _first_host(nodelist) is None
 
@@ -92,8 +112,10 @@ def _fake_scontrol(bin_dir: Path, output: str) -> None:
 
 def test_unreadable_node_list_falls_back_to_scontrol(launch_env, tmp_path):
     _fake_scontrol(tmp_path / "bin", "weird-a\\nweird-b\\n")
-    launch_env(**srun_task(1, 2, 1, SLURM_JOB_NODELIST="weird[a-b]"),
-               PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    launch_env(
+        **srun_task(1, 2, 1, SLURM_JOB_NODELIST="weird[a-b]"),
+        PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+    )
     assert env_ranks() == (1, 1, 2)
     assert os.environ["MASTER_ADDR"] == "weird-a"
 
@@ -105,6 +127,7 @@ def test_unreadable_node_list_without_scontrol_names_the_fix(launch_env, tmp_pat
 
 
 # --- which launcher wins ---------------------------------------------------------------------
+
 
 def test_srun_task_takes_slurm_ranks_and_exports_the_rendezvous(launch_env):
     launch_env(**srun_task(3, 4, 1))
@@ -182,6 +205,7 @@ def test_no_launcher_is_one_process(launch_env):
 
 # --- a real 2-task srun launch, simulated ----------------------------------------------------
 
+
 def _unused_job_id() -> int:
     """A job id whose derived MASTER_PORT (10000 + id % 20000) is free right now."""
     for _ in range(50):
@@ -197,15 +221,34 @@ def _unused_job_id() -> int:
 
 @pytest.mark.slow
 def test_two_srun_tasks_train_with_only_slurm_variables(tmp_path, tiny_demo):
-    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
-                      "train.limit_batches=2")
-    base = dict(_without_launchers(dict(os.environ)), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-                SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_JOB_NODELIST="127.0.0.1",
-                SLURM_JOB_ID=str(_unused_job_id()))
-    procs = [subprocess.Popen([sys.executable, "-m", "audioclf.train", *cli_args(cfg)], cwd=ROOT,
-                              env=dict(base, SLURM_PROCID=str(task), SLURM_LOCALID=str(task)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for task in range(2)]
+    cfg = tiny_config(
+        tiny_demo,
+        tmp_path / "runs",
+        "cnn",
+        "train.epochs=1",
+        "eval.every=0",
+        "train.limit_batches=2",
+    )
+    base = dict(
+        _without_launchers(dict(os.environ)),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        SLURM_NTASKS="2",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_JOB_ID=str(_unused_job_id()),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "audioclf.train", *cli_args(cfg)],
+            cwd=ROOT,
+            env=dict(base, SLURM_PROCID=str(task), SLURM_LOCALID=str(task)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for task in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=180)[0] for p in procs]
     finally:
@@ -219,18 +262,30 @@ def test_two_srun_tasks_train_with_only_slurm_variables(tmp_path, tiny_demo):
 
 # --- the sbatch template ---------------------------------------------------------------------
 
+
 def run_sbatch(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SBATCH), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env=dict(_without_launchers(dict(os.environ)), **(env or {})),
-                          **kwargs)
+    return subprocess.run(
+        ["bash", str(SBATCH), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(_without_launchers(dict(os.environ)), **(env or {})),
+        **kwargs,
+    )
 
 
 @pytest.mark.slow
 def test_sbatch_script_parses_and_asks_for_what_a_requeue_needs():
     assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
     directives = [line for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
-    for wanted in ("--ntasks-per-node=1", "--output=logs/%x-%j.out", "--requeue",
-                   "--signal=B:USR1@120", "--open-mode=append"):
+    for wanted in (
+        "--ntasks-per-node=1",
+        "--output=logs/%x-%j.out",
+        "--requeue",
+        "--signal=B:USR1@120",
+        "--open-mode=append",
+    ):
         assert any(wanted in line for line in directives), wanted
 
 
@@ -241,20 +296,32 @@ def test_dry_run_outside_slurm_prints_a_local_torchrun():
     command = out.stdout.splitlines()[-1]
     assert command.startswith("+ srun ") and "-m torch.distributed.run" in command
     assert "--rdzv_endpoint=localhost:29500" in command and "--nnodes=1" in command
-    assert command.endswith("-m audioclf.train --config configs/cnn.yaml checkpoint.resume=auto "
-                            "train.name=x sampler.m=4")
+    assert command.endswith(
+        "-m audioclf.train --config configs/cnn.yaml checkpoint.resume=auto "
+        "train.name=x sampler.m=4"
+    )
 
 
 @pytest.mark.slow
 def test_dry_run_in_a_job_rendezvous_on_the_first_node(tmp_path):
-    env = {"DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu[07-08],cpu1", "SLURM_NNODES": "3",
-           "SLURM_JOB_ID": "123456", "SLURM_GPUS_ON_NODE": "8",
-           "PATH": f"{tmp_path}:/usr/bin:/bin"}  # no scontrol: the script reads the list itself
+    env = {
+        "DRY_RUN": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08],cpu1",
+        "SLURM_NNODES": "3",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_GPUS_ON_NODE": "8",
+        "PATH": f"{tmp_path}:/usr/bin:/bin",
+    }  # no scontrol: the script reads the list itself
     out = run_sbatch("configs/cnn.yaml", "train.name=big run", env=env)
     assert out.returncode == 0, out.stderr
     command = out.stdout.splitlines()[-1]
-    for part in ("--nnodes=3", "--nproc_per_node=8", "--rdzv_id=123456", "--rdzv_backend=c10d",
-                 f"--rdzv_endpoint=gpu07:{10000 + 123456 % 20000}"):
+    for part in (
+        "--nnodes=3",
+        "--nproc_per_node=8",
+        "--rdzv_id=123456",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=gpu07:{10000 + 123456 % 20000}",
+    ):
         assert part in command
     assert command.endswith(r"checkpoint.resume=auto train.name=big\ run")
 
@@ -292,12 +359,24 @@ def test_time_limit_signal_stops_the_step_then_requeues(tmp_path, sig, requeued)
     for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = dict(_without_launchers(dict(os.environ)), FAKE=str(tmp_path),
-               PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable,
-               SLURM_JOB_ID="777", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[01-02]",
-               SLURM_SUBMIT_DIR=str(ROOT))
-    proc = subprocess.Popen(["bash", str(SBATCH), "configs/cnn.yaml", "train.name=x"], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(
+        _without_launchers(dict(os.environ)),
+        FAKE=str(tmp_path),
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHON=sys.executable,
+        SLURM_JOB_ID="777",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="node[01-02]",
+        SLURM_SUBMIT_DIR=str(ROOT),
+    )
+    proc = subprocess.Popen(
+        ["bash", str(SBATCH), "configs/cnn.yaml", "train.name=x"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 30
         while time.time() < deadline and not (tmp_path / "srun.pid").exists():

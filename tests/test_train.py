@@ -30,7 +30,7 @@ def untrained_metrics(cfg: Config) -> dict:
     from audioclf.inference import extract_embeddings
     from audioclf.metrics import retrieval_summary
     from audioclf.models import build_net
-    from audioclf.trainer import build_data, seed_everything
+    from audioclf.run_parts import build_data, seed_everything
 
     seed_everything(cfg.train.seed, False)
     data = build_data(cfg)
@@ -45,9 +45,17 @@ def test_ddp_training_learns_and_ranks_stay_identical(tmp_path, tiny_demo, model
     epochs, lr = {"cnn": (6, 0.003), "conformer": (24, 0.007)}[model]
     # Closed-set validation (held-out items of the training classes): on 12 tiny classes an
     # open-set split holds out only 3 classes, which random features already separate.
-    cfg = tiny_config(tiny_demo, tmp_path / "runs", model, f"train.epochs={epochs}",
-                      "data.holdout=items", "train.consistency_every_steps=2",
-                      "eval.distributed=true", "loss.miner=all", f"optim.lr={lr}")
+    cfg = tiny_config(
+        tiny_demo,
+        tmp_path / "runs",
+        model,
+        f"train.epochs={epochs}",
+        "data.holdout=items",
+        "train.consistency_every_steps=2",
+        "eval.distributed=true",
+        "loss.miner=all",
+        f"optim.lr={lr}",
+    )
     before = untrained_metrics(cfg)
     r0, r1 = run_in_group(_fit_worker, tmp_path, cfg, timeout=300)
     # Bit-identical parameters on both ranks (and the per-step consistency check never fired).
@@ -74,27 +82,39 @@ def _fit_single(cfg: Config, hooks=None) -> dict:
 
 
 def test_resume_after_two_epochs_is_bit_exact(tmp_path, tiny_demo):
-    common = ["optim.scheduler=step", "optim.step_size=1", "optim.gamma=0.7",
-              "optim.warmup_steps=3", "eval.every=2"]
+    common = [
+        "optim.scheduler=step",
+        "optim.step_size=1",
+        "optim.gamma=0.7",
+        "optim.warmup_steps=3",
+        "eval.every=2",
+    ]
     straight = _fit_single(tiny_config(tiny_demo, tmp_path / "a", "cnn", "train.epochs=4", *common))
     first = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2", *common))
-    resumed = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=4",
-                                      "checkpoint.resume=auto", *common))
+    resumed = _fit_single(
+        tiny_config(
+            tiny_demo, tmp_path / "b", "cnn", "train.epochs=4", "checkpoint.resume=auto", *common
+        )
+    )
     assert first["step"] < resumed["step"] == straight["step"]
     assert resumed["parameters_sha256"] == straight["parameters_sha256"]
-    assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in straight["history"]]
+    assert [h["train_loss"] for h in resumed["history"]] == [
+        h["train_loss"] for h in straight["history"]
+    ]
 
 
 def test_mid_epoch_stop_and_resume_continues_the_same_batches(tmp_path, tiny_demo):
     straight = _fit_single(tiny_config(tiny_demo, tmp_path / "a", "cnn", "train.epochs=2"))
-    stopped = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2"),
-                          hooks=stop_at(3))
+    stopped = _fit_single(
+        tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2"), hooks=stop_at(3)
+    )
     assert stopped["stopped"] and stopped["step"] == 3
     ckpt = checkpoint.load(tmp_path / "b" / "t" / "last.pt")
     assert (ckpt["epoch"], ckpt["position"], ckpt["step"]) == (0, 3, 3)
     assert ckpt["sampler"]["position"] == 3
-    resumed = _fit_single(tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2",
-                                      "checkpoint.resume=auto"))
+    resumed = _fit_single(
+        tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2", "checkpoint.resume=auto")
+    )
     assert resumed["step"] == straight["step"]
     assert resumed["parameters_sha256"] == straight["parameters_sha256"]
 
@@ -102,12 +122,19 @@ def test_mid_epoch_stop_and_resume_continues_the_same_batches(tmp_path, tiny_dem
 @pytest.mark.slow
 def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
-    proc = subprocess.Popen([sys.executable, "-m", "audioclf.train", *cli_args(cfg)], cwd=ROOT,
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "audioclf.train", *cli_args(cfg)],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     log = tmp_path / "runs" / "t" / "train.log"
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and "epoch 1/100" not in (log.read_text() if log.exists() else ""):
+        while time.time() < deadline and "epoch 1/100" not in (
+            log.read_text() if log.exists() else ""
+        ):
             time.sleep(0.5)
         assert "epoch 1/100" in log.read_text()
         proc.send_signal(signal.SIGTERM)
@@ -121,8 +148,14 @@ def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, ti
 
 
 def _start_training(cfg: Config) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "audioclf.train", *cli_args(cfg)], cwd=ROOT,
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "audioclf.train", *cli_args(cfg)],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(log: Path, text: str, seconds: float = 120) -> None:
@@ -141,8 +174,13 @@ def test_a_second_run_into_a_live_run_folder_stops_before_writing(tmp_path, tiny
         _wait_for(run_dir / "train.log", "epoch 1/100")
         for extra in ([], ["checkpoint.resume=auto"]):
             second = subprocess.run(
-                [sys.executable, "-m", "audioclf.train", *cli_args(cfg), *extra], cwd=ROOT,
-                env=child_env(), capture_output=True, text=True, timeout=120)
+                [sys.executable, "-m", "audioclf.train", *cli_args(cfg), *extra],
+                cwd=ROOT,
+                env=child_env(),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             lines = second.stderr.strip().splitlines()
             assert second.returncode == 2, second.stderr[-2000:]
             assert lines[-1].startswith("python -m audioclf.train: error: run folder ")
@@ -172,20 +210,41 @@ def test_ctrl_c_is_a_clean_stop_with_status_130(tmp_path, tiny_demo):
     assert "Traceback" not in err
     ckpt = checkpoint.load(run_dir / "last.pt")
     log = (run_dir / "train.log").read_text()
-    assert f"stopped on request at epoch {ckpt['epoch'] + 1}, step {ckpt['step']}; last.pt " \
-           "saved; resume with checkpoint.resume=auto" in log
+    assert (
+        f"stopped on request at epoch {ckpt['epoch'] + 1}, step {ckpt['step']}; last.pt "
+        "saved; resume with checkpoint.resume=auto" in log
+    )
     assert not (run_dir / "best.pt").exists()  # no partial epoch stands in for the best
 
 
 @pytest.mark.slow
 def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
-    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=2", "eval.every=0",
-                      "checkpoint.every_steps=2", "checkpoint.resume=auto")
+    cfg = tiny_config(
+        tiny_demo,
+        tmp_path / "runs",
+        "cnn",
+        "train.epochs=2",
+        "eval.every=0",
+        "checkpoint.every_steps=2",
+        "checkpoint.resume=auto",
+    )
     # The c10d rendezvous of the README's multi-node command, on one node.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--max-restarts=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-           "--rdzv_id=restart-test", "-m", "tests.train_hooks", "--crash-at-step=3", "--",
-           *cli_args(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--rdzv_id=restart-test",
+        "-m",
+        "tests.train_hooks",
+        "--crash-at-step=3",
+        "--",
+        *cli_args(cfg),
+    ]
     returncode, output = run_group(cmd, child_env(), timeout=300)
     assert returncode == 0, output[-4000:]
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
@@ -196,17 +255,35 @@ def test_torchrun_restarts_a_crashed_group_and_resumes(tmp_path, tiny_demo):
 
 @pytest.mark.slow
 def test_legacy_local_rank_launch(tmp_path, tiny_demo):
-    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
-                      "train.limit_batches=2")
+    cfg = tiny_config(
+        tiny_demo,
+        tmp_path / "runs",
+        "cnn",
+        "train.epochs=1",
+        "eval.every=0",
+        "train.limit_batches=2",
+    )
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2")
+        env = dict(
+            child_env(),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+        )
         env.pop("LOCAL_RANK", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "audioclf.train", f"--local_rank={rank}", *cli_args(cfg)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "audioclf.train", f"--local_rank={rank}", *cli_args(cfg)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         outs = [p.communicate(timeout=180)[0] for p in procs]
     finally:
@@ -220,9 +297,19 @@ def test_legacy_local_rank_launch(tmp_path, tiny_demo):
 @pytest.mark.slow
 def test_dataloader_workers_do_not_change_the_run(tmp_path, tiny_demo):
     # Crops are seeded per (epoch, batch, slot), not by worker RNG: 0 or 2 workers, same run.
-    runs = [_fit_single(tiny_config(tiny_demo, tmp_path / str(w), "cnn", "train.epochs=2",
-                                    f"data.num_workers={w}", "eval.every=0"))
-            for w in (0, 2)]
+    runs = [
+        _fit_single(
+            tiny_config(
+                tiny_demo,
+                tmp_path / str(w),
+                "cnn",
+                "train.epochs=2",
+                f"data.num_workers={w}",
+                "eval.every=0",
+            )
+        )
+        for w in (0, 2)
+    ]
     assert runs[0]["parameters_sha256"] == runs[1]["parameters_sha256"]
 
 
@@ -230,33 +317,61 @@ def test_training_on_precomputed_npy_features(tmp_path):
     from audioclf.data.demo import generate_demo
 
     generate_demo(tmp_path / "demo", classes=8, items=3, ids=3, features=True)
-    cfg = tiny_config(tmp_path / "demo" / "index_features.xlsx", tmp_path / "runs", "cnn",
-                      "features.kind=npy", "features.n_mels=64", "train.epochs=1")
+    cfg = tiny_config(
+        tmp_path / "demo" / "index_features.xlsx",
+        tmp_path / "runs",
+        "cnn",
+        "features.kind=npy",
+        "features.n_mels=64",
+        "train.epochs=1",
+    )
     result = _fit_single(cfg)
-    assert result["step"] > 0 and set(result["metrics"]) == {"precision_at_1", "map_at_r",
-                                                              "r_precision"}
+    assert result["step"] > 0 and set(result["metrics"]) == {
+        "precision_at_1",
+        "map_at_r",
+        "r_precision",
+    }
 
 
 def test_fp16_run_keeps_grad_scaler_state_in_checkpoints(tmp_path, tiny_demo):
-    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0",
-                      "train.opt_level=O1")  # the apex alias for fp16 autocast + loss scaling
+    cfg = tiny_config(
+        tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0", "train.opt_level=O1"
+    )  # the apex alias for fp16 autocast + loss scaling
     first = _fit_single(cfg)
     ckpt = checkpoint.load(tmp_path / "runs" / "t" / "last.pt")
     assert ckpt["config"]["train"]["opt_level"] == "O1"
     assert ckpt["scaler"]["scale"] > 0 and "_growth_tracker" in ckpt["scaler"]
-    resumed = _fit_single(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=2",
-                                      "eval.every=0", "train.opt_level=O1",
-                                      "checkpoint.resume=auto"))
+    resumed = _fit_single(
+        tiny_config(
+            tiny_demo,
+            tmp_path / "runs",
+            "cnn",
+            "train.epochs=2",
+            "eval.every=0",
+            "train.opt_level=O1",
+            "checkpoint.resume=auto",
+        )
+    )
     assert resumed["step"] == 2 * first["step"]
 
 
 def test_fresh_start_refuses_to_overwrite_a_run(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1", "eval.every=0")
     first = _fit_single(cfg)
-    with pytest.raises(ValueError, match=r"already holds a run \(last.pt\).*checkpoint.resume=auto"):
+    with pytest.raises(
+        ValueError, match=r"already holds a run \(last.pt\).*checkpoint.resume=auto"
+    ):
         _fit_single(cfg)
-    done = _fit_single(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1",
-                                   "eval.every=0", "checkpoint.resume=auto"))
+    done = _fit_single(
+        tiny_config(
+            tiny_demo,
+            tmp_path / "runs",
+            "cnn",
+            "train.epochs=1",
+            "eval.every=0",
+            "checkpoint.resume=auto",
+        )
+    )
     assert done["step"] == first["step"] and done["history"] == first["history"]
 
 
@@ -270,14 +385,23 @@ def test_validation_is_cross_item_and_matches_the_offline_evaluation(tmp_path, t
     result = _fit_single(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1"))
     net, cfg, _ = load_trained(Path(result["run_dir"]) / "last.pt")
     data = select_data(cfg, split="val", gallery="none")
-    emb, rows = embed_index(net, data.evaluated, cfg, batch_size=16, device=torch.device("cpu"),
-                            num_workers=0, progress=False, description="val")
+    emb, rows = embed_index(
+        net,
+        data.evaluated,
+        cfg,
+        batch_size=16,
+        device=torch.device("cpu"),
+        num_workers=0,
+        progress=False,
+        description="val",
+    )
     labels = data.evaluated.labels()
     cross = retrieval_summary(emb, labels, rows["item"].to_numpy(dtype=str))
     assert cross["cross_item"] == 1.0
     for key in ("precision_at_1", "map_at_r", "r_precision"):
         assert result["metrics"][key] == pytest.approx(cross[key], abs=1e-6)
-    offline = compute_metrics(emb, rows["cls"].to_numpy(dtype=object),
-                              items=rows["item"].to_numpy(dtype=object)).results
+    offline = compute_metrics(
+        emb, rows["cls"].to_numpy(dtype=object), items=rows["item"].to_numpy(dtype=object)
+    ).results
     assert offline["map_at_r"] == pytest.approx(cross["map_at_r"], abs=1e-6)
     assert offline["loo_map_at_r"] == pytest.approx(retrieval_summary(emb, labels)["map_at_r"])

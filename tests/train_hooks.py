@@ -40,6 +40,7 @@ def digest_hooks(**more) -> TrainHooks:
 
 def stop_at(step: int) -> TrainHooks:
     """Behave as if SIGTERM arrived at global step `step`."""
+
     def on_step(trainer: Trainer) -> None:
         if trainer.state.step == step:
             trainer.request_stop()
@@ -49,6 +50,7 @@ def stop_at(step: int) -> TrainHooks:
 
 def crash_at(step: int) -> TrainHooks:
     """Kill rank 0 at global step `step`, on torchrun's first launch only."""
+
     def on_step(trainer: Trainer) -> None:
         first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if trainer.state.step == step and first_launch and trainer.env.rank == 0:
@@ -60,6 +62,7 @@ def crash_at(step: int) -> TrainHooks:
 
 def fail_at(step: int, rank: int) -> TrainHooks:
     """Raise a ValueError (bad input, as a corrupt file gives) on `rank` at global step `step`."""
+
     def on_step(trainer: Trainer) -> None:
         if trainer.state.step == step and trainer.env.rank == rank:
             raise ValueError(f"injected failure on rank {rank} at step {step}")
@@ -77,8 +80,11 @@ def main() -> int:
     parser.add_argument("--fail-at-step", type=int)
     parser.add_argument("--rank", type=int, default=1)
     args, rest = parser.parse_known_args()
-    hooks = (crash_at(args.crash_at_step) if args.crash_at_step
-             else fail_at(args.fail_at_step, args.rank))
+    hooks = (
+        crash_at(args.crash_at_step)
+        if args.crash_at_step
+        else fail_at(args.fail_at_step, args.rank)
+    )
     return train_main([a for a in rest if a != "--"], hooks=hooks)
 
 

@@ -110,7 +110,9 @@ def _as_float(value: Any, key: str) -> float | None:
 # Scalar types: value -> the value as that type, or None when it is not one.
 _SCALARS = {
     bool: lambda value, key: value if isinstance(value, bool) else None,
-    int: lambda value, key: value if isinstance(value, int) and not isinstance(value, bool) else None,
+    int: lambda value, key: (
+        value if isinstance(value, int) and not isinstance(value, bool) else None
+    ),
     float: _as_float,
     str: lambda value, key: value if isinstance(value, str) else None,
 }
@@ -135,8 +137,10 @@ def to_dict(cfg: Any) -> dict:
 # (old section, old key) -> (new section, new key). Old config files, overrides and the configs
 # stored in older checkpoints are read through `migrate`.
 MOVED_KEYS = {
-    **{("features", key): ("clips", key)
-       for key in ("crop_seconds", "pad_mode", "eval_crop", "eval_max_seconds", "npy_layout")},
+    **{
+        ("features", key): ("clips", key)
+        for key in ("crop_seconds", "pad_mode", "eval_crop", "eval_max_seconds", "npy_layout")
+    },
     ("features", "spec_augment"): ("spec_augment", "enabled"),
     **{("features", key): ("spec_augment", key) for key in ("freq_mask", "time_mask", "num_masks")},
     **{("loss", key): ("model", key) for key in ("head", "head_scale", "subcenters")},
@@ -167,7 +171,12 @@ def head_rule(data: dict, *, earlier_layout: bool) -> list[str]:
     if not isinstance(model, dict):
         return []
     weight = loss.get("ce_weight", 0)
-    if earlier_layout and model.get("head", "none") != "none" and "ce_weight" in loss and not weight:
+    if (
+        earlier_layout
+        and model.get("head", "none") != "none"
+        and "ce_weight" in loss
+        and not weight
+    ):
         model["head"] = "none"
         loss.pop("ce_weight", None)  # no head: the weight of nothing
         return [f"loss.ce_weight={weight} -> model.head=none"]
@@ -232,7 +241,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass --config configs/<name>.yaml")
+            raise ConfigError(
+                f"config file {path} does not exist; pass --config configs/<name>.yaml"
+            )
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
@@ -241,8 +252,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} must hold a mapping of sections")
     data, moved = migrate(data, parse_overrides(overrides or []))
     if moved:
-        warnings.warn(f"{path or 'overrides'}: config keys of an earlier release were read as "
-                      f"{'; '.join(moved)}; write them the new way", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"{path or 'overrides'}: config keys of an earlier release were read as "
+            f"{'; '.join(moved)}; write them the new way",
+            UserWarning,
+            stacklevel=2,
+        )
     try:
         return from_dict(Config, data)
     except ConfigError as exc:

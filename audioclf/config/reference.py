@@ -24,7 +24,13 @@ def reference_markdown() -> str:
             if dataclasses.is_dataclass(default):
                 walk(type(default), f"{prefix}{f.name}.")
                 continue
-            shown = "null" if default is None else repr(default) if isinstance(default, str) else default
+            shown = (
+                "null"
+                if default is None
+                else repr(default)
+                if isinstance(default, str)
+                else default
+            )
             meaning = comments.get(f.name, "").replace("<", "&lt;").replace("|", "\\|")
             rows.append(f"| `{prefix}{f.name}` | `{shown}` | {meaning} |")
 

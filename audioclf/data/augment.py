@@ -81,6 +81,7 @@ import torch
 import torchaudio
 
 from audioclf.config import AugmentConfig, ConfigError, FeaturesConfig
+from audioclf.data.readers import load_audio
 
 NOISE_SUFFIXES = (".wav", ".flac", ".ogg")
 EQ_LOWEST_HZ = 50.0  # the EQ curve is flat below its first control point
@@ -108,8 +109,9 @@ class Augmenter:
         self.mel_centres_hz = mel_centre_frequencies(features)
         self.mel_eq_basis = eq_basis(self.mel_centres_hz, self.sample_rate, cfg.eq_bands)
         # factor = orig / new with small integers: 0.9 → 9/10 reads 9 samples as 10.
-        self.speed_ratios = [Fraction(f).limit_denominator(100).as_integer_ratio()
-                             for f in cfg.speed_factors]
+        self.speed_ratios = [
+            Fraction(f).limit_denominator(100).as_integer_ratio() for f in cfg.speed_factors
+        ]
         self.noise_files = find_noise_files(cfg.noise_dir) if cfg.enabled and cfg.noise_dir else []
         self._init_caches()
 
@@ -162,16 +164,21 @@ class Augmenter:
             return wave
         if wave.dim() != 1:
             raise ValueError(
-                f"Augmenter.after_crop expects a 1-D waveform, got shape {tuple(wave.shape)}")
+                f"Augmenter.after_crop expects a 1-D waveform, got shape {tuple(wave.shape)}"
+            )
         cfg = self.cfg
         x = wave.detach().cpu().numpy().astype(np.float32)  # a copy: the input stays untouched
         changed = False
         rir = None
         if _chance(rng, cfg.reverb_prob):
             rir = room_impulse_response(
-                rng, self.sample_rate, rt60=_uniform(rng, cfg.reverb_rt60),
+                rng,
+                self.sample_rate,
+                rt60=_uniform(rng, cfg.reverb_rt60),
                 drr_db=_uniform(rng, cfg.reverb_drr_db),
-                early_reflections=cfg.reverb_early_reflections, max_length=x.shape[0])
+                early_reflections=cfg.reverb_early_reflections,
+                max_length=x.shape[0],
+            )
         eq_curve = self._random_eq(rng) if _chance(rng, cfg.eq_prob) else None
         if rir is not None or eq_curve is not None:
             x = self._filter(x, rir, eq_curve)
@@ -190,8 +197,9 @@ class Augmenter:
             x /= np.float32(peak)
         return torch.from_numpy(x)
 
-    def _filter(self, x: np.ndarray, rir: np.ndarray | None, eq_curve: np.ndarray | None
-                ) -> np.ndarray:
+    def _filter(
+        self, x: np.ndarray, rir: np.ndarray | None, eq_curve: np.ndarray | None
+    ) -> np.ndarray:
         """Convolve with `rir` and/or apply the EQ curve in one FFT pass; same length and RMS."""
         padding = rir.shape[0] - 1 if rir is not None else 0  # linear, not circular, convolution
         padding += EQ_PAD if eq_curve is not None else 0
@@ -217,8 +225,6 @@ class Augmenter:
         if path in self._noise_cache:
             self._noise_cache.move_to_end(path)
             return self._noise_cache[path]
-        from audioclf.data.readers import load_audio  # imported here: readers may move again
-
         try:
             source = load_audio(path, self.sample_rate).numpy()
         except ValueError as exc:  # AudioReadError: undecodable or empty
@@ -323,8 +329,9 @@ def add_noise(x: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
     return x + noise * np.float32(scale)
 
 
-def colored_noise(color: str, length: int, sample_rate: int, rng: np.random.Generator
-                  ) -> np.ndarray:
+def colored_noise(
+    color: str, length: int, sample_rate: int, rng: np.random.Generator
+) -> np.ndarray:
     """float32 noise of `length` samples, power spectrum ∝ 1/f^k (white 0, pink 1, brown 2)."""
     exponent = NOISE_EXPONENTS[color]
     if exponent == 0.0:
@@ -429,14 +436,15 @@ def find_noise_files(folder: str | Path) -> list[str]:
     if not root.is_dir():
         raise ConfigError(
             f"config key augment.noise_dir={str(folder)!r}: folder {root} does not exist; point it "
-            "at a folder of noise recordings, or set augment.noise_dir=\"\" for generated noise"
+            'at a folder of noise recordings, or set augment.noise_dir="" for generated noise'
         )
-    files = sorted(str(p) for p in root.rglob("*")
-                   if p.suffix.lower() in NOISE_SUFFIXES and p.is_file())
+    files = sorted(
+        str(p) for p in root.rglob("*") if p.suffix.lower() in NOISE_SUFFIXES and p.is_file()
+    )
     if not files:
         raise ConfigError(
             f"config key augment.noise_dir={str(folder)!r}: folder {root} holds no "
             f"{', '.join(NOISE_SUFFIXES)} files (searched recursively); add noise recordings, or "
-            "set augment.noise_dir=\"\" for generated noise only"
+            'set augment.noise_dir="" for generated noise only'
         )
     return files

@@ -86,16 +86,31 @@ class AudioDataset(torch.utils.data.Dataset):
         self.skipped = 0
 
     @classmethod
-    def from_index(cls, index: Index, cfg: Config, *, train: bool,
-                   augment: Augmenter | None = None, skip_bad_files: bool | None = None,
-                   skip_hint: str | None = None) -> AudioDataset:
+    def from_index(
+        cls,
+        index: Index,
+        cfg: Config,
+        *,
+        train: bool,
+        augment: Augmenter | None = None,
+        skip_bad_files: bool | None = None,
+        skip_hint: str | None = None,
+    ) -> AudioDataset:
         """The rows of a validated index (labels: its class codes), read as `cfg` says
         (features, clips, data.skip_bad_files unless `skip_bad_files` is given)."""
         table = index.table
         skip = cfg.data.skip_bad_files if skip_bad_files is None else skip_bad_files
-        return cls(table["path"].tolist(), index.labels(), cfg.features, cfg.clips, train=train,
-                   rows=table["row"].tolist(), skip_bad_files=skip, augment=augment,
-                   skip_hint=skip_hint)
+        return cls(
+            table["path"].tolist(),
+            index.labels(),
+            cfg.features,
+            cfg.clips,
+            train=train,
+            rows=table["row"].tolist(),
+            skip_bad_files=skip,
+            augment=augment,
+            skip_hint=skip_hint,
+        )
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -124,7 +139,9 @@ class AudioDataset(torch.utils.data.Dataset):
         try:
             x = self._read(path, rng)
         except (AudioReadError, FeatureFileError) as exc:
-            where = f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
+            where = (
+                f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
+            )
             if not self.skip_bad_files:
                 raise type(exc)(
                     f"{where}: {exc}. Fix or remove the file, or {self.skip_hint} to skip "
@@ -150,13 +167,15 @@ class AudioDataset(torch.utils.data.Dataset):
                 wave = crop_or_pad(wave, max_samples, None, clips.pad_mode)
             return wave
         if cropped:
-            feats = read_npy_crop(path, clips.crop_frames(cfg), rng, clips.npy_layout, cfg.n_mels,
-                                  clips.pad_mode)
+            feats = read_npy_crop(
+                path, clips.crop_frames(cfg), rng, clips.npy_layout, cfg.n_mels, clips.pad_mode
+            )
             if augment is not None:
                 feats = augment.log_mel(feats, rng)
         else:
-            feats = read_npy_crop(path, clips.eval_max_frames(cfg), None, clips.npy_layout,
-                                  cfg.n_mels, "none")
+            feats = read_npy_crop(
+                path, clips.eval_max_frames(cfg), None, clips.npy_layout, cfg.n_mels, "none"
+            )
         return torch.from_numpy(feats)
 
 
@@ -198,7 +217,7 @@ def collate_padded(batch: Sequence[Item | None]) -> tuple[Tensor, Tensor, Tensor
     padded = _batch_buffer(xs[0], (len(xs), int(lengths.max()), *xs[0].shape[1:]))
     for i, x in enumerate(xs):
         padded[i, : x.shape[0]] = x
-        padded[i, x.shape[0]:] = 0
+        padded[i, x.shape[0] :] = 0
     labels = torch.tensor([label for _, label, _ in items], dtype=torch.int64)
     positions = torch.tensor([position for _, _, position in items], dtype=torch.int64)
     return padded, lengths, labels, positions

@@ -34,9 +34,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import soundfile
+import torch
 from tqdm import tqdm
 
 from audioclf.config import FeaturesConfig
+from audioclf.spectrogram import log_mel, one_torch_thread
 
 MANIFEST = "demo.json"
 INDEX = "index.xlsx"
@@ -72,8 +74,11 @@ def _streams(
     They depend only on (seed, class), so class 3 sounds the same in a demo of 4 or 32 classes.
     """
     sound, rooms, clips = np.random.SeedSequence([seed, cls]).spawn(3)
-    return (np.random.default_rng(sound), [np.random.default_rng(s) for s in rooms.spawn(items)],
-            np.random.default_rng(clips))
+    return (
+        np.random.default_rng(sound),
+        [np.random.default_rng(s) for s in rooms.spawn(items)],
+        np.random.default_rng(clips),
+    )
 
 
 def class_sound(rng: np.random.Generator, sample_rate: int) -> ClassSound:
@@ -126,8 +131,13 @@ def _background(rng: np.random.Generator, sample_rate: int) -> tuple[float, floa
     return centre, float(rng.uniform(0.5, 3.0)), float(10 ** (rng.uniform(-20.0, -6.0) / 20))
 
 
-def _band_noise(rng: np.random.Generator, shape: tuple[int, int], sample_rate: int,
-                centre: float, octaves: float) -> np.ndarray:
+def _band_noise(
+    rng: np.random.Generator,
+    shape: tuple[int, int],
+    sample_rate: int,
+    centre: float,
+    octaves: float,
+) -> np.ndarray:
     """Gaussian noise [waves, samples] in a band `octaves` wide around `centre` Hz, unit RMS."""
     n = shape[1]
     freqs = np.fft.rfftfreq(n, 1 / sample_rate)
@@ -168,8 +178,10 @@ def render_class(
 
     # The class's noise band, amplitude-modulated with the partials; then each item's background.
     band = _band_noise(id_rng, (waves, n), sample_rate, sound.noise_centre, sound.noise_octaves)
-    modulation = 1 - sound.am_depth / 2 * (1 + np.sin(2 * np.pi * sound.am_rate * (start + t)
-                                                      + id_rng.uniform(0, 2 * np.pi, (waves, 1))))
+    modulation = 1 - sound.am_depth / 2 * (
+        1
+        + np.sin(2 * np.pi * sound.am_rate * (start + t) + id_rng.uniform(0, 2 * np.pi, (waves, 1)))
+    )
     source = (tonal + sound.noise_level * band) * modulation
     for item, (centre, octaves, level) in enumerate(backgrounds):
         rows = slice(item * ids, (item + 1) * ids)
@@ -193,20 +205,32 @@ def render_class(
 
 def _names(classes: int, items: int, ids: int) -> list[tuple[str, str, str]]:
     width = max(2, len(str(classes - 1)))
-    return [(f"c{c:0{width}d}", f"c{c:0{width}d}_i{i}", f"c{c:0{width}d}_i{i}_{k:02d}")
-            for c in range(classes) for i in range(items) for k in range(ids)]
+    return [
+        (f"c{c:0{width}d}", f"c{c:0{width}d}_i{i}", f"c{c:0{width}d}_i{i}_{k:02d}")
+        for c in range(classes)
+        for i in range(items)
+        for k in range(ids)
+    ]
 
 
 def _parameters(classes, items, ids, seed, sample_rate) -> dict:
-    return {"version": VERSION, "classes": classes, "items": items, "ids": ids, "seed": seed,
-            "sample_rate": sample_rate}
+    return {
+        "version": VERSION,
+        "classes": classes,
+        "items": items,
+        "ids": ids,
+        "seed": seed,
+        "sample_rate": sample_rate,
+    }
 
 
 def _features_parameters(sample_rate: int) -> dict:
     """The FeaturesConfig fields that shape the precomputed log-mel files."""
     cfg = FeaturesConfig(sample_rate=sample_rate)
-    return {name: getattr(cfg, name) for name in
-            ("sample_rate", "n_fft", "win_length", "hop_length", "n_mels", "f_min", "f_max")}
+    return {
+        name: getattr(cfg, name)
+        for name in ("sample_rate", "n_fft", "win_length", "hop_length", "n_mels", "f_min", "f_max")
+    }
 
 
 def _existing(out: Path, wanted: dict, features: bool) -> bool:
@@ -219,7 +243,8 @@ def _existing(out: Path, wanted: dict, features: bool) -> bool:
         return False
     return not features or (
         manifest.get("features_config") == _features_parameters(wanted["sample_rate"])
-        and (out / FEATURES_INDEX).is_file())
+        and (out / FEATURES_INDEX).is_file()
+    )
 
 
 def generate_demo(
@@ -237,19 +262,27 @@ def generate_demo(
 
     With features=True the index of the .npy files is `out / "index_features.xlsx"`.
     """
-    for name, value, low in (("classes", classes, 2), ("items", items, 1), ("ids", ids, 1),
-                             ("sample_rate", sample_rate, 8000)):
+    for name, value, low in (
+        ("classes", classes, 2),
+        ("items", items, 1),
+        ("ids", ids, 1),
+        ("sample_rate", sample_rate, 8000),
+    ):
         if value < low:
             raise ValueError(f"generate_demo: {name}={value} must be >= {low}")
     out = Path(out)
     wanted = _parameters(classes, items, ids, seed, sample_rate)
     if not force and _existing(out, wanted, features):
-        print(f"{out} already holds the demo dataset ({classes} classes x {items} items x {ids} "
-              f"ids, seed {seed}); pass --force to regenerate it")
+        print(
+            f"{out} already holds the demo dataset ({classes} classes x {items} items x {ids} "
+            f"ids, seed {seed}); pass --force to regenerate it"
+        )
         return out / INDEX
     if out.exists() and not force and not (out / MANIFEST).exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not a demo dataset (no {MANIFEST}); choose "
-                              "another --out or pass --force to replace it")
+        raise FileExistsError(
+            f"{out} exists and is not a demo dataset (no {MANIFEST}); choose "
+            "another --out or pass --force to replace it"
+        )
 
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
@@ -262,16 +295,15 @@ def generate_demo(
 
 
 def _write_dataset(folder: Path, parameters: dict, features: bool) -> None:
-    from audioclf.spectrogram import one_torch_thread
-
     with one_torch_thread() if features else nullcontext():
         rows, feature_rows = _write_clips(folder, parameters, features)
     columns = ["a_cls", "a_item", "a_id", "path"]
     pd.DataFrame(rows, columns=columns).to_excel(folder / INDEX, index=False, engine="openpyxl")
     manifest = {"parameters": parameters, "features": features, "samples": len(rows)}
     if features:
-        pd.DataFrame(feature_rows, columns=columns).to_excel(folder / FEATURES_INDEX, index=False,
-                                                             engine="openpyxl")
+        pd.DataFrame(feature_rows, columns=columns).to_excel(
+            folder / FEATURES_INDEX, index=False, engine="openpyxl"
+        )
         manifest["features_config"] = _features_parameters(parameters["sample_rate"])
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -282,10 +314,6 @@ def _write_clips(folder: Path, parameters: dict, features: bool) -> tuple[list, 
     seed, sample_rate = parameters["seed"], parameters["sample_rate"]
     names = _names(classes, items, ids)
     features_cfg = FeaturesConfig(sample_rate=sample_rate)
-    if features:
-        import torch
-
-        from audioclf.spectrogram import log_mel
     rows, feature_rows = [], []
     for cls in tqdm(range(classes), desc="demo classes", unit="class", disable=None):
         waves = render_class(seed, cls, items, ids, sample_rate)
@@ -334,24 +362,40 @@ def main(argv: list[str] | None = None) -> int:
         "pitch and room; ids are different noisy segments. A rerun with the same parameters "
         "does nothing.",
     )
-    parser.add_argument("--out", type=Path, default=Path("data/demo"),
-                        help="output folder (default: data/demo)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("data/demo"), help="output folder (default: data/demo)"
+    )
     parser.add_argument("--classes", type=int, default=32, help="number of classes (default 32)")
-    parser.add_argument("--items", type=int, default=6,
-                        help="items (recordings) per class (default 6)")
+    parser.add_argument(
+        "--items", type=int, default=6, help="items (recordings) per class (default 6)"
+    )
     parser.add_argument("--ids", type=int, default=8, help="ids (clips) per item (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--sample-rate", type=int, default=16000,
-                        help="sample rate in Hz (default 16000)")
-    parser.add_argument("--features", action="store_true",
-                        help="also write log-mel features/*.npy and index_features.xlsx")
-    parser.add_argument("--force", action="store_true",
-                        help="regenerate even if the folder already holds this dataset")
+    parser.add_argument(
+        "--sample-rate", type=int, default=16000, help="sample rate in Hz (default 16000)"
+    )
+    parser.add_argument(
+        "--features",
+        action="store_true",
+        help="also write log-mel features/*.npy and index_features.xlsx",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="regenerate even if the folder already holds this dataset",
+    )
     args = parser.parse_args(argv)
     try:
-        index = generate_demo(args.out, classes=args.classes, items=args.items, ids=args.ids,
-                              seed=args.seed, sample_rate=args.sample_rate,
-                              features=args.features, force=args.force)
+        index = generate_demo(
+            args.out,
+            classes=args.classes,
+            items=args.items,
+            ids=args.ids,
+            seed=args.seed,
+            sample_rate=args.sample_rate,
+            features=args.features,
+            force=args.force,
+        )
     except (ValueError, FileExistsError) as exc:
         parser.error(str(exc))
     print(f"index: {index}")

@@ -40,7 +40,10 @@ class SeededBatches:
         epoch, start = sampler.epoch, sampler.batches_per_epoch - len(sampler)
         for batch_index, batch in enumerate(sampler, start=start):
             base = (self.seed * 1_000_003 + epoch) * 10_000_019 + batch_index
-            yield [(int(p), (base * 1_009 + slot) & 0x7FFF_FFFF_FFFF_FFFF) for slot, p in enumerate(batch)]
+            yield [
+                (int(p), (base * 1_009 + slot) & 0x7FFF_FFFF_FFFF_FFFF)
+                for slot, p in enumerate(batch)
+            ]
 
 
 def seed_worker(worker_id: int) -> None:
@@ -50,8 +53,13 @@ def seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
-def loader_kwargs(num_workers: int, pin_memory: bool, persistent_workers: bool,
-                  prefetch_factor: int, device: torch.device) -> dict:
+def loader_kwargs(
+    num_workers: int,
+    pin_memory: bool,
+    persistent_workers: bool,
+    prefetch_factor: int,
+    device: torch.device,
+) -> dict:
     kwargs = {
         "num_workers": num_workers,
         "pin_memory": pin_memory and device.type == "cuda",
@@ -74,8 +82,16 @@ class TrainLoader:
     saved in the middle of an epoch starts that epoch again (checkpoint.restart_epoch).
     """
 
-    def __init__(self, dataset: Dataset, sampler, *, seed: int, limit_batches: int = 0,
-                 restart_epoch: bool = False, **kwargs):
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler,
+        *,
+        seed: int,
+        limit_batches: int = 0,
+        restart_epoch: bool = False,
+        **kwargs,
+    ):
         self.sampler = sampler
         self.limit_batches = limit_batches
         self.restart_epoch = restart_epoch
@@ -83,8 +99,9 @@ class TrainLoader:
         # Its own generator: creating the iterator must not consume the global torch RNG, or a
         # resumed run would see different SpecAugment masks and dropout than a straight one.
         generator = torch.Generator().manual_seed(seed)
-        self.loader = DataLoader(dataset, batch_sampler=SeededBatches(sampler, seed),
-                                 generator=generator, **kwargs)
+        self.loader = DataLoader(
+            dataset, batch_sampler=SeededBatches(sampler, seed), generator=generator, **kwargs
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to iterate; a resumed epoch keeps its position."""
@@ -122,8 +139,12 @@ class TrainLoader:
         saved at an epoch's start or end, or with restart_epoch)."""
         position = state.get("position", 0)
         if position and self.restart_epoch:
-            log.info("checkpoint.restart_epoch: epoch %d starts again from its first batch (the "
-                     "checkpoint was at batch %d)", state["epoch"] + 1, position)
+            log.info(
+                "checkpoint.restart_epoch: epoch %d starts again from its first batch (the "
+                "checkpoint was at batch %d)",
+                state["epoch"] + 1,
+                position,
+            )
         if not position or self.restart_epoch:
             return
         try:
@@ -137,11 +158,17 @@ class TrainLoader:
         self.position = position
 
 
-def build_eval_loader(dataset: Dataset, positions: list[int] | None = None, *, batch_size: int,
-                      **kwargs) -> DataLoader:
+def build_eval_loader(
+    dataset: Dataset, positions: list[int] | None = None, *, batch_size: int, **kwargs
+) -> DataLoader:
     """Ordered batches over `positions` (default: the whole dataset)."""
     if positions is not None:
         dataset = torch.utils.data.Subset(dataset, positions)
     kwargs = dict(kwargs, persistent_workers=False) if kwargs.get("num_workers", 0) > 0 else kwargs
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False,
-                      generator=torch.Generator().manual_seed(0), **kwargs)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    )

@@ -82,8 +82,10 @@ def _check_wav_length(path: str | Path) -> None:
             chunk, length = handle.read(4), int.from_bytes(handle.read(4), "little")
             if chunk == b"data":
                 if length not in (0, 0xFFFFFFFF) and offset + 8 + length > size:
-                    raise ValueError(f"the wav file is truncated: its data chunk promises "
-                                     f"{length} bytes, {size - offset - 8} are there")
+                    raise ValueError(
+                        f"the wav file is truncated: its data chunk promises "
+                        f"{length} bytes, {size - offset - 8} are there"
+                    )
                 return
             offset += 8 + length + (length & 1)
 
@@ -172,8 +174,9 @@ def read_npy_crop(
     return np.pad(window, ((0, n_frames - total), (0, 0)))
 
 
-def _read_npy_window(fd: int, path, n_frames: int | None, rng: np.random.Generator | None,
-                     layout: str, n_bins: int) -> tuple[np.ndarray, int]:
+def _read_npy_window(
+    fd: int, path, n_frames: int | None, rng: np.random.Generator | None, layout: str, n_bins: int
+) -> tuple[np.ndarray, int]:
     """(the checked window float32 [<= n_frames, n_bins], the file's frame count) of an open
     .npy file; FeatureFileError for a file of the wrong shape, truncated or non-finite."""
     if hasattr(os, "posix_fadvise"):
@@ -193,8 +196,10 @@ def _read_npy_window(fd: int, path, n_frames: int | None, rng: np.random.Generat
     frames_outer = (layout == "frames_bins") != fortran_order
     window = _read_window(fd, data_offset, dtype, total, n_bins, start, length, frames_outer)
     if not np.isfinite(window).all():
-        raise FeatureFileError(f"feature file {path} has non-finite values (NaN or inf) in "
-                               f"frames {start}..{start + length - 1}")
+        raise FeatureFileError(
+            f"feature file {path} has non-finite values (NaN or inf) in "
+            f"frames {start}..{start + length - 1}"
+        )
     return window, total
 
 
@@ -220,7 +225,12 @@ def read_npy_header(fd: int) -> tuple[tuple[int, ...], bool, np.dtype, int]:
 def _check_feature_array(path, shape: tuple, dtype: np.dtype, layout: str, n_bins: int) -> None:
     bins_axis = 1 if layout == "frames_bins" else 0
     expected = "(frames, {})" if layout == "frames_bins" else "({}, frames)"
-    if len(shape) != 2 or shape[bins_axis] != n_bins or dtype.kind != "f" or shape[1 - bins_axis] == 0:
+    if (
+        len(shape) != 2
+        or shape[bins_axis] != n_bins
+        or dtype.kind != "f"
+        or shape[1 - bins_axis] == 0
+    ):
         raise FeatureFileError(
             f"feature file {path} has shape {tuple(shape)} and dtype {dtype}; expected a "
             f"non-empty float array of shape {expected.format(n_bins)} "
@@ -228,14 +238,24 @@ def _check_feature_array(path, shape: tuple, dtype: np.dtype, layout: str, n_bin
         )
 
 
-def _read_window(fd: int, data_offset: int, dtype: np.dtype, total: int, n_bins: int,
-                 start: int, length: int, frames_outer: bool) -> np.ndarray:
+def _read_window(
+    fd: int,
+    data_offset: int,
+    dtype: np.dtype,
+    total: int,
+    n_bins: int,
+    start: int,
+    length: int,
+    frames_outer: bool,
+) -> np.ndarray:
     """Frames [start, start + length) as float32 [length, n_bins], reading only those bytes."""
     item = dtype.itemsize
     if frames_outer:
         block = _read_at(fd, data_offset + start * n_bins * item, length * n_bins, dtype)
         return block.reshape(length, n_bins).astype(np.float32)
-    rows = [_read_at(fd, data_offset + (b * total + start) * item, length, dtype) for b in range(n_bins)]
+    rows = [
+        _read_at(fd, data_offset + (b * total + start) * item, length, dtype) for b in range(n_bins)
+    ]
     return np.stack(rows, axis=1).astype(np.float32)
 
 

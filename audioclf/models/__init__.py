@@ -50,9 +50,13 @@ def build_net(cfg: Config, num_classes: int) -> EmbeddingNet:
     model = cfg.model
     embedder = build_model(model, cfg.features.n_mels)
     head_classes = num_classes if model.head != "none" else 0
-    return EmbeddingNet(FeatureFrontend(cfg.features, cfg.spec_augment), embedder,
-                        num_classes=head_classes, head_scale=model.effective_head_scale,
-                        head_subcenters=model.head_subcenters)
+    return EmbeddingNet(
+        FeatureFrontend(cfg.features, cfg.spec_augment),
+        embedder,
+        num_classes=head_classes,
+        head_scale=model.effective_head_scale,
+        head_subcenters=model.head_subcenters,
+    )
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
@@ -70,18 +74,28 @@ class EmbeddingNet(nn.Module):
     the module's training flag).
     """
 
-    def __init__(self, frontend: FeatureFrontend, embedder: nn.Module, num_classes: int = 0,
-                 head_scale: float = 16.0, head_subcenters: int = 1):
+    def __init__(
+        self,
+        frontend: FeatureFrontend,
+        embedder: nn.Module,
+        num_classes: int = 0,
+        head_scale: float = 16.0,
+        head_subcenters: int = 1,
+    ):
         super().__init__()
         if num_classes < 0:
-            raise ValueError(f"num_classes must be >= 0 (0 = no classifier head), got {num_classes}")
+            raise ValueError(
+                f"num_classes must be >= 0 (0 = no classifier head), got {num_classes}"
+            )
         self.frontend = frontend
         self.embedder = embedder
         self.num_classes = num_classes
         self.head: ClassifierHead | None = (
-            ClassifierHead(embedder.embedding_dim, num_classes, scale=head_scale,
-                           subcenters=head_subcenters)
-            if num_classes > 0 else None
+            ClassifierHead(
+                embedder.embedding_dim, num_classes, scale=head_scale, subcenters=head_subcenters
+            )
+            if num_classes > 0
+            else None
         )
 
     def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor | None]:

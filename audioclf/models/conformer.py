@@ -76,7 +76,9 @@ class ConformerEmbedder(nn.Module):
             dropout=cfg.dropout,
         )
         if cfg.pooling == "attentive_stats":
-            self.attentive_pooling: AttentiveStatsPooling | None = AttentiveStatsPooling(cfg.d_model)
+            self.attentive_pooling: AttentiveStatsPooling | None = AttentiveStatsPooling(
+                cfg.d_model
+            )
             pooled_dim = 2 * cfg.d_model
         else:  # "mean"
             self.attentive_pooling = None
@@ -120,4 +122,3 @@ class ConformerEmbedder(nn.Module):
         else:
             pooled = masked_mean(x, mask)
         return F.normalize(self.embedding(pooled), dim=1)
-

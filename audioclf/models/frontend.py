@@ -59,7 +59,10 @@ class SpecAugment(nn.Module):
     def __init__(self, freq_mask: int, time_mask: int, num_masks: int):
         super().__init__()
         self.freq_masks = nn.ModuleList(
-            [torchaudio.transforms.FrequencyMasking(freq_mask, iid_masks=True) for _ in range(num_masks)]
+            [
+                torchaudio.transforms.FrequencyMasking(freq_mask, iid_masks=True)
+                for _ in range(num_masks)
+            ]
         )
         self.time_masks = nn.ModuleList(
             [torchaudio.transforms.TimeMasking(time_mask, iid_masks=True) for _ in range(num_masks)]
@@ -92,8 +95,9 @@ class FeatureFrontend(nn.Module):
         self.log_mel = LogMel(cfg) if cfg.kind == "audio" else None
         self.norm = UtteranceNorm(cfg.norm)
         masks = spec_augment or SpecAugmentConfig(enabled=False)
-        self.spec_augment = SpecAugment(masks.freq_mask, masks.time_mask,
-                                        masks.num_masks if masks.enabled else 0)
+        self.spec_augment = SpecAugment(
+            masks.freq_mask, masks.time_mask, masks.num_masks if masks.enabled else 0
+        )
 
     def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         if self.log_mel is not None:
@@ -111,4 +115,3 @@ class FeatureFrontend(nn.Module):
             feats = x
         feats = self.norm(feats, lengths)
         return self.spec_augment(feats), lengths
-

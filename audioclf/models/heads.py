@@ -24,8 +24,14 @@ class ClassifierHead(nn.Module):
     (sub-center ArcFace). Computed in fp32 under autocast. `cosine=False`: a plain Linear layer.
     """
 
-    def __init__(self, embedding_dim: int, num_classes: int, cosine: bool = True, scale: float = 16.0,
-                 subcenters: int = 1):
+    def __init__(
+        self,
+        embedding_dim: int,
+        num_classes: int,
+        cosine: bool = True,
+        scale: float = 16.0,
+        subcenters: int = 1,
+    ):
         super().__init__()
         if embedding_dim < 1 or num_classes < 1:
             raise ValueError(
@@ -33,8 +39,9 @@ class ClassifierHead(nn.Module):
                 f"{embedding_dim} and {num_classes}"
             )
         if subcenters < 1 or scale <= 0:
-            raise ValueError(f"ClassifierHead needs subcenters >= 1 and scale > 0, got {subcenters} "
-                             f"and {scale}")
+            raise ValueError(
+                f"ClassifierHead needs subcenters >= 1 and scale > 0, got {subcenters} and {scale}"
+            )
         if subcenters > 1 and not cosine:
             raise ValueError("ClassifierHead sub-centers need cosine=True")
         self.cosine = cosine
@@ -58,7 +65,9 @@ class ClassifierHead(nn.Module):
         weight = F.normalize(self.linear.weight.to(dtype), dim=1)
         cosine = F.linear(F.normalize(embeddings.to(dtype), dim=1), weight)
         if self.subcenters > 1:
-            cosine = cosine.reshape(embeddings.shape[0], self.num_classes, self.subcenters).amax(dim=2)
+            cosine = cosine.reshape(embeddings.shape[0], self.num_classes, self.subcenters).amax(
+                dim=2
+            )
         return cosine
 
 

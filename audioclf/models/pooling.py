@@ -15,7 +15,9 @@ def lengths_to_mask(lengths: Tensor, max_len: int) -> Tensor:
 def valid_lengths(feats: Tensor, lengths: Tensor | None) -> Tensor:
     """Valid frames per row of feats [B, T, F], clamped to [1, T]; every frame when lengths is None."""
     if lengths is None:
-        lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
+        lengths = torch.full(
+            (feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device
+        )
     return lengths.clamp(min=1, max=feats.shape[1])
 
 

@@ -59,8 +59,14 @@ def complete_frames(path: Path, n_mels: int) -> int | None:
         return None
     finally:
         os.close(fd)
-    if (len(shape) != 2 or shape[1] != n_mels or shape[0] < 1 or fortran_order
-            or dtype != np.dtype("<f4") or size != offset + shape[0] * n_mels * 4):
+    if (
+        len(shape) != 2
+        or shape[1] != n_mels
+        or shape[0] < 1
+        or fortran_order
+        or dtype != np.dtype("<f4")
+        or size != offset + shape[0] * n_mels * 4
+    ):
         return None
     return int(shape[0])
 
@@ -109,14 +115,20 @@ def _prepare_chunk(tasks: list[Task]) -> list[Outcome]:
     return [prepare_file(task, _WORKER["out_dir"], _WORKER["features"]) for task in tasks]
 
 
-def run_tasks(tasks: list[Task], out_dir: Path, features: FeaturesConfig, *, workers: int,
-              progress: bool) -> Iterator[Outcome]:
+def run_tasks(
+    tasks: list[Task], out_dir: Path, features: FeaturesConfig, *, workers: int, progress: bool
+) -> Iterator[Outcome]:
     """prepare_file over `tasks` in `workers` processes (1 = here), yielding outcomes as chunks
     finish; closing the iterator early stops the workers."""
     chunks = [tasks[i : i + CHUNK_FILES] for i in range(0, len(tasks), CHUNK_FILES)]
     workers = max(1, min(workers, len(chunks)))
-    bar = tqdm(total=len(tasks), desc="log-mel", unit="file", disable=None if progress else True,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=len(tasks),
+        desc="log-mel",
+        unit="file",
+        disable=None if progress else True,
+        dynamic_ncols=True,
+    )
     with contextlib.ExitStack() as stack:
         stack.callback(bar.close)
         if workers == 1:

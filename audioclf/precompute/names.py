@@ -53,8 +53,12 @@ def safe_names(names: list[str]) -> list[str]:
     folded: dict[str, set[str]] = defaultdict(set)
     for name, text in zip(names, quoted, strict=True):
         folded[unicodedata.normalize("NFKC", text).casefold()].add(name)
-    return [text if len(folded[unicodedata.normalize("NFKC", text).casefold()]) == 1
-            else f"{text}~{_name_hash(name)}" for name, text in zip(names, quoted, strict=True)]
+    return [
+        text
+        if len(folded[unicodedata.normalize("NFKC", text).casefold()]) == 1
+        else f"{text}~{_name_hash(name)}"
+        for name, text in zip(names, quoted, strict=True)
+    ]
 
 
 def feature_paths(classes: list[str], ids: list[str]) -> list[str]:

@@ -58,8 +58,10 @@ class Shard:
         except ValueError:
             index = count = None
         if index is None or count is None or count < 1 or not 0 <= index < count:
-            raise ValueError(f"--shard {text!r} is invalid: write i/n with 0 <= i < n, e.g. "
-                             "--shard 0/4 ... --shard 3/4 for four shards")
+            raise ValueError(
+                f"--shard {text!r} is invalid: write i/n with 0 <= i < n, e.g. "
+                "--shard 0/4 ... --shard 3/4 for four shards"
+            )
         return cls(index, count)
 
     @property
@@ -84,9 +86,18 @@ def _run_key(source: Path, cfg: Config) -> str:
     """Names one preparation: the sheet's content, the settings that shape the table, and the
     feature settings. Shard records only combine into an index when their keys agree."""
     data = cfg.data
-    shaping = [VERSION, data.sheet, data.class_column, data.item_column, data.id_column,
-               data.path_column, data.path_template, data.split_column, data.root,
-               feature_settings(cfg.features)]
+    shaping = [
+        VERSION,
+        data.sheet,
+        data.class_column,
+        data.item_column,
+        data.id_column,
+        data.path_column,
+        data.path_template,
+        data.split_column,
+        data.root,
+        feature_settings(cfg.features),
+    ]
     digest = hashlib.blake2b(source.read_bytes(), digest_size=16)
     digest.update(json.dumps(shaping, sort_keys=True).encode())
 
@@ -94,13 +105,16 @@ def _run_key(source: Path, cfg: Config) -> str:
 def _check_sources(index: Index, skip_bad: bool) -> dict[int, str]:
     """Positions of rows whose files are not audio (by suffix) → reason; refuses a features
     index outright, and other non-audio files unless `skip_bad`."""
-    suffixes = index.table["path"].str.extract(r"(\.[^./\\]*)$", expand=False).fillna("").str.lower()
+    suffixes = (
+        index.table["path"].str.extract(r"(\.[^./\\]*)$", expand=False).fillna("").str.lower()
+    )
     npy = (suffixes == ".npy").to_numpy()
     if npy.any():
         raise ValueError(
             f"index file {index.source} lists .npy feature files ({rows_text(index.table['row'][npy])}"
             f", e.g. {index.table['path'][npy].iloc[0]}): it is already a features index "
-            "(features.kind=npy); pass the sheet of the audio files")
+            "(features.kind=npy); pass the sheet of the audio files"
+        )
     bad = ~suffixes.isin(AUDIO_SUFFIXES).to_numpy()
     if not bad.any():
         return {}
@@ -110,9 +124,12 @@ def _check_sources(index: Index, skip_bad: bool) -> dict[int, str]:
             f"index file {index.source}: {int(bad.sum())} file(s) are not audio files that can be "
             f"read ({rows_text(index.table['row'][bad])}, e.g. {index.table['path'][bad].iloc[0]}; "
             f"suffixes {', '.join(repr(s) for s in shown[:5])}); convert them to wav/flac, fix "
-            "the sheet, or pass --skip-bad to leave them out")
-    return {int(p): f"not an audio file (suffix {suffixes.iloc[p] or '(none)'!r})"
-            for p in np.flatnonzero(bad)}
+            "the sheet, or pass --skip-bad to leave them out"
+        )
+    return {
+        int(p): f"not an audio file (suffix {suffixes.iloc[p] or '(none)'!r})"
+        for p in np.flatnonzero(bad)
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +139,10 @@ def _check_sources(index: Index, skip_bad: bool) -> dict[int, str]:
 def _prepare_out_dir(out_dir: Path, settings: dict, index_path: Path, source: Path) -> None:
     """Create DIR (or check it holds features with these settings) and prove it is writable."""
     if index_path.resolve() == source.resolve():
-        raise ValueError(f"--out {out_dir} would overwrite the input sheet {source} with the "
-                         "features index; choose another --out")
+        raise ValueError(
+            f"--out {out_dir} would overwrite the input sheet {source} with the "
+            "features index; choose another --out"
+        )
     manifest_path = out_dir / MANIFEST
     wanted = {"version": VERSION, "features": settings}
     if out_dir.exists() and not out_dir.is_dir():
@@ -132,13 +151,15 @@ def _prepare_out_dir(out_dir: Path, settings: dict, index_path: Path, source: Pa
         resumable = check_manifest(manifest_path, wanted)
     except ManifestMismatch as exc:
         if exc.earlier is None:
-            raise ValueError(f"{manifest_path} is {exc.reason}; delete {out_dir} or choose "
-                             "another --out") from None
+            raise ValueError(
+                f"{manifest_path} is {exc.reason}; delete {out_dir} or choose another --out"
+            ) from None
         differ = "differs" if len(exc.changed) == 1 else "differ"
         raise ValueError(
             f"{out_dir} holds features made with other settings (its {', '.join(exc.changed)} "
             f"{differ}: {json.dumps(exc.earlier)}; now {json.dumps(wanted)}); choose another "
-            f"--out or delete {out_dir}") from None
+            f"--out or delete {out_dir}"
+        ) from None
     if resumable:
         if not os.access(out_dir, os.W_OK | os.X_OK):
             raise ValueError(f"--out {out_dir} is not writable")
@@ -146,8 +167,10 @@ def _prepare_out_dir(out_dir: Path, settings: dict, index_path: Path, source: Pa
     # Hidden entries are ignored: another shard starting at the same time may be writing its
     # manifest's temporary file.
     if out_dir.is_dir() and any(not p.name.startswith(".") for p in out_dir.iterdir()):
-        raise ValueError(f"--out {out_dir} is not empty and holds no {MANIFEST}: it is not a "
-                         "folder written by prepare; choose a new or empty folder")
+        raise ValueError(
+            f"--out {out_dir} is not empty and holds no {MANIFEST}: it is not a "
+            "folder written by prepare; choose a new or empty folder"
+        )
     try:
         write_manifest(manifest_path, wanted)
     except OSError as exc:
@@ -175,8 +198,9 @@ def _finished_shards(out_dir: Path, count: int, key: str) -> dict[int, dict]:
     return records
 
 
-def write_output_index(index: Index, data: DataConfig, paths: list[str], skipped_rows: set[int],
-                       out_path: Path) -> int:
+def write_output_index(
+    index: Index, data: DataConfig, paths: list[str], skipped_rows: set[int], out_path: Path
+) -> int:
     """IN's data rows minus `skipped_rows`, path column → feature paths; returns the row count."""
     raw = read_table(index.source, data)
     table = index.table
@@ -198,7 +222,7 @@ def write_output_index(index: Index, data: DataConfig, paths: list[str], skipped
 
 def _write_xlsx(handle, table: pd.DataFrame, sheet: str) -> None:
     """openpyxl's write-only mode: ~1.7x faster than pandas.to_excel (400k rows in ~75 s)."""
-    import openpyxl  # here: only .xlsx outputs need it, and it takes ~0.4 s to import
+    import openpyxl  # noqa: PLC0415 - only .xlsx outputs need it; ~0.4 s to import
 
     book = openpyxl.Workbook(write_only=True)
     worksheet = book.create_sheet(sheet)
@@ -236,16 +260,25 @@ class Summary:
         self.bytes_written += outcome.nbytes
 
 
-def prepare(index_path: Path, out_dir: Path, cfg: Config, *, workers: int, shard: Shard,
-            skip_bad: bool, progress: bool = True) -> Summary:
+def prepare(
+    index_path: Path,
+    out_dir: Path,
+    cfg: Config,
+    *,
+    workers: int,
+    shard: Shard,
+    skip_bad: bool,
+    progress: bool = True,
+) -> Summary:
     """Write the features of `shard`'s rows of `index_path` into `out_dir` (see the module
     docstring); returns the counts. Raises ValueError on bad input."""
     start = time.perf_counter()
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     # With --skip-bad a missing file is skipped and listed, like an unreadable one.
-    data = dataclasses.replace(cfg.data, index=str(index_path),
-                               check_files=cfg.data.check_files and not skip_bad)
+    data = dataclasses.replace(
+        cfg.data, index=str(index_path), check_files=cfg.data.check_files and not skip_bad
+    )
     index = load_index(data)
     not_audio = _check_sources(index, skip_bad)
     out_index = out_dir / index_name(index.source)
@@ -285,15 +318,28 @@ def _unreadable(index: Index, outcome: Outcome, listing: str) -> AudioReadError:
     return AudioReadError(
         f"row {row} of {index.source} (id {table['id'].iat[outcome.position]!r}): "
         f"{outcome.reason}. Fix or remove the row, or pass --skip-bad to list it "
-        f"in {listing} and leave it out of the index")
+        f"in {listing} and leave it out of the index"
+    )
 
 
-def _finish_shard(summary: Summary, index: Index, data: DataConfig, paths: list[str],
-                  skipped: dict[int, str], out_dir: Path, key: str, out_index: Path) -> None:
+def _finish_shard(
+    summary: Summary,
+    index: Index,
+    data: DataConfig,
+    paths: list[str],
+    skipped: dict[int, str],
+    out_dir: Path,
+    key: str,
+    out_index: Path,
+) -> None:
     """Write this shard's record; write the index when every shard's record is there."""
     shard, table = summary.shard, index.table
-    record = {"key": key, "shard": f"{shard.index}/{shard.count}", "rows": summary.rows,
-              "skipped_rows": sorted(int(table["row"].iat[p]) for p in skipped)}
+    record = {
+        "key": key,
+        "shard": f"{shard.index}/{shard.count}",
+        "rows": summary.rows,
+        "skipped_rows": sorted(int(table["row"].iat[p]) for p in skipped),
+    }
     atomic_write_bytes(_record_path(out_dir, shard), (json.dumps(record) + "\n").encode())
     # Records are written before they are looked for, so at least the last shard to finish
     # sees all of them; two shards finishing together both write the same index.
@@ -324,4 +370,6 @@ def train_command(out_index: Path, cfg: Config, config_path: Path | None) -> str
         section, key = dotted.split(".")
         if getattr(getattr(base_cfg, section), key) != value or dotted == "features.n_mels":
             overrides.append(f"{dotted}={'null' if value is None else value}")
-    return " ".join(shlex.quote(part) for part in ["./run.sh", "--nproc", "4", str(base), *overrides])
+    return " ".join(
+        shlex.quote(part) for part in ["./run.sh", "--nproc", "4", str(base), *overrides]
+    )

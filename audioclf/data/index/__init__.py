@@ -49,9 +49,19 @@ from audioclf.data.index.validate import check_files, validate_table
 
 log = logging.getLogger("audioclf")
 
-__all__ = ["SPLITS", "SUPPORTED_FORMATS", "TABLE_COLUMNS", "Codes", "Index", "IndexValidationError",
-           "load_index", "read_table", "split_index", "stratified_subset",
-           "table_codes"]
+__all__ = [
+    "SPLITS",
+    "SUPPORTED_FORMATS",
+    "TABLE_COLUMNS",
+    "Codes",
+    "Index",
+    "IndexValidationError",
+    "load_index",
+    "read_table",
+    "split_index",
+    "stratified_subset",
+    "table_codes",
+]
 
 
 def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:
@@ -84,8 +94,12 @@ def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:
     if cfg.check_files:
         check_files(table, source, root)
     if cache_file is not None:
-        meta = {"stamp": stamp, "files_checked": cfg.check_files, "warnings": messages,
-                "notes": notes}
+        meta = {
+            "stamp": stamp,
+            "files_checked": cfg.check_files,
+            "warnings": messages,
+            "notes": notes,
+        }
         write_cache(cache_file, table, meta)
     _warn(messages, source)
     return Index(table, source)
@@ -100,5 +114,6 @@ def _log_assumptions(notes: list[str], source: Path) -> None:
 def _warn(messages: list[str], source: Path) -> None:
     """warnings.warn attributed to the sheet (not to whichever module called load_index)."""
     for message in messages:
-        warnings.warn_explicit(message, UserWarning, filename=str(source), lineno=1,
-                               module="audioclf.data.index")
+        warnings.warn_explicit(
+            message, UserWarning, filename=str(source), lineno=1, module="audioclf.data.index"
+        )

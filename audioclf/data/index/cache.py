@@ -32,9 +32,21 @@ def data_root(cfg: DataConfig, source: Path) -> str:
 
 def cache_path(cfg: DataConfig, source: Path, root: str) -> Path:
     """One cache file per (sheet, config that shapes the table); the sheet's stamp goes inside."""
-    key = json.dumps([str(source), cfg.sheet, cfg.header_row, cfg.class_column, cfg.item_column,
-                      cfg.id_column, cfg.path_column, cfg.path_template, cfg.split_column, root,
-                      os.sep])
+    key = json.dumps(
+        [
+            str(source),
+            cfg.sheet,
+            cfg.header_row,
+            cfg.class_column,
+            cfg.item_column,
+            cfg.id_column,
+            cfg.path_column,
+            cfg.path_template,
+            cfg.split_column,
+            root,
+            os.sep,
+        ]
+    )
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     folder = Path(cfg.cache_dir) if cfg.cache_dir else source.parent / ".audioclf_cache"
     return folder / f"{source.stem}-{digest}.arrow"
@@ -44,8 +56,12 @@ def sheet_stamp(source: Path) -> dict:
     """The sheet's size, mtime_ns and content hash (a 10 MB sheet hashes in ~5 ms)."""
     stat = source.stat()
     content = hashlib.blake2b(source.read_bytes(), digest_size=16).hexdigest()
-    return {"version": CACHE_VERSION, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "content": content}
+    return {
+        "version": CACHE_VERSION,
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "content": content,
+    }
 
 
 def read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
@@ -64,8 +80,9 @@ def read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
             raise ValueError(f"columns {list(table.columns)}")
         return table, meta
     except Exception as exc:  # a torn or foreign file: rebuild it
-        log.warning("index cache %s is unreadable (%s: %s); rebuilding it",
-                    path, type(exc).__name__, exc)
+        log.warning(
+            "index cache %s is unreadable (%s: %s); rebuilding it", path, type(exc).__name__, exc
+        )
         return None
 
 
@@ -81,5 +98,9 @@ def write_cache(path: Path, table: pd.DataFrame, meta: dict) -> None:
 
         atomic_write(path, write)
     except OSError as exc:
-        log.warning("could not write the index cache %s (%s); the sheet is parsed on every run "
-                    "(set data.cache_dir to a writable folder)", path, exc)
+        log.warning(
+            "could not write the index cache %s (%s); the sheet is parsed on every run "
+            "(set data.cache_dir to a writable folder)",
+            path,
+            exc,
+        )

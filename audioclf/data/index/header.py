@@ -58,27 +58,36 @@ def locate_header(first_rows: list[list[str]], cfg: DataConfig, path: Path) -> t
 def header_hint(header: SheetHeader, cfg: DataConfig) -> str:
     """What to say about the header row when a configured column is missing from it."""
     if header.how == "given":
-        return (f" data.header_row={header.row} reads row {header.row} as the header: set it "
-                "to the row holding the column names, or to null to find that row.")
+        return (
+            f" data.header_row={header.row} reads row {header.row} as the header: set it "
+            "to the row holding the column names, or to null to find that row."
+        )
     if header.how == "default":
-        return (f" No row among the first {HEADER_SEARCH_ROWS} holds all of "
-                f"{names_text(key_columns(cfg))}, so row 1 was read as the header: if the "
-                "header is further down, set data.header_row=<its row>.")
+        return (
+            f" No row among the first {HEADER_SEARCH_ROWS} holds all of "
+            f"{names_text(key_columns(cfg))}, so row 1 was read as the header: if the "
+            "header is further down, set data.header_row=<its row>."
+        )
     return ""
 
 
 def _configured_columns(cfg: DataConfig) -> list[tuple[str, str]]:
     """(config key, column name) of every column audioclf reads, each name once."""
-    keys = [("data.class_column", cfg.class_column), ("data.item_column", cfg.item_column),
-            ("data.id_column", cfg.id_column), ("data.path_column", cfg.path_column),
-            ("data.split_column", cfg.split_column)]
+    keys = [
+        ("data.class_column", cfg.class_column),
+        ("data.item_column", cfg.item_column),
+        ("data.id_column", cfg.id_column),
+        ("data.path_column", cfg.path_column),
+        ("data.split_column", cfg.split_column),
+    ]
     if cfg.path_template:
         keys += [("data.path_template", name) for name in template_columns(cfg.path_template)]
     return [(key, name) for key, name in keys if name]
 
 
-def match_columns(columns: list[str], cfg: DataConfig, path: Path,
-                  row: int) -> tuple[dict[str, str], list[str]]:
+def match_columns(
+    columns: list[str], cfg: DataConfig, path: Path, row: int
+) -> tuple[dict[str, str], list[str]]:
     """{sheet column: configured name} for the columns that match a configured name only when
     case and spaces are ignored, and a note on each; raises when two columns match one name."""
     by_fold: dict[str, list[str]] = defaultdict(list)
@@ -110,8 +119,10 @@ def assumption_notes(row: int, how: str, cfg: DataConfig, matched: list[str]) ->
     notes = []
     if how == "found" and row > 1:
         above = "row 1 above it is" if row == 2 else f"rows 1-{row - 1} above it are"
-        notes.append(f"the header is row {row}, the first holding {names_text(key_columns(cfg))} "
-                     f"({above} not read; data.header_row={row} says so outright)")
+        notes.append(
+            f"the header is row {row}, the first holding {names_text(key_columns(cfg))} "
+            f"({above} not read; data.header_row={row} says so outright)"
+        )
     if matched:
         notes.append("columns matched ignoring case and spaces: " + ", ".join(matched))
     return tuple(notes)

@@ -104,8 +104,14 @@ def _read_csv(path: Path, cfg: DataConfig) -> tuple[pd.DataFrame, int, str]:
         first = list(itertools.islice(csv.reader(handle), rows_to_scan(cfg)))
     row, how = locate_header(first, cfg, path)
     try:
-        raw = pd.read_csv(path, skiprows=row - 1, dtype=str, keep_default_na=False,
-                          skip_blank_lines=False, encoding="utf-8-sig")
+        raw = pd.read_csv(
+            path,
+            skiprows=row - 1,
+            dtype=str,
+            keep_default_na=False,
+            skip_blank_lines=False,
+            encoding="utf-8-sig",
+        )
     except pd.errors.ParserError as exc:
         if how != "default":
             raise
@@ -129,8 +135,9 @@ def _read_parquet(path: Path, cfg: DataConfig) -> pd.DataFrame:
 def _read_excel_openpyxl(path: Path, cfg: DataConfig) -> tuple[pd.DataFrame, int, str]:
     """What `pd.read_excel(engine="openpyxl", header=row - 1, dtype=str)` returns, with the row
     found from one read of the sheet."""
-    grid = pd.read_excel(path, sheet_name=cfg.sheet, engine="openpyxl", header=None, dtype=str,
-                         keep_default_na=False)
+    grid = pd.read_excel(
+        path, sheet_name=cfg.sheet, engine="openpyxl", header=None, dtype=str, keep_default_na=False
+    )
     row, how = locate_header(grid.head(rows_to_scan(cfg)).to_numpy().tolist(), cfg, path)
     if grid.empty:
         return pd.DataFrame(), row, how
@@ -147,7 +154,7 @@ def _read_excel_calamine(path: Path, cfg: DataConfig) -> tuple[pd.DataFrame, int
     alone, GC on: ~2.1 s). Cells convert as pandas converts them: integral floats print as ints,
     everything else as str(value); cells stored as text (an id "00123", "2026-01-02") stay text.
     """
-    import python_calamine
+    import python_calamine  # noqa: PLC0415 - the optional fast engine, only when used
 
     with python_calamine.CalamineWorkbook.from_path(str(path)) as book:
         try:
@@ -161,7 +168,7 @@ def _read_excel_calamine(path: Path, cfg: DataConfig) -> tuple[pd.DataFrame, int
                 f"{names_text(book.sheet_names, limit=20)} (set data.sheet to a name or position)"
             ) from None
         rows = worksheet.to_python(skip_empty_area=False)
-    first = [[_cell_text(cell) for cell in cells] for cells in rows[:rows_to_scan(cfg)]]
+    first = [[_cell_text(cell) for cell in cells] for cells in rows[: rows_to_scan(cfg)]]
     row, how = locate_header(first, cfg, path)
     if not rows:
         return pd.DataFrame(), row, how
@@ -199,6 +206,8 @@ def _as_text(column: pd.Series) -> pd.Series:
     if pd.api.types.infer_dtype(column, skipna=False) == "string":
         return column.astype(str)
     missing = column.isna().to_numpy()
-    values = ["" if gap else _cell_text(value)
-              for value, gap in zip(column.tolist(), missing, strict=True)]
+    values = [
+        "" if gap else _cell_text(value)
+        for value, gap in zip(column.tolist(), missing, strict=True)
+    ]
     return pd.Series(values, index=column.index, dtype=str)

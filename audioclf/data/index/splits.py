@@ -58,8 +58,9 @@ def _held_out_items(table: pd.DataFrame, ratio: float, seed: int) -> np.ndarray:
     rank = pairs.groupby("cls", sort=False).cumcount().to_numpy()
     size = pairs.groupby("cls", sort=False)["item"].transform("size").to_numpy()
     pairs["held"] = rank < _holdout_count(size, ratio)
-    merged = table[["cls", "item"]].merge(pairs[["cls", "item", "held"]], on=["cls", "item"],
-                                          how="left")
+    merged = table[["cls", "item"]].merge(
+        pairs[["cls", "item", "held"]], on=["cls", "item"], how="left"
+    )
     return merged["held"].to_numpy(dtype=bool)
 
 

@@ -93,7 +93,6 @@ class Index:
         return Index(self.table[mask].reset_index(drop=True), self.source)
 
 
-
 @dataclass(frozen=True)
 class Codes:
     """Dense integer codes of a table's classes and items (computed once per table)."""
@@ -110,7 +109,9 @@ def table_codes(table: pd.DataFrame) -> Codes:
     item_names, item_name_codes = np.unique(table["item"].to_numpy(dtype=str), return_inverse=True)
     pairs = class_codes.astype(np.int64) * len(item_names) + item_name_codes.reshape(-1)
     _, item_codes = np.unique(pairs, return_inverse=True)
-    return Codes(class_codes.astype(np.int64), classes.tolist(), item_codes.reshape(-1).astype(np.int64))
+    return Codes(
+        class_codes.astype(np.int64), classes.tolist(), item_codes.reshape(-1).astype(np.int64)
+    )
 
 
 def rows_text(rows, limit: int = SHOW) -> str:

@@ -55,22 +55,27 @@ def validate_table(
         paths = render_template(cfg.path_template, cells)
     else:
         paths = cells[cfg.path_column]
-    table = pd.DataFrame({
-        "cls": cells[cfg.class_column],
-        "item": cells[cfg.item_column],
-        "id": cells[cfg.id_column],
-        "path": resolve_paths(paths, root),
-        "row": rows,
-        "split": split,
-    }).reset_index(drop=True)
+    table = pd.DataFrame(
+        {
+            "cls": cells[cfg.class_column],
+            "item": cells[cfg.item_column],
+            "id": cells[cfg.id_column],
+            "path": resolve_paths(paths, root),
+            "row": rows,
+            "split": split,
+        }
+    ).reset_index(drop=True)
     return table, _small_class_warnings(table, source)
 
 
 def _columns(raw: pd.DataFrame, cfg: DataConfig, source: Path, header: SheetHeader) -> _Columns:
     """The columns to read; raises when the class, item or id column, or the paths, are missing."""
     present = names_text(raw.columns, limit=20) or "(none)"
-    keys = {"data.class_column": cfg.class_column, "data.item_column": cfg.item_column,
-            "data.id_column": cfg.id_column}
+    keys = {
+        "data.class_column": cfg.class_column,
+        "data.item_column": cfg.item_column,
+        "data.id_column": cfg.id_column,
+    }
     missing = [(key, name) for key, name in keys.items() if name not in raw.columns]
     if missing:
         listed = ", ".join(f"{name!r} ({key})" for key, name in missing)
@@ -110,8 +115,9 @@ def _template_columns(raw: pd.DataFrame, cfg: DataConfig, source: Path, present:
     return columns
 
 
-def _data_rows(raw: pd.DataFrame, columns: _Columns, source: Path,
-               header: SheetHeader) -> tuple[pd.DataFrame, np.ndarray]:
+def _data_rows(
+    raw: pd.DataFrame, columns: _Columns, source: Path, header: SheetHeader
+) -> tuple[pd.DataFrame, np.ndarray]:
     """The used columns' cells, stripped, of the rows that hold data; and their sheet rows."""
     used = list(columns.required) + ([columns.split] if columns.split else [])
     cells = pd.DataFrame({name: raw[name].str.strip() for name in dict.fromkeys(used)})
@@ -127,8 +133,9 @@ def _data_rows(raw: pd.DataFrame, columns: _Columns, source: Path,
     return cells, rows
 
 
-def _check_filled(cells: pd.DataFrame, rows: np.ndarray, required: dict[str, str],
-                  source: Path) -> None:
+def _check_filled(
+    cells: pd.DataFrame, rows: np.ndarray, required: dict[str, str], source: Path
+) -> None:
     empty_parts = []
     for name, role in required.items():
         empty = (cells[name] == "").to_numpy()
@@ -159,8 +166,9 @@ def _check_unique_ids(ids: pd.Series, rows: np.ndarray, id_column: str, source: 
     )
 
 
-def _split_values(cells: pd.DataFrame, rows: np.ndarray, split_column: str | None,
-                  source: Path) -> pd.Series:
+def _split_values(
+    cells: pd.DataFrame, rows: np.ndarray, split_column: str | None, source: Path
+) -> pd.Series:
     """The split column lower-cased, or "" in every row without one (or with an empty one)."""
     none = pd.Series("", index=cells.index, dtype=str)
     if split_column is None:
@@ -184,7 +192,8 @@ def _small_class_warnings(table: pd.DataFrame, source: Path) -> list[str]:
     codes = table_codes(table)
     items_per_class = np.bincount(
         np.unique(np.stack([codes.class_codes, codes.item_codes]), axis=1)[0],
-        minlength=len(codes.classes))
+        minlength=len(codes.classes),
+    )
     small = np.flatnonzero(items_per_class < 2)
     if len(small) == 0:
         return []
@@ -232,8 +241,12 @@ def check_files(table: pd.DataFrame, source: Path, root: str) -> None:
     first = table[missing].iloc[:SHOW]
     shown = "; ".join(f"row {r}: {p}" for r, p in zip(first["row"], first["path"], strict=True))
     more = f"; and {count - SHOW} more" if count > SHOW else ""
-    hint = (f" None of the {count} files exist: is data.root right (relative paths resolve "
-            f"against {root})?" if count == len(table) else "")
+    hint = (
+        f" None of the {count} files exist: is data.root right (relative paths resolve "
+        f"against {root})?"
+        if count == len(table)
+        else ""
+    )
     raise IndexValidationError(
         f"index file {source}: {count} of {len(table)} referenced files do not exist: "
         f"{shown}{more}.{hint} Fix the paths or data.root, or set data.check_files=false to "

@@ -6,13 +6,25 @@ import torch
 
 
 class FusedAdam(torch.optim.Optimizer):
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
-                 capturable=False, master_weights=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        set_grad_none=True,
+        capturable=False,
+        master_weights=False,
+    ):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
+        )
         super().__init__(params, defaults)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.set_grad_none = set_grad_none
@@ -26,8 +38,15 @@ class FusedAdam(torch.optim.Optimizer):
             super().zero_grad()
 
     @torch.no_grad()
-    def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None,
-             grad_scaler=None):
+    def step(
+        self,
+        closure=None,
+        grads=None,
+        output_params=None,
+        scale=None,
+        grad_norms=None,
+        grad_scaler=None,
+    ):
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
