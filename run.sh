@@ -2,7 +2,8 @@
 # audioclf launcher. Every command sets up (or reuses) the virtual environment .venv first.
 #
 #   ./run.sh demo [--stage N] [--stop-stage N]   generate demo data, train, evaluate, export, embed
-#   ./run.sh test [pytest args...]               run the test suite
+#   ./run.sh test [pytest args...]               lint (ruff check + format check), then the tests
+#                                                (-m "not slow": the fast tier, about a minute)
 #   ./run.sh [--bg] [--nproc N] CONFIG [key=value ...]   train with torchrun (N processes)
 #   ./run.sh stop NAME                           stop a background run started with --bg
 #   ./run.sh setup                               only create/refresh .venv
@@ -191,13 +192,20 @@ cmd_stop() {
     die "run $1 (pid $pid) still running after 120 s; kill -9 -- -$pid to force"
 }
 
+cmd_lint() {
+    # The guards the next feature must keep: ruff's lint (complexity C901 <= 12, imports) and
+    # its formatter; tests/test_code_shape.py checks function and module sizes and layering.
+    "$PY" -m ruff check --quiet . || die "lint failed: fix the lines above (ruff check --fix fixes some)"
+    "$PY" -m ruff format --check --quiet . || die "formatting differs: run .venv/bin/ruff format ."
+}
+
 main() {
     [[ $# -ge 1 ]] || { usage; exit 2; }
     case "$1" in
         -h|--help|help) usage ;;
         setup) setup_venv ;;
         demo) shift; setup_venv; cmd_demo "$@" ;;
-        test) shift; setup_venv; exec "$PY" -m pytest "$@" ;;
+        test) shift; setup_venv; cmd_lint; exec "$PY" -m pytest "$@" ;;
         stop) shift; cmd_stop "$@" ;;
         *) setup_venv; cmd_train "$@" ;;
     esac

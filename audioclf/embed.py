@@ -41,6 +41,7 @@ missing file stops the run with one line naming it and its sheet row (finished p
 with --skip-bad-files it is left out and listed in PREFIX.skipped.csv (row, id, path, reason).
 Prints a summary instead of rankings. Exit status: 0 done; 2 bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,87 +49,98 @@ import sys
 import time
 from pathlib import Path
 
-from audioclf.cli import UsageError, add_trust_flag, resolve_device, run_cli
-from audioclf.data.index import IndexValidationError
+from audioclf.cli import add_trust_flag, resolve_device, run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder
-from audioclf.inference.extract import check_finite
-from audioclf.inference.gallery import (
-    class_scores,
-    embed_readable,
-    find_files,
-    load_gallery,
-    save_rankings,
-    top_classes,
-)
-from audioclf.inference.index_embedding import select_rows, write_index_embeddings
+from audioclf.inference.extract import check_loader_options
+from audioclf.inference.gallery import check_ranking_request, rank_files
+from audioclf.inference.index_embedding import check_index_request, embed_sheet
 
 PROG = "python -m audioclf.embed"
 SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them
+MISSING_FILES_HINT = "pass --skip-bad-files to leave them out"  # the index check's hint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="*", metavar="AUDIO_OR_DIR",
-                        help="audio files or folders (searched recursively); not with --index")
-    parser.add_argument("--model", required=True, type=Path,
-                        help="audioclf checkpoint, or TorchScript/ONNX export with its .json")
-    parser.add_argument("--gallery", type=Path,
-                        help="index sheet of labelled reference files (ranking mode)")
-    parser.add_argument("--index", type=Path, metavar="SHEET",
-                        help="embed every row of this index sheet into --save PREFIX.npy / "
-                        ".parquet (resumable; no files, no --gallery)")
-    parser.add_argument("--split", help="with --index: only the rows of this split (train, "
-                        "val, test), by the sheet's split column or the training's rules")
-    parser.add_argument("--root", help="folder that the sheet's relative paths resolve "
-                        "against (default: the sheet's folder)")
-    parser.add_argument("--top", type=int,
-                        help="classes shown per file (default 5; ranking mode)")
-    parser.add_argument("--save", metavar="OUT_PREFIX",
-                        help="ranking mode: write OUT_PREFIX.npy (embeddings) and OUT_PREFIX.csv "
-                        "(files); --index: OUT_PREFIX.npy and OUT_PREFIX.parquet (rows)")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "files",
+        nargs="*",
+        metavar="AUDIO_OR_DIR",
+        help="audio files or folders (searched recursively); not with --index",
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        type=Path,
+        help="audioclf checkpoint, or TorchScript/ONNX export with its .json",
+    )
+    parser.add_argument(
+        "--gallery", type=Path, help="index sheet of labelled reference files (ranking mode)"
+    )
+    parser.add_argument(
+        "--index",
+        type=Path,
+        metavar="SHEET",
+        help="embed every row of this index sheet into --save PREFIX.npy / "
+        ".parquet (resumable; no files, no --gallery)",
+    )
+    parser.add_argument(
+        "--split",
+        help="with --index: only the rows of this split (train, "
+        "val, test), by the sheet's split column or the training's rules",
+    )
+    parser.add_argument(
+        "--root",
+        help="folder that the sheet's relative paths resolve against (default: the sheet's folder)",
+    )
+    parser.add_argument("--top", type=int, help="classes shown per file (default 5; ranking mode)")
+    parser.add_argument(
+        "--save",
+        metavar="OUT_PREFIX",
+        help="ranking mode: write OUT_PREFIX.npy (embeddings) and OUT_PREFIX.csv "
+        "(files); --index: OUT_PREFIX.npy and OUT_PREFIX.parquet (rows)",
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="files per batch (default 16)")
-    parser.add_argument("--num-workers", type=int,
-                        help="DataLoader worker processes (default: data.num_workers of the "
-                        "model with --index, 0 otherwise)")
-    parser.add_argument("--skip-bad-files", action="store_true",
-                        help="with --index: leave unreadable or missing files out (listed in "
-                        "OUT_PREFIX.skipped.csv) instead of stopping")
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        help="DataLoader worker processes (default: data.num_workers of the "
+        "model with --index, 0 otherwise)",
+    )
+    parser.add_argument(
+        "--skip-bad-files",
+        action="store_true",
+        help="with --index: leave unreadable or missing files out (listed in "
+        "OUT_PREFIX.skipped.csv) instead of stopping",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("--no-cache", action="store_true",
-                        help="embed the gallery again instead of using (and writing) the cache")
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="embed the gallery again instead of using (and writing) the cache",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_trust_flag(parser)
     return parser.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """One UsageError for flags that do not fit together (before the model is loaded)."""
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.num_workers is not None and args.num_workers < 0:
-        raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
+    """One error for flags that do not fit together (before the model is loaded)."""
+    check_loader_options(args.batch_size, args.num_workers)
     if args.index is not None:
-        clashes = [flag for flag, given in (
-            ("audio files", args.files), ("--gallery", args.gallery is not None),
-            ("--top", args.top is not None), ("--no-cache", args.no_cache)) if given]
-        if clashes:
-            raise UsageError(f"--index embeds a sheet's rows and ranks nothing: drop "
-                             f"{', '.join(clashes)} (or drop --index to rank files against "
-                             "--gallery)")
-        if not args.save:
-            raise UsageError("--index needs --save PREFIX (the embeddings go to PREFIX.npy and "
-                             "the rows to PREFIX.parquet)")
-        return
-    if args.split is not None or args.skip_bad_files:
-        flag = "--split" if args.split is not None else "--skip-bad-files"
-        raise UsageError(f"{flag} applies to --index SHEET (ranking mode names unreadable files "
-                         "and goes on)")
-    if not args.files or args.gallery is None:
-        raise UsageError("give audio files or folders and --gallery SHEET to rank classes, or "
-                         "--index SHEET --save PREFIX to embed a sheet's rows")
-    if args.top is not None and args.top < 1:
-        raise UsageError(f"--top must be >= 1, got {args.top}")
+        check_index_request(
+            args.save, files=args.files, gallery=args.gallery, top=args.top, no_cache=args.no_cache
+        )
+    else:
+        check_ranking_request(
+            args.files,
+            args.gallery,
+            top=args.top,
+            split=args.split,
+            skip_bad_files=args.skip_bad_files,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,55 +152,42 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_ranking(args: argparse.Namespace, model: LoadedEmbedder) -> int:
-    workers = args.num_workers or 0
-    files, embeddings, skipped = embed_readable(model, find_files(args.files, model.features),
-                                                batch_size=args.batch_size, progress=not args.quiet,
-                                                num_workers=workers)
-    gallery, gallery_classes, cached = load_gallery(
-        model, args.gallery, root=args.root, batch_size=args.batch_size,
-        use_cache=not args.no_cache, progress=not args.quiet, num_workers=workers)
-    check_finite(embeddings, [str(f) for f in files], "the files")
-    check_finite(gallery, [str(c) for c in gallery_classes], f"the gallery {args.gallery}")
-    names, scores = class_scores(embeddings, gallery, gallery_classes)
-    order = top_classes(scores, min(5 if args.top is None else args.top, len(names)))
-
-    print(f"model: {model.path} ({model.description}); gallery: {args.gallery} "
-          f"({len(gallery_classes)} files, {len(names)} classes{', cached' if cached else ''})")
-    width = max(len(n) for n in names)
-    for i, path in enumerate(files):
-        print(path)
-        for rank, c in enumerate(order[i], start=1):
-            print(f"  {rank:>2}. {names[c]:<{width}}  {scores[i, c]:.4f}")
+    ranking = rank_files(
+        model,
+        args.files,
+        args.gallery,
+        root=args.root,
+        top=args.top,
+        batch_size=args.batch_size,
+        use_cache=not args.no_cache,
+        progress=not args.quiet,
+        num_workers=args.num_workers or 0,
+    )
+    print("\n".join(ranking.lines(model, args.gallery)))
     if args.save:
-        npy, csv = save_rankings(args.save, files, embeddings, names, scores, order)
+        npy, csv = ranking.save(args.save)
         print(f"saved {npy} and {csv}")
-    for path, reason in skipped:
+    for path, reason in ranking.skipped:
         print(f"{PROG}: skipped {path}: {reason}", file=sys.stderr)
-    return 1 if skipped else 0
+    return 1 if ranking.skipped else 0
 
 
 def run_index(args: argparse.Namespace, model: LoadedEmbedder) -> int:
     start = time.perf_counter()
-    try:
-        index = select_rows(model, args.index, root=args.root, split=args.split,
-                            skip_bad_files=args.skip_bad_files)
-    except IndexValidationError as exc:  # its hint names the config key; here it is the flag
-        raise IndexValidationError(str(exc).replace(
-            "set data.check_files=false to skip this check",
-            "pass --skip-bad-files to leave them out")) from None
-    workers = model.data.num_workers if args.num_workers is None else args.num_workers
-    summary = write_index_embeddings(model, index, args.save, batch_size=args.batch_size,
-                                     num_workers=workers, skip_bad_files=args.skip_bad_files,
-                                     progress=not args.quiet, skip_hint=SKIP_HINT)
-    out = summary.outputs
-    split = f", {args.split} split" if args.split is not None else ""
-    resumed = f", {summary.resumed} finished earlier" if summary.resumed else ""
-    print(f"model: {model.path} ({model.description}); index: {index.source}{split}: "
-          f"{summary.rows} rows in {summary.chunks} chunk(s){resumed}")
-    print(f"saved {out.npy} ({summary.embedded} x {summary.dim} float32) and {out.parquet} "
-          f"in {time.perf_counter() - start:.1f} s")
-    if summary.skipped:
-        print(f"skipped {summary.skipped} unreadable file(s): listed in {out.skipped}")
+    summary = embed_sheet(
+        model,
+        args.index,
+        args.save,
+        root=args.root,
+        split=args.split,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        skip_bad_files=args.skip_bad_files,
+        progress=not args.quiet,
+        skip_hint=SKIP_HINT,
+        missing_files_hint=MISSING_FILES_HINT,
+    )
+    print("\n".join(summary.lines(model, split=args.split, seconds=time.perf_counter() - start)))
     return 0
 
 

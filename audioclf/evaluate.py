@@ -44,118 +44,131 @@ import sys
 import time
 from pathlib import Path
 
-from audioclf.cli import UsageError, add_trust_flag, resolve_device, run_cli
+from audioclf.cli import add_trust_flag, resolve_device, run_cli
 from audioclf.config import ModelConfig, choices
 from audioclf.inference import describe_checkpoint, load_trained
 
 # compute_metrics and embed_index are re-exported: tests/test_train.py imports them from here.
 from audioclf.inference.evaluation import (  # noqa: F401
-    Evaluation,
+    check_evaluation_options,
     compute_metrics,
     embed_index,
     evaluate_split,
+    evaluation_setup,
     select_data,
+    summary_lines,
     write_evaluation,
 )
 
 PROG = "python -m audioclf.evaluate"
 SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them
-SUMMARY_METRICS = ("precision_at_1", "map_at_r", "r_precision", "loo_precision_at_1",
-                   "loo_map_at_r", "knn_accuracy", "centroid_accuracy", "eer", "min_dcf", "nmi",
-                   "ami")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="audioclf checkpoint (e.g. runs/<name>/best.pt)")
-    parser.add_argument("--index", type=Path,
-                        help="evaluate another sheet (replaces data.index; split rules kept)")
-    parser.add_argument("--root", help="folder that relative paths resolve against (default: "
-                        "data.root of the checkpoint, or the sheet's folder with --index)")
-    parser.add_argument("--split", default="val",
-                        help="split to evaluate: train, val, test, or all (every row); default val")
-    parser.add_argument("--gallery", default="train",
-                        help="classification gallery: train (default), none, or PATH to a sheet")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="audioclf checkpoint (e.g. runs/<name>/best.pt)",
+    )
+    parser.add_argument(
+        "--index", type=Path, help="evaluate another sheet (replaces data.index; split rules kept)"
+    )
+    parser.add_argument(
+        "--root",
+        help="folder that relative paths resolve against (default: "
+        "data.root of the checkpoint, or the sheet's folder with --index)",
+    )
+    parser.add_argument(
+        "--split",
+        default="val",
+        help="split to evaluate: train, val, test, or all (every row); default val",
+    )
+    parser.add_argument(
+        "--gallery",
+        default="train",
+        help="classification gallery: train (default), none, or PATH to a sheet",
+    )
     parser.add_argument("--out", type=Path, help="report folder (default <checkpoint folder>/eval)")
     parser.add_argument("--batch-size", type=int, default=32, help="clips per batch (default 32)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("--num-workers", type=int,
-                        help="DataLoader workers (default: data.num_workers of the checkpoint)")
-    parser.add_argument("--max-pairs", type=int, default=1_000_000,
-                        help="verification pairs scored at most (default 1000000)")
-    parser.add_argument("--projection", choices=("pca", "tsne"), default="pca",
-                        help="2-D projection plot (default pca)")
-    parser.add_argument("--model-name", choices=choices(ModelConfig, "name"),
-                        help="fail unless the checkpoint holds this model")
-    parser.add_argument("--skip-bad-files", action="store_true",
-                        help="skip unreadable files (counted in the log) instead of failing")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of pair sampling, k-means and the enrollment split (default 0)")
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        help="DataLoader workers (default: data.num_workers of the checkpoint)",
+    )
+    parser.add_argument(
+        "--max-pairs",
+        type=int,
+        default=1_000_000,
+        help="verification pairs scored at most (default 1000000)",
+    )
+    parser.add_argument(
+        "--projection",
+        choices=("pca", "tsne"),
+        default="pca",
+        help="2-D projection plot (default pca)",
+    )
+    parser.add_argument(
+        "--model-name",
+        choices=choices(ModelConfig, "name"),
+        help="fail unless the checkpoint holds this model",
+    )
+    parser.add_argument(
+        "--skip-bad-files",
+        action="store_true",
+        help="skip unreadable files (counted in the log) instead of failing",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of pair sampling, k-means and the enrollment split (default 0)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_trust_flag(parser)
     return parser.parse_args(argv)
 
 
-def print_summary(evaluation: Evaluation, setup: dict, out_dir: Path) -> None:
-    rows = [("checkpoint", f"{setup['checkpoint']} ({setup['model']})"),
-            ("evaluated", f"{setup['split']} split of {setup['index']}: {setup['n_samples']} "
-                          f"samples, {setup['n_classes']} classes"),
-            ("gallery", setup["gallery"]),
-            ("classification", setup["classification"])]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
-    for note in evaluation.notes:
-        print(f"{'note':<{width}}  {note}")
-    print()
-    print(f"{'metric':<18} value")
-    for name in SUMMARY_METRICS:
-        value = evaluation.results.get(name)
-        if value is None and evaluation.verification is not None:
-            value = evaluation.verification.get(name)
-        if value is not None:
-            print(f"{name:<18} {float(value):.4f}")
-    print()
-    print(f"report: {out_dir / 'report.md'}")
-    print(f"embeddings: {out_dir / 'embeddings.html'} (projector files: embeddings.tsv, "
-          "metadata.tsv)")
-
-
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_pairs < 2:
-        raise UsageError(f"--max-pairs must be >= 2, got {args.max_pairs}")
-    if args.num_workers is not None and args.num_workers < 0:
-        raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
+    check_evaluation_options(
+        batch_size=args.batch_size, max_pairs=args.max_pairs, num_workers=args.num_workers
+    )
     device = resolve_device(args.device)
-    net, cfg, ckpt = load_trained(args.checkpoint, device, model_name=args.model_name,
-                                  trust=args.trust_checkpoint)
+    net, cfg, ckpt = load_trained(
+        args.checkpoint, device, model_name=args.model_name, trust=args.trust_checkpoint
+    )
     if args.skip_bad_files:
         cfg.data.skip_bad_files = True
-    data = select_data(cfg, index=args.index, root=args.root, split=args.split,
-                       gallery=args.gallery)
+    data = select_data(
+        cfg, index=args.index, root=args.root, split=args.split, gallery=args.gallery
+    )
     out_dir = args.out if args.out is not None else args.checkpoint.parent / "eval"
     evaluation, rows = evaluate_split(
-        net, cfg, data, batch_size=args.batch_size, device=device,
+        net,
+        cfg,
+        data,
+        batch_size=args.batch_size,
+        device=device,
         num_workers=cfg.data.num_workers if args.num_workers is None else args.num_workers,
-        progress=not args.quiet, max_pairs=args.max_pairs, seed=args.seed, skip_hint=SKIP_HINT)
-    setup = {
-        "checkpoint": str(args.checkpoint),
-        "model": describe_checkpoint(ckpt, cfg),
-        "index": str(data.evaluated.source),
-        "split": data.split,
-        "gallery": data.gallery_source,
-        **evaluation.setup,
-        "device": str(device),
-        "seconds": round(time.perf_counter() - start, 2),
-    }
-    write_evaluation(out_dir, evaluation, projection=args.projection, seed=args.seed, setup=setup,
-                     rows=rows)
-    print_summary(evaluation, setup, out_dir)
+        progress=not args.quiet,
+        max_pairs=args.max_pairs,
+        seed=args.seed,
+        skip_hint=SKIP_HINT,
+    )
+    model = describe_checkpoint(ckpt, cfg)
+    seconds = time.perf_counter() - start
+    setup = evaluation_setup(
+        args.checkpoint, model, data, evaluation, device=device, seconds=seconds
+    )
+    write_evaluation(
+        out_dir, evaluation, projection=args.projection, seed=args.seed, setup=setup, rows=rows
+    )
+    print("\n".join(summary_lines(evaluation, setup, out_dir)))
     return 0
 
 

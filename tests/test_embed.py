@@ -43,8 +43,13 @@ def setup(tmp_path_factory, tiny_demo):
     (queries / "notes.txt").write_text("not audio")
     (root / "model").mkdir()
     model = make_checkpoint(root / "model" / "best.pt", "conformer")
-    return {"root": root, "gallery": gallery, "queries": queries, "expected": expected,
-            "model": model}
+    return {
+        "root": root,
+        "gallery": gallery,
+        "queries": queries,
+        "expected": expected,
+        "model": model,
+    }
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -70,9 +75,18 @@ def parse_rankings(stdout: str) -> dict[str, list[tuple[str, float]]]:
 
 
 def embed_cli(capsys, setup, *extra, model=None):
-    code, out, err = run_cli(capsys, "--model", model or setup["model"], "--gallery",
-                             setup["gallery"], "--quiet", "--device", "cpu", *extra,
-                             setup["queries"])
+    code, out, err = run_cli(
+        capsys,
+        "--model",
+        model or setup["model"],
+        "--gallery",
+        setup["gallery"],
+        "--quiet",
+        "--device",
+        "cpu",
+        *extra,
+        setup["queries"],
+    )
     assert code == 0, err
     return out, parse_rankings(out)
 
@@ -113,8 +127,9 @@ def test_gallery_embeddings_are_cached_per_sheet_content(setup, capsys):
 
     edited = setup["root"] / "edited.csv"  # another sheet content → its own cache entry
     pd.read_csv(setup["gallery"]).iloc[:3].to_csv(edited, index=False)
-    code, out, _ = run_cli(capsys, "--model", setup["model"], "--gallery", edited, "--quiet",
-                           setup["queries"])
+    code, out, _ = run_cli(
+        capsys, "--model", setup["model"], "--gallery", edited, "--quiet", setup["queries"]
+    )
     assert code == 0 and "3 files, 3 classes)" in out.splitlines()[0]
     assert len(list(cache.glob("gallery-*.npz"))) == 2
     third, _ = embed_cli(capsys, setup, "--no-cache")
@@ -133,6 +148,7 @@ def test_exports_rank_like_the_checkpoint(setup, capsys, tmp_path):
         import onnx  # noqa: F401
         import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401
+
         exports.append(("onnx", False))  # ONNX without the front end: log-mel computed here
     except ImportError:
         pass
@@ -156,14 +172,17 @@ def write_sheet(path: Path, setup, drop: str | None = None) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case, message", [
-    ("empty folder", "no .wav / .flac / .ogg files found"),
-    ("missing path", "does not exist"),
-    ("npy for an audio model", "the model takes audio, not .npy files"),
-    ("gallery without classes", "has no column 'a_cls'"),
-    ("unreadable audio", "cannot read audio file"),
-    ("export without sidecar", "needs its sidecar"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("empty folder", "no .wav / .flac / .ogg files found"),
+        ("missing path", "does not exist"),
+        ("npy for an audio model", "the model takes audio, not .npy files"),
+        ("gallery without classes", "has no column 'a_cls'"),
+        ("unreadable audio", "cannot read audio file"),
+        ("export without sidecar", "needs its sidecar"),
+    ],
+)
 def test_errors_exit_2_with_one_line(setup, capsys, tmp_path, case, message):
     gallery, inputs, model = setup["gallery"], [setup["queries"]], setup["model"]
     if case == "empty folder":
@@ -198,8 +217,12 @@ def test_folders_are_searched_for_every_audio_format_prepare_reads(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"")
     found = find_files([tmp_path], FeaturesConfig())
-    assert [p.relative_to(tmp_path).as_posix() for p in found] == ["a.aiff", "b.flac", "d.mp3",
-                                                                  "sub/c.WAV"]
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == [
+        "a.aiff",
+        "b.flac",
+        "d.mp3",
+        "sub/c.WAV",
+    ]
 
 
 def test_help_explains_inputs(capsys):
@@ -213,8 +236,18 @@ def test_help_explains_inputs(capsys):
 def test_one_unreadable_file_is_named_and_the_others_are_embedded(setup, capsys, tmp_path):
     broken = tmp_path / "broken.wav"
     broken.write_bytes(b"RIFF but not really a wav file")
-    code, out, err = run_cli(capsys, "--model", setup["model"], "--gallery", setup["gallery"],
-                             "--quiet", "--device", "cpu", setup["queries"], broken)
+    code, out, err = run_cli(
+        capsys,
+        "--model",
+        setup["model"],
+        "--gallery",
+        setup["gallery"],
+        "--quiet",
+        "--device",
+        "cpu",
+        setup["queries"],
+        broken,
+    )
     assert code == 1
     rankings = parse_rankings(out)
     assert set(rankings) == set(setup["expected"])  # every readable query was ranked
@@ -228,12 +261,23 @@ def test_a_model_that_gives_nan_is_refused(setup, capsys, tmp_path):
     from audioclf import checkpoint
 
     ckpt = checkpoint.load(setup["model"])
-    ckpt["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
-                     for k, v in ckpt["model"].items()}
+    ckpt["model"] = {
+        k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+        for k, v in ckpt["model"].items()
+    }
     (tmp_path / "nan").mkdir()
     torch.save(ckpt, tmp_path / "nan" / "best.pt")
-    code, out, err = run_cli(capsys, "--model", tmp_path / "nan" / "best.pt", "--gallery",
-                             setup["gallery"], "--quiet", "--device", "cpu", setup["queries"])
+    code, out, err = run_cli(
+        capsys,
+        "--model",
+        tmp_path / "nan" / "best.pt",
+        "--gallery",
+        setup["gallery"],
+        "--quiet",
+        "--device",
+        "cpu",
+        setup["queries"],
+    )
     assert code == 2 and out == "" and "NaN/inf embeddings" in err and err.count("\n") == 1
 
 
@@ -255,8 +299,21 @@ def sheet(setup, tiny_demo):
 
 
 def index_cli(capsys, setup, sheet, prefix, *extra):
-    return run_cli(capsys, "--model", setup["model"], "--index", sheet, "--save", prefix,
-                   "--quiet", "--device", "cpu", "--num-workers", 0, *extra)
+    return run_cli(
+        capsys,
+        "--model",
+        setup["model"],
+        "--index",
+        sheet,
+        "--save",
+        prefix,
+        "--quiet",
+        "--device",
+        "cpu",
+        "--num-workers",
+        0,
+        *extra,
+    )
 
 
 def saved(prefix) -> tuple[np.ndarray, pd.DataFrame]:
@@ -268,8 +325,7 @@ def test_index_mode_matches_embed_files_row_for_row(setup, sheet, capsys, tmp_pa
 
     monkeypatch.setattr(index_embedding, "CHUNK_ROWS", 16)
     prefix = tmp_path / "out" / "all"
-    code, out, err = index_cli(capsys, setup, sheet, prefix, "--batch-size", 8,
-                               "--num-workers", 1)
+    code, out, err = index_cli(capsys, setup, sheet, prefix, "--batch-size", 8, "--num-workers", 1)
     assert code == 0, err
     table = pd.read_csv(sheet, dtype=str)
     embeddings, rows = saved(prefix)
@@ -290,16 +346,18 @@ def test_index_mode_matches_embed_files_row_for_row(setup, sheet, capsys, tmp_pa
     assert code == 0, err
     val_embeddings, val_rows = saved(tmp_path / "val")
     assert val_rows["id"].tolist() == [i for i in table["a_id"] if i.endswith("_00")]
-    np.testing.assert_allclose(val_embeddings, embeddings[val_rows["row"].to_numpy() - 2],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        val_embeddings, embeddings[val_rows["row"].to_numpy() - 2], atol=1e-5
+    )
 
 
 class Killed(Exception):
     """The process dying after some chunks."""
 
 
-def test_a_killed_run_resumes_without_recomputing_finished_chunks(setup, sheet, capsys, tmp_path,
-                                                                  monkeypatch):
+def test_a_killed_run_resumes_without_recomputing_finished_chunks(
+    setup, sheet, capsys, tmp_path, monkeypatch
+):
     monkeypatch.setattr(index_embedding, "CHUNK_ROWS", 8)  # 6 chunks
     code, _, err = index_cli(capsys, setup, sheet, tmp_path / "straight")
     assert code == 0, err
@@ -319,8 +377,11 @@ def test_a_killed_run_resumes_without_recomputing_finished_chunks(setup, sheet, 
     with pytest.raises(Killed):
         index_cli(capsys, setup, sheet, prefix)
     parts = tmp_path / "resumed.parts"
-    assert sorted(p.name for p in parts.glob("chunk-*")) == writes == [
-        "chunk-000000.npz", "chunk-000001.npz", "chunk-000002.npz"]
+    assert (
+        sorted(p.name for p in parts.glob("chunk-*"))
+        == writes
+        == ["chunk-000000.npz", "chunk-000001.npz", "chunk-000002.npz"]
+    )
     assert not (tmp_path / "resumed.npy").exists()
     (parts / "chunk-000002.npz").write_bytes(b"half a file")  # a damaged part is embedded again
     table = pd.read_csv(sheet, dtype=str)
@@ -335,8 +396,9 @@ def test_a_killed_run_resumes_without_recomputing_finished_chunks(setup, sheet, 
 
     # Another model must not finish this run.
     other = make_checkpoint(tmp_path / "other.pt", "conformer", seed=1)
-    code, out, err = run_cli(capsys, "--model", other, "--index", sheet, "--save", prefix,
-                             "--quiet", "--num-workers", 0)
+    code, out, err = run_cli(
+        capsys, "--model", other, "--index", sheet, "--save", prefix, "--quiet", "--num-workers", 0
+    )
     assert code == 2 and out == "" and err.count("\n") == 1
     assert f"{parts} holds the unfinished work of another run" in err and "model" in err
 
@@ -385,8 +447,9 @@ def test_unreadable_files_stop_the_run_or_are_skipped(setup, sheet, capsys, tmp_
     assert list(skipped.columns) == ["row", "id", "path", "reason"]
     assert skipped["row"].tolist() == [7, 11]
     assert skipped["path"].tolist() == [str(broken), str(tmp_path / "missing.wav")]
-    assert all(str(path) in reason for path, reason in zip(skipped["path"], skipped["reason"],
-                                                           strict=True))
+    assert all(
+        str(path) in reason for path, reason in zip(skipped["path"], skipped["reason"], strict=True)
+    )
     assert "skipped 2 unreadable file(s)" in out and "kept.skipped.csv" in out
 
     code, _, err = index_cli(capsys, setup, sheet, tmp_path / "kept")  # all readable now
@@ -394,16 +457,19 @@ def test_unreadable_files_stop_the_run_or_are_skipped(setup, sheet, capsys, tmp_
     assert not (tmp_path / "kept.skipped.csv").exists()  # no stale list of the earlier run
 
 
-@pytest.mark.parametrize("case, message", [
-    ("index without save", "--index needs --save PREFIX"),
-    ("index with files", "drop audio files"),
-    ("index with gallery", "drop --gallery"),
-    ("nothing to do", "give audio files or folders and --gallery SHEET"),
-    ("split without index", "--split applies to --index"),
-    ("absent split", "has no 'test' split"),
-    ("sheet without classes", "has no column 'a_cls'"),
-    ("bad workers", "--num-workers must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("index without save", "--index needs --save PREFIX"),
+        ("index with files", "drop audio files"),
+        ("index with gallery", "drop --gallery"),
+        ("nothing to do", "give audio files or folders and --gallery SHEET"),
+        ("split without index", "--split applies to --index"),
+        ("absent split", "has no 'test' split"),
+        ("sheet without classes", "has no column 'a_cls'"),
+        ("bad workers", "--num-workers must be >= 0"),
+    ],
+)
 def test_index_errors_exit_2_with_one_line(setup, sheet, capsys, tmp_path, case, message):
     args = ["--model", setup["model"], "--quiet", "--index", sheet, "--save", tmp_path / "x"]
     if case == "index without save":

@@ -13,18 +13,27 @@ import pandas as pd
 import pytest
 import torch
 
-from audioclf import evaluate
 from audioclf.checkpoint import CheckpointError
 from audioclf.data.index import load_index
 from audioclf.evaluate import main
 from audioclf.inference import embed_files, load_trained
-from audioclf.inference.evaluation import enrollment_split, select_data
+from audioclf.inference.evaluation import SUMMARY_METRICS, select_data
+from audioclf.inference.evaluation_metrics import enrollment_split
 from audioclf.report import REPORT_FILES
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = ("precision_at_1", "map_at_r", "r_precision", "knn_accuracy", "centroid_accuracy",
-           "eer", "min_dcf", "nmi", "ami")
+METRICS = (
+    "precision_at_1",
+    "map_at_r",
+    "r_precision",
+    "knn_accuracy",
+    "centroid_accuracy",
+    "eer",
+    "min_dcf",
+    "nmi",
+    "ami",
+)
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +42,9 @@ def trained(tmp_path_factory, tiny_demo):
     from audioclf.trainer import fit
 
     runs = tmp_path_factory.mktemp("runs")
-    cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=1", "train.limit_batches=4",
-                      "eval.every=0")
+    cfg = tiny_config(
+        tiny_demo, runs, "cnn", "train.epochs=1", "train.limit_batches=4", "eval.every=0"
+    )
     run_dir = Path(fit(cfg)["run_dir"])
     return run_dir / "best.pt"
 
@@ -64,8 +74,18 @@ def read_report(folder: Path) -> dict:
 
 def test_default_evaluation_writes_a_complete_report(trained, tmp_path, capsys):
     out = tmp_path / "eval"
-    code, stdout, err = run_cli(capsys, "--checkpoint", trained, "--out", out, "--num-workers", 0,
-                                "--quiet", "--device", "cpu")
+    code, stdout, err = run_cli(
+        capsys,
+        "--checkpoint",
+        trained,
+        "--out",
+        out,
+        "--num-workers",
+        0,
+        "--quiet",
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     for name in ("report.json", "report.md", "det.png", "per_class_p1.png", "projection.png"):
         assert (out / name).stat().st_size > 0, name
@@ -96,8 +116,9 @@ def test_default_evaluation_writes_a_complete_report(trained, tmp_path, capsys):
 
 
 def test_default_out_is_next_to_the_checkpoint(trained, capsys):
-    code, _, err = run_cli(capsys, "--checkpoint", trained, "--num-workers", 0, "--quiet",
-                           "--gallery", "none")
+    code, _, err = run_cli(
+        capsys, "--checkpoint", trained, "--num-workers", 0, "--quiet", "--gallery", "none"
+    )
     assert code == 0, err
     report = read_report(trained.parent / "eval")
     assert report["evaluation"]["classification"] == "none"
@@ -107,11 +128,24 @@ def test_default_out_is_next_to_the_checkpoint(trained, capsys):
 def test_index_and_split_are_honoured_closed_set(trained, closed_set_sheet, tmp_path, capsys):
     for split, expected in (("val", 36), ("test", 36)):
         out = tmp_path / split
-        code, stdout, err = run_cli(capsys, "--checkpoint", trained, "--index", closed_set_sheet,
-                                    "--split", split, "--out", out, "--num-workers", 0, "--quiet",
-                                    "--projection", "tsne")
+        code, stdout, err = run_cli(
+            capsys,
+            "--checkpoint",
+            trained,
+            "--index",
+            closed_set_sheet,
+            "--split",
+            split,
+            "--out",
+            out,
+            "--num-workers",
+            0,
+            "--quiet",
+            "--projection",
+            "tsne",
+        )
         assert code == 0, err
-        for name in evaluate.SUMMARY_METRICS:  # the summary table has a row per metric
+        for name in SUMMARY_METRICS:  # the summary table has a row per metric
             assert any(line.split()[:1] == [name] for line in stdout.splitlines()), name
         setup = read_report(out)["evaluation"]
         assert setup["index"] == str(closed_set_sheet)
@@ -124,14 +158,17 @@ def test_index_and_split_are_honoured_closed_set(trained, closed_set_sheet, tmp_
         assert math.isfinite(read_report(out)["metrics"]["knn_accuracy"])
 
 
-def test_a_later_evaluation_leaves_nothing_of_an_earlier_one(trained, closed_set_sheet, tmp_path,
-                                                              capsys):
+def test_a_later_evaluation_leaves_nothing_of_an_earlier_one(
+    trained, closed_set_sheet, tmp_path, capsys
+):
     out = tmp_path / "eval"
     common = ["--checkpoint", trained, "--out", out, "--num-workers", 0, "--quiet"]
     code, _, err = run_cli(capsys, *common, "--index", closed_set_sheet)  # closed set: confusion
     assert code == 0, err
     assert (out / "confusion.png").is_file()
-    first_ids = {line.split("\t")[2] for line in (out / "metadata.tsv").read_text().splitlines()[1:]}
+    first_ids = {
+        line.split("\t")[2] for line in (out / "metadata.tsv").read_text().splitlines()[1:]
+    }
     code, _, err = run_cli(capsys, *common)  # the open-set val split of the checkpoint's sheet
     assert code == 0, err
     assert not (out / "confusion.png").exists()  # a stale plot does not pass for this run
@@ -149,17 +186,39 @@ def test_gallery_sheet(trained, closed_set_sheet, tmp_path, capsys):
     table = pd.read_csv(closed_set_sheet, dtype=str)
     full = tmp_path / "gallery.csv"
     table[table["split"] == "train"].drop(columns="split").to_csv(full, index=False)
-    code, _, err = run_cli(capsys, "--checkpoint", trained, "--index", closed_set_sheet,
-                           "--gallery", full, "--out", tmp_path / "ok", "--num-workers", 0,
-                           "--quiet")
+    code, _, err = run_cli(
+        capsys,
+        "--checkpoint",
+        trained,
+        "--index",
+        closed_set_sheet,
+        "--gallery",
+        full,
+        "--out",
+        tmp_path / "ok",
+        "--num-workers",
+        0,
+        "--quiet",
+    )
     assert code == 0, err
     assert read_report(tmp_path / "ok")["evaluation"]["gallery"] == str(full)
 
     partial = tmp_path / "partial.csv"
     table[table["a_cls"] != "c03"].to_csv(partial, index=False)
-    code, out, err = run_cli(capsys, "--checkpoint", trained, "--index", closed_set_sheet,
-                             "--gallery", partial, "--out", tmp_path / "bad", "--num-workers", 0,
-                             "--quiet")
+    code, out, err = run_cli(
+        capsys,
+        "--checkpoint",
+        trained,
+        "--index",
+        closed_set_sheet,
+        "--gallery",
+        partial,
+        "--out",
+        tmp_path / "bad",
+        "--num-workers",
+        0,
+        "--quiet",
+    )
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "lacks 1 of the 12 evaluated classes ('c03')" in err
     assert not (tmp_path / "bad").exists()
@@ -171,17 +230,21 @@ def corrupt_checkpoint(trained: Path, tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing checkpoint", "does not exist"),
-    ("corrupt checkpoint", "cannot be read"),
-    ("empty split", "the val split of"),
-    ("absent split", "has no 'test' split"),
-    ("index without class column", "has no column 'a_cls'"),
-    ("wrong model name", "--model-name conformer was requested but"),
-    ("no cuda", "CUDA is not available"),
-])
-def test_errors_exit_2_with_one_line_and_write_nothing(trained, closed_set_sheet, tmp_path, capsys,
-                                                      case, message):
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing checkpoint", "does not exist"),
+        ("corrupt checkpoint", "cannot be read"),
+        ("empty split", "the val split of"),
+        ("absent split", "has no 'test' split"),
+        ("index without class column", "has no column 'a_cls'"),
+        ("wrong model name", "--model-name conformer was requested but"),
+        ("no cuda", "CUDA is not available"),
+    ],
+)
+def test_errors_exit_2_with_one_line_and_write_nothing(
+    trained, closed_set_sheet, tmp_path, capsys, case, message
+):
     if case == "no cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     table = pd.read_csv(closed_set_sheet, dtype=str)
@@ -253,8 +316,11 @@ def test_weights_of_another_model_config_are_named(trained, tmp_path):
     ckpt["config"]["model"]["cnn"]["width"] = 8
     ckpt["config"]["model"]["embedding_dim"] = 16
     torch.save(ckpt, other)
-    with pytest.raises(CheckpointError, match=r"missing keys embedder\.embedding\.bias; "
-                                              r"unexpected keys extra\.weight"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing keys embedder\.embedding\.bias; "
+        r"unexpected keys extra\.weight",
+    ):
         load_trained(other)
 
 
@@ -266,8 +332,10 @@ def test_ddp_prefixed_weights_load(trained, tmp_path, tiny_demo):
     net, cfg, _ = load_trained(wrapped)
     reference, _, _ = load_trained(trained)
     files = load_index(cfg.data).table["path"].tolist()[:3]
-    np.testing.assert_array_equal(embed_files(net, cfg, files, progress=False),
-                                  embed_files(reference, cfg, files, progress=False))
+    np.testing.assert_array_equal(
+        embed_files(net, cfg, files, progress=False),
+        embed_files(reference, cfg, files, progress=False),
+    )
 
 
 def test_enrollment_split_is_by_item_and_keeps_both_sides():
@@ -284,7 +352,12 @@ def test_enrollment_split_is_by_item_and_keeps_both_sides():
 
 @pytest.mark.slow
 def test_help_runs_as_a_module():
-    result = subprocess.run([sys.executable, "-m", "audioclf.evaluate", "--help"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "audioclf.evaluate", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "MAP@R" in result.stdout and "--gallery" in result.stdout

@@ -31,8 +31,10 @@ def waves(seconds: float, fractions: list[float], seed: int) -> tuple[torch.Tens
 
 def log_mel_batch(x: torch.Tensor, lengths: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """Each clip's log-mel on its own (audioclf.spectrogram.log_mel), zero-padded to a batch."""
-    feats = [torch.from_numpy(log_mel(row[:n], cfg.features)) for row, n in
-             zip(x, lengths.tolist(), strict=True)]
+    feats = [
+        torch.from_numpy(log_mel(row[:n], cfg.features))
+        for row, n in zip(x, lengths.tolist(), strict=True)
+    ]
     frames = torch.tensor([f.shape[0] for f in feats])
     batch = torch.zeros(len(feats), int(frames.max()), cfg.features.n_mels)
     for row, f in enumerate(feats):
@@ -43,8 +45,12 @@ def log_mel_batch(x: torch.Tensor, lengths: torch.Tensor, cfg) -> tuple[torch.Te
 @torch.no_grad()
 def per_clip_embeddings(net, x, lengths) -> torch.Tensor:
     """The PyTorch model on each clip alone: what every export must reproduce."""
-    return torch.cat([net.embed(row[None, :n], torch.tensor([n])) for row, n in
-                      zip(x, lengths.tolist(), strict=True)])
+    return torch.cat(
+        [
+            net.embed(row[None, :n], torch.tensor([n]))
+            for row, n in zip(x, lengths.tolist(), strict=True)
+        ]
+    )
 
 
 @torch.no_grad()
@@ -74,8 +80,16 @@ def leftovers(folder: Path) -> list[Path]:
 def test_torchscript_round_trip(tmp_path, capsys, name, frontend):
     ckpt = make_checkpoint(tmp_path / "best.pt", name)
     out = tmp_path / "export" / "model.pt"
-    code, stdout, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out",
-                                out, *([] if frontend else ["--no-frontend"]))
+    code, stdout, err = run_cli(
+        capsys,
+        "--checkpoint",
+        ckpt,
+        "--format",
+        "torchscript",
+        "--out",
+        out,
+        *([] if frontend else ["--no-frontend"]),
+    )
     assert code == 0, err
     assert "parity: max abs difference" in stdout
     net, cfg, _ = load_trained(ckpt)
@@ -104,8 +118,9 @@ def test_torchscript_round_trip(tmp_path, capsys, name, frontend):
 def test_a_classifier_head_adds_logits_and_the_class_names(tmp_path, capsys):
     ckpt = make_checkpoint(tmp_path / "best.pt", "cnn", classes=("bird", "car", "dog"))
     out = tmp_path / "model.pt"
-    code, stdout, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript",
-                                "--out", out)
+    code, stdout, err = run_cli(
+        capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out", out
+    )
     assert code == 0, err
     assert "logits of 3 classes" in stdout
     net, _, _ = load_trained(ckpt)
@@ -130,12 +145,24 @@ def test_state_dict_export_is_a_slim_loadable_checkpoint(tmp_path, capsys):
     rebuilt, cfg, _ = load_trained(out)
     original, _, _ = load_trained(ckpt)
     x, lengths = waves(1.0, [1.0, 0.4], seed=4)
-    torch.testing.assert_close(per_clip_embeddings(rebuilt, x, lengths),
-                               per_clip_embeddings(original, x, lengths), atol=0, rtol=0)
+    torch.testing.assert_close(
+        per_clip_embeddings(rebuilt, x, lengths),
+        per_clip_embeddings(original, x, lengths),
+        atol=0,
+        rtol=0,
+    )
     assert json.loads(Path(f"{out}.json").read_text())["format"] == "state_dict"
 
-    code, _, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "state_dict", "--out",
-                           tmp_path / "nf.pt", "--no-frontend")
+    code, _, err = run_cli(
+        capsys,
+        "--checkpoint",
+        ckpt,
+        "--format",
+        "state_dict",
+        "--out",
+        tmp_path / "nf.pt",
+        "--no-frontend",
+    )
     assert code == 2 and "--no-frontend applies to torchscript and onnx" in err
 
 
@@ -146,12 +173,23 @@ def test_onnx_round_trip_with_dynamic_batch_and_time(tmp_path, capsys, name, fro
     ort = pytest.importorskip("onnxruntime")
     ckpt = make_checkpoint(tmp_path / "best.pt", name)
     out = tmp_path / "model.onnx"
-    code, _, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "onnx", "--out", out,
-                           *([] if frontend else ["--no-frontend"]))
+    code, _, err = run_cli(
+        capsys,
+        "--checkpoint",
+        ckpt,
+        "--format",
+        "onnx",
+        "--out",
+        out,
+        *([] if frontend else ["--no-frontend"]),
+    )
     assert code == 0, err
     # The weights are inside the file (no external .data file), and no temp file is left.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "model.onnx",
-                                                          "model.onnx.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "best.pt",
+        "model.onnx",
+        "model.onnx.json",
+    ]
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     inputs = session.get_inputs()
     assert [i.name for i in inputs] == ["waveform" if frontend else "features", "lengths"]
@@ -161,8 +199,7 @@ def test_onnx_round_trip_with_dynamic_batch_and_time(tmp_path, capsys, name, fro
         expected = expected_embeddings(net, x, lengths, frontend)
         if not frontend:
             x, lengths = log_mel_batch(x, lengths, cfg)
-        (embeddings,) = session.run(None, {inputs[0].name: x.numpy(),
-                                           "lengths": lengths.numpy()})
+        (embeddings,) = session.run(None, {inputs[0].name: x.numpy(), "lengths": lengths.numpy()})
         torch.testing.assert_close(torch.from_numpy(embeddings), expected, atol=TOL, rtol=0)
     meta = json.loads(Path(f"{out}.json").read_text())
     assert meta["format"] == "onnx" and meta["opset"] == 18
@@ -179,8 +216,9 @@ def test_parity_failure_exits_1_and_removes_the_artefact(tmp_path, capsys, monke
 
     monkeypatch.setattr(exporting, "load_torchscript", perturbed_loader)
     out = tmp_path / "out" / "model.pt"
-    code, stdout, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript",
-                                "--out", out)
+    code, stdout, err = run_cli(
+        capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out", out
+    )
     assert code == 1 and stdout == ""
     assert "parity check failed" in err and "0.001" in err
     assert sorted(p.name for p in out.parent.iterdir()) == []  # no artefact, sidecar or temp
@@ -193,11 +231,14 @@ def test_a_scripting_failure_is_one_line_naming_the_network(tmp_path, capsys, mo
     monkeypatch.setattr(torch.jit, "script", failing_script)
     ckpt = make_checkpoint(tmp_path / "best.pt", "conformer")
     out = tmp_path / "out" / "model.pt"
-    code, stdout, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript",
-                                "--out", out)
+    code, stdout, err = run_cli(
+        capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out", out
+    )
     assert code == 2 and stdout == "" and err.count("\n") == 1
-    assert err.startswith("python -m audioclf.export: error: torch.jit.script failed for the "
-                          "ConformerEmbedder: Python builtin")
+    assert err.startswith(
+        "python -m audioclf.export: error: torch.jit.script failed for the "
+        "ConformerEmbedder: Python builtin"
+    )
     assert sorted(p.name for p in out.parent.iterdir()) == []  # no artefact, sidecar or temp
 
 
@@ -211,15 +252,19 @@ def test_missing_onnx_packages_say_what_to_install(tmp_path, capsys, monkeypatch
     assert not out.exists()
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--model-name", "conformer"], "holds a cnn model"),
-    (["--format", "onnx", "--opset", "17"], "opset 18 or newer"),
-    (["--tolerance", "-1"], "--tolerance must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model-name", "conformer"], "holds a cnn model"),
+        (["--format", "onnx", "--opset", "17"], "opset 18 or newer"),
+        (["--tolerance", "-1"], "--tolerance must be >= 0"),
+    ],
+)
 def test_bad_input_exits_2(tmp_path, capsys, extra, message):
     ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
-    code, _, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out",
-                           tmp_path / "m.pt", *extra)
+    code, _, err = run_cli(
+        capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out", tmp_path / "m.pt", *extra
+    )
     assert code == 2 and message in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]
 
@@ -237,25 +282,30 @@ def test_corrupt_checkpoint_is_one_line(tmp_path, capsys):
     bad.write_bytes(b"not a checkpoint")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        code, _, err = run_cli(capsys, "--checkpoint", bad, "--format", "torchscript", "--out",
-                               tmp_path / "m.pt")
+        code, _, err = run_cli(
+            capsys, "--checkpoint", bad, "--format", "torchscript", "--out", tmp_path / "m.pt"
+        )
     assert code == 2 and "cannot be read" in err and err.count("\n") == 1
 
 
 def test_a_nan_model_fails_export_with_one_line(tmp_path, capsys):
     ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
     state = torch.load(ckpt, weights_only=False)
-    state["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
-                      for k, v in state["model"].items()}
+    state["model"] = {
+        k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+        for k, v in state["model"].items()
+    }
     torch.save(state, ckpt)
     out = tmp_path / "out" / "model.pt"
-    code, stdout, err = run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript",
-                                "--out", out)
+    code, stdout, err = run_cli(
+        capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out", out
+    )
     assert code == 2 and stdout == "" and err.count("\n") == 1  # was "max abs difference 0"
     assert "NaN/inf outputs" in err and not out.parent.exists()
 
 
 def test_parity_counts_nan_in_the_artefact_as_a_failure():
     x = (torch.zeros(2, 4), torch.tensor([4, 4]))
-    assert exporting.parity_difference(lambda *_: torch.zeros(2, 3),
-                                    lambda *_: (torch.full((2, 3), float("nan")),), [x]) == float("inf")
+    assert exporting.parity_difference(
+        lambda *_: torch.zeros(2, 3), lambda *_: (torch.full((2, 3), float("nan")),), [x]
+    ) == float("inf")

@@ -90,7 +90,9 @@ def test_retrieval_hand_computed_case():
     assert result["r_precision"] == pytest.approx(0.3, abs=1e-12)
     assert result["map_at_r"] == pytest.approx(0.25, abs=1e-12)
     assert result["n_queries"] == 5
-    np.testing.assert_array_equal(result["per_sample_correct_at_1"], [True, True, False, False, False, False])
+    np.testing.assert_array_equal(
+        result["per_sample_correct_at_1"], [True, True, False, False, False, False]
+    )
     assert pml_retrieval(embeddings, labels) == pytest.approx(
         {"precision_at_1": 0.4, "map_at_r": 0.25, "r_precision": 0.3}, abs=1e-12
     )
@@ -125,7 +127,9 @@ def test_retrieval_chunked_equals_unchunked(chunk_size):
     assert chunk_size < len(labels)
     whole = retrieval_metrics(embeddings, labels, chunk_size=10_000, return_per_sample=True)
     chunked = retrieval_metrics(embeddings, labels, chunk_size=chunk_size, return_per_sample=True)
-    np.testing.assert_array_equal(chunked.pop("per_sample_correct_at_1"), whole.pop("per_sample_correct_at_1"))
+    np.testing.assert_array_equal(
+        chunked.pop("per_sample_correct_at_1"), whole.pop("per_sample_correct_at_1")
+    )
     assert chunked == pytest.approx(whole, abs=1e-12)
 
 
@@ -230,14 +234,14 @@ def test_cross_item_hand_computed_case():
     embeddings = on_circle([0, 10, 30, 200, 14, 65, 270, 280], scales=[1, 2, 0.5, 3, 1, 4, 1, 2])
     labels = np.array([0, 0, 0, 0, 1, 1, 2, 2])
     items = np.array(["a", "a", "b", "b", "a", "d", "a", "f"])
-    result = retrieval_metrics(embeddings, labels, items=items, return_per_sample=True, chunk_size=3)
+    result = retrieval_metrics(
+        embeddings, labels, items=items, return_per_sample=True, chunk_size=3
+    )
     assert result["precision_at_1"] == pytest.approx(2 / 8, abs=1e-12)
     assert result["r_precision"] == pytest.approx(3.5 / 8, abs=1e-12)
     assert result["map_at_r"] == pytest.approx(2.75 / 8, abs=1e-12)
     assert result["n_queries"] == 8 and result["n_queries_without_other_item"] == 0
-    np.testing.assert_array_equal(
-        result["per_sample_correct_at_1"], [False] * 6 + [True, True]
-    )
+    np.testing.assert_array_equal(result["per_sample_correct_at_1"], [False] * 6 + [True, True])
 
 
 def test_cross_item_leaves_out_classes_with_one_item():
@@ -257,7 +261,9 @@ def test_cross_item_leaves_out_classes_with_one_item():
     every_class_one_item = retrieval_metrics(embeddings, labels, items=labels)
     assert every_class_one_item["n_queries"] == 0
     assert every_class_one_item["n_queries_without_other_item"] == 8
-    assert np.isnan(every_class_one_item["precision_at_1"]) and np.isnan(every_class_one_item["map_at_r"])
+    assert np.isnan(every_class_one_item["precision_at_1"]) and np.isnan(
+        every_class_one_item["map_at_r"]
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [5, 10_000])
@@ -265,12 +271,22 @@ def test_items_none_is_leave_one_out_and_one_item_per_sample_equals_it(chunk_siz
     embeddings, labels = clustered([3, 8, 15, 1, 30, 6], seed=5)
     loo = retrieval_metrics(embeddings, labels, chunk_size=chunk_size, return_per_sample=True)
     # The leave-one-out result keeps its keys and its PML-equal values.
-    assert sorted(loo) == ["map_at_r", "n_queries", "per_sample_correct_at_1", "precision_at_1", "r_precision"]
+    assert sorted(loo) == [
+        "map_at_r",
+        "n_queries",
+        "per_sample_correct_at_1",
+        "precision_at_1",
+        "r_precision",
+    ]
     for name, value in pml_retrieval(embeddings, labels).items():
         assert loo[name] == pytest.approx(value, abs=1e-6), name
     # Leave-one-out is cross-item retrieval where every sample is its own item.
     one_per_sample = retrieval_metrics(
-        embeddings, labels, items=np.arange(len(labels)), chunk_size=chunk_size, return_per_sample=True
+        embeddings,
+        labels,
+        items=np.arange(len(labels)),
+        chunk_size=chunk_size,
+        return_per_sample=True,
     )
     np.testing.assert_array_equal(
         one_per_sample.pop("per_sample_correct_at_1"), loo.pop("per_sample_correct_at_1")
@@ -282,8 +298,9 @@ def test_items_none_is_leave_one_out_and_one_item_per_sample_equals_it(chunk_siz
 def test_cross_item_accepts_torch_and_string_items():
     embeddings, labels, items = clustered_items([3, 4, 2], seed=7)
     from_numpy = retrieval_metrics(embeddings, labels, items=items)
-    from_torch = retrieval_metrics(torch.from_numpy(embeddings), torch.from_numpy(labels),
-                                   items=torch.from_numpy(items))
+    from_torch = retrieval_metrics(
+        torch.from_numpy(embeddings), torch.from_numpy(labels), items=torch.from_numpy(items)
+    )
     as_strings = retrieval_metrics(embeddings, labels, items=[f"rec{i}" for i in items])
     assert from_torch == pytest.approx(from_numpy, abs=1e-12)
     assert as_strings == pytest.approx(from_numpy, abs=1e-12)
@@ -347,7 +364,9 @@ def test_centroid_uses_normalised_members():
     # An unnormalised mean would be dragged to 80 deg by the long vector; normalised mean is 45.
     gallery = on_circle([10, 80], scales=[1.0, 100.0])
     query = on_circle([40, 190])
-    result = centroid_accuracy(query, [0, 1], np.concatenate([gallery, on_circle([180])]), [0, 0, 1])
+    result = centroid_accuracy(
+        query, [0, 1], np.concatenate([gallery, on_circle([180])]), [0, 0, 1]
+    )
     assert result["predictions"].tolist() == [0, 1]
 
 

@@ -40,8 +40,17 @@ def full_report(tmp_path, **overrides):
 
 def test_write_report_writes_every_file(tmp_path):
     written, _, _, _ = full_report(tmp_path)
-    expected = {"report.json", "report.md", "det.png", "per_class_p1.png", "projection.png", "confusion.png",
-                "embeddings.tsv", "metadata.tsv", "embeddings.html"}
+    expected = {
+        "report.json",
+        "report.md",
+        "det.png",
+        "per_class_p1.png",
+        "projection.png",
+        "confusion.png",
+        "embeddings.tsv",
+        "metadata.tsv",
+        "embeddings.html",
+    }
     assert set(written) == expected
     out_dir = tmp_path / "report"
     assert {path.name for path in out_dir.iterdir()} == expected  # no temporary files left
@@ -99,10 +108,19 @@ def test_optional_plots_skipped_and_per_class_computed_when_absent(tmp_path):
         class_names=class_names,
         projection="tsne",
     )
-    assert set(written) == {"report.json", "report.md", "per_class_p1.png", "projection.png",
-                            "embeddings.tsv", "metadata.tsv", "embeddings.html"}
+    assert set(written) == {
+        "report.json",
+        "report.md",
+        "per_class_p1.png",
+        "projection.png",
+        "embeddings.tsv",
+        "metadata.tsv",
+        "embeddings.html",
+    }
     report = json.loads(written["report.json"].read_text())
-    expected = retrieval_metrics(embeddings, labels, return_per_sample=True)["per_sample_correct_at_1"]
+    expected = retrieval_metrics(embeddings, labels, return_per_sample=True)[
+        "per_sample_correct_at_1"
+    ]
     row = next(row for row in report["per_class_p1"] if row["class_id"] == 0)
     assert row["p_at_1"] == pytest.approx(expected[labels == 0].mean())
 
@@ -112,7 +130,9 @@ def test_many_classes_and_large_projection_subsample(tmp_path):
     labels = rng.integers(0, 60, size=6000)
     embeddings = rng.normal(size=(60, 8))[labels] + 0.5 * rng.normal(size=(6000, 8))
     names = [f"c{i}" for i in range(60)]
-    predictions = knn_accuracy(embeddings[:3000], labels[:3000], embeddings[3000:], labels[3000:])["predictions"]
+    predictions = knn_accuracy(embeddings[:3000], labels[:3000], embeddings[3000:], labels[3000:])[
+        "predictions"
+    ]
     written = write_report(
         tmp_path,
         results={},
@@ -122,14 +142,18 @@ def test_many_classes_and_large_projection_subsample(tmp_path):
         knn_predictions=predictions,
     )
     assert written["confusion.png"].read_bytes().startswith(PNG_MAGIC)
-    big = write_report(tmp_path / "big", results={}, embeddings=embeddings, labels=labels, class_names=names)
+    big = write_report(
+        tmp_path / "big", results={}, embeddings=embeddings, labels=labels, class_names=names
+    )
     assert big["projection.png"].read_bytes().startswith(PNG_MAGIC)
 
 
 def test_report_validates_inputs(tmp_path):
     embeddings, labels, class_names = synthetic()
     with pytest.raises(ValueError, match="class_names has 4 entries"):
-        write_report(tmp_path, results={}, embeddings=embeddings, labels=labels, class_names=class_names[:4])
+        write_report(
+            tmp_path, results={}, embeddings=embeddings, labels=labels, class_names=class_names[:4]
+        )
     with pytest.raises(ValueError, match="knn_predictions has shape"):
         write_report(
             tmp_path,
@@ -141,7 +165,12 @@ def test_report_validates_inputs(tmp_path):
         )
     with pytest.raises(ValueError, match="projection"):
         write_report(
-            tmp_path, results={}, embeddings=embeddings, labels=labels, class_names=class_names, projection="umap"
+            tmp_path,
+            results={},
+            embeddings=embeddings,
+            labels=labels,
+            class_names=class_names,
+            projection="umap",
         )
     assert list(tmp_path.iterdir()) == []  # nothing written before validation passes
 
@@ -155,7 +184,9 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     embeddings, labels, class_names = synthetic()
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", crash)
     with pytest.raises(RuntimeError, match="disk full"):
-        write_report(tmp_path, results={}, embeddings=embeddings, labels=labels, class_names=class_names)
+        write_report(
+            tmp_path, results={}, embeddings=embeddings, labels=labels, class_names=class_names
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -170,9 +201,13 @@ def read_tsv(path) -> list[list[str]]:
 def item_metadata(labels):
     import pandas as pd
 
-    return pd.DataFrame({"item": [f"rec{i % 3}" for i in range(len(labels))],
-                         "id": [f"id{i:04d}" for i in range(len(labels))],
-                         "path": [f"/data/clip {i}.wav" for i in range(len(labels))]})
+    return pd.DataFrame(
+        {
+            "item": [f"rec{i % 3}" for i in range(len(labels))],
+            "id": [f"id{i:04d}" for i in range(len(labels))],
+            "path": [f"/data/clip {i}.wav" for i in range(len(labels))],
+        }
+    )
 
 
 def test_embedding_files_parse_and_describe_every_sample(tmp_path):
@@ -201,8 +236,11 @@ def test_embedding_files_parse_and_describe_every_sample(tmp_path):
         assert f"]({name})" in markdown
     assert f"all {len(labels)} samples" in markdown
     report = json.loads(written["report.json"].read_text())
-    assert report["embedding_files"]["embeddings.tsv"] == {"points": len(labels), "of": len(labels),
-                                                           "sampling": "all"}
+    assert report["embedding_files"]["embeddings.tsv"] == {
+        "points": len(labels),
+        "of": len(labels),
+        "sampling": "all",
+    }
 
 
 def test_large_sets_are_sampled_by_class_and_the_report_says_so(tmp_path):
@@ -210,8 +248,15 @@ def test_large_sets_are_sampled_by_class_and_the_report_says_so(tmp_path):
     labels = np.repeat(np.arange(6), [400, 200, 100, 50, 20, 5])
     embeddings = rng.normal(size=(len(labels), 8)).astype(np.float32)
     names = [f"c{i}" for i in range(6)]
-    written = write_report(tmp_path, results={}, embeddings=embeddings, labels=labels,
-                           class_names=names, tsv_points=300, html_points=60)
+    written = write_report(
+        tmp_path,
+        results={},
+        embeddings=embeddings,
+        labels=labels,
+        class_names=names,
+        tsv_points=300,
+        html_points=60,
+    )
     rows = read_tsv(written["metadata.tsv"])
     assert rows[0] == ["class", "sample"] and len(rows) == 301
     assert len(np.loadtxt(written["embeddings.tsv"], delimiter="\t", ndmin=2)) == 300
@@ -232,12 +277,23 @@ def test_names_cannot_break_the_files(tmp_path):
     embeddings, labels, _ = synthetic()
     names = ["<script>alert(1)</script>", "tab\there", "line\nbreak", 'quote"s', "&amp;"]
     metadata = pd.DataFrame({"item": ["it\tem"] * len(labels), "id": [""] * len(labels)})
-    written = write_report(tmp_path, results={}, embeddings=embeddings, labels=labels,
-                           class_names=names, metadata=metadata)
+    written = write_report(
+        tmp_path,
+        results={},
+        embeddings=embeddings,
+        labels=labels,
+        class_names=names,
+        metadata=metadata,
+    )
     rows = read_tsv(written["metadata.tsv"])
     assert all(len(row) == 3 for row in rows) and len(rows) == len(labels) + 1
-    assert {row[0] for row in rows[1:]} == {"<script>alert(1)</script>", "tab here", "line break",
-                                            'quote"s', "&amp;"}
+    assert {row[0] for row in rows[1:]} == {
+        "<script>alert(1)</script>",
+        "tab here",
+        "line break",
+        'quote"s',
+        "&amp;",
+    }
     assert {row[1] for row in rows[1:]} == {"it em"} and {row[2] for row in rows[1:]} == {"-"}
     page = written["embeddings.html"].read_text()
     assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)" in page
@@ -247,6 +303,12 @@ def test_names_cannot_break_the_files(tmp_path):
 def test_metadata_must_have_a_row_per_embedding(tmp_path):
     embeddings, labels, class_names = synthetic()
     with pytest.raises(ValueError, match="metadata has 3 rows but there are 48 embeddings"):
-        write_report(tmp_path, results={}, embeddings=embeddings, labels=labels,
-                     class_names=class_names, metadata=item_metadata(labels).iloc[:3])
+        write_report(
+            tmp_path,
+            results={},
+            embeddings=embeddings,
+            labels=labels,
+            class_names=class_names,
+            metadata=item_metadata(labels).iloc[:3],
+        )
     assert list(tmp_path.iterdir()) == []

@@ -100,9 +100,12 @@ class ClipsConfig:
     eval_crop: Literal["full", "center"] = "full"  # evaluation: whole clip or a centred crop
     eval_max_seconds: float = 30.0  # evaluation clips are cut (centred) to at most this length
     npy_layout: Literal["frames_bins", "bins_frames"] = "frames_bins"  # axis order of .npy files
+    final_crop_seconds: float | None = None  # training crop length in the last train.final_epochs epochs (large-margin fine-tuning); null = crop_seconds
 
     def __post_init__(self) -> None:
         _check(self.crop_seconds > 0, "clips.crop_seconds", self.crop_seconds, "> 0")
+        _check(self.final_crop_seconds is None or self.final_crop_seconds > 0,
+               "clips.final_crop_seconds", self.final_crop_seconds, "> 0, or null")
         _check(self.eval_max_seconds > 0, "clips.eval_max_seconds", self.eval_max_seconds, "> 0")
 
     def crop_samples(self, features: FeaturesConfig) -> int:
@@ -123,10 +126,14 @@ class SpecAugmentConfig:
     freq_mask: int = 8  # widest frequency mask in bins
     time_mask: int = 20  # widest time mask in frames
     num_masks: int = 2  # masks of each kind per example
+    tilt_db: float = 0.0  # per-crop random spectral tilt on the log-mel: up to ± this many dB between the lowest and highest mel bin (0 = off)
+    freq_warp: float = 0.0  # per-crop random warp of the mel axis by a factor in [1 - w, 1 + w] (filterbank jitter; 0 = off)
 
     def __post_init__(self) -> None:
         for key in ("freq_mask", "time_mask", "num_masks"):
             _check(getattr(self, key) >= 0, f"spec_augment.{key}", getattr(self, key), ">= 0")
+        _check(0.0 <= self.tilt_db <= 40.0, "spec_augment.tilt_db", self.tilt_db, "in [0, 40]")
+        _check(0.0 <= self.freq_warp < 0.5, "spec_augment.freq_warp", self.freq_warp, "in [0, 0.5)")
 
 
 @dataclass
@@ -150,9 +157,21 @@ class AugmentConfig:
     noise_cache_mb: int = 256  # decoded noise files kept per data-loader process (least recently used dropped first)
     gain_prob: float = 0.5  # share of crops with a random gain
     gain_db: tuple[float, float] = (-6.0, 6.0)  # gain range in dB
+    pitch_prob: float = 0.0  # share of clips pitch-shifted without a tempo change (before the crop)
+    pitch_semitones: tuple[float, float] = (-2.0, 2.0)  # pitch shift range in semitones
+    stretch_prob: float = 0.0  # share of clips time-stretched without a pitch change (before the crop)
+    stretch_factors: tuple[float, float] = (0.85, 1.15)  # tempo factor range; 1.15 = 15 % faster, same pitch
+    band_prob: float = 0.0  # share of crops band-limited (a telephone-like channel)
+    band_low_hz: tuple[float, float] = (100.0, 400.0)  # range of the low cut-off in Hz
+    band_high_hz: tuple[float, float] = (3000.0, 7000.0)  # range of the high cut-off in Hz (kept below sample_rate / 2)
+    codec_prob: float = 0.0  # share of crops passed through a codec-like round trip
+    codec_kinds: tuple[Literal["resample", "mulaw", "quantize"], ...] = ("resample", "mulaw", "quantize")  # drawn uniformly: down- and upsampling, 8-bit mu-law, or coarse quantisation
+    codec_rates: tuple[float, float] = (6000.0, 11025.0)  # sample-rate range of the resample round trip in Hz
+    codec_bits: tuple[int, int] = (6, 10)  # bit-depth range of the quantisation round trip
 
     def __post_init__(self) -> None:
-        for name in ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "noise_file_prob", "gain_prob"):
+        for name in ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "noise_file_prob", "gain_prob",
+                     "pitch_prob", "stretch_prob", "band_prob", "codec_prob"):
             value = getattr(self, name)
             _check(0.0 <= value <= 1.0, f"augment.{name}", value, "a probability in [0, 1]")
         _check(
@@ -171,6 +190,14 @@ class AugmentConfig:
         _check(len(self.noise_colors) >= 1, "augment.noise_colors", self.noise_colors,
                "a non-empty list of 'white', 'pink', 'brown' (for files only, set noise_file_prob=1)")
         _check(self.noise_cache_mb >= 0, "augment.noise_cache_mb", self.noise_cache_mb, ">= 0")
+        self._check_range("pitch_semitones", self.pitch_semitones, -12.0, 12.0)
+        self._check_range("stretch_factors", self.stretch_factors, 0.5, 2.0)
+        self._check_range("band_low_hz", self.band_low_hz, 0.0, 4000.0)
+        self._check_range("band_high_hz", self.band_high_hz, 500.0, 48000.0)
+        self._check_range("codec_rates", self.codec_rates, 2000.0, 48000.0)
+        self._check_range("codec_bits", self.codec_bits, 2, 16)
+        _check(len(self.codec_kinds) >= 1, "augment.codec_kinds", self.codec_kinds,
+               "a non-empty list of 'resample', 'mulaw', 'quantize'")
 
     @staticmethod
     def _check_range(name: str, value: Any, lowest: float, highest: float) -> None:

@@ -102,6 +102,8 @@ class LossConfig:
     ce_weight: float = 1.0  # weight of the head's cross-entropy term beside the triplet term (model.head)
     head_margin: float = 0.2  # additive angular margin m of the arcface heads, in radians: target logit s·cos(θ + m)
     margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly up to their values at this epoch (from 1/(N+1) of them at the first); 0 = full at once
+    final_margin: float | None = None  # triplet margin in the last train.final_epochs epochs (large-margin fine-tuning); null = loss.margin
+    final_head_margin: float | None = None  # the arcface heads' margin in those epochs; null = loss.head_margin
 
     def __post_init__(self) -> None:
         _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")
@@ -153,10 +155,16 @@ class TrainConfig:
     consistency_every_steps: int = 0  # also check ranks' parameters every K steps; 0 = per epoch
     consistency_action: Literal["error", "warn"] = "error"  # on drifting parameters
     log_every_steps: int = 50  # steps between host syncs (progress-bar loss, TensorBoard, non-finite check, stop vote); 0 = every step
+    ema_decay: float = 0.0  # keep an exponential moving average of the weights (e.g. 0.999 per step), used for validation, best.pt and export; 0 = off
+    final_epochs: int = 0  # the last N epochs train with clips.final_crop_seconds and loss.final_margin / final_head_margin (WeSpeaker's large-margin fine-tuning); 0 = off
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs", self.epochs, ">= 1")
         _check(self.accumulate >= 1, "train.accumulate", self.accumulate, ">= 1")
+        _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay,
+               "in [0, 1), e.g. 0.999 (0 = off)")
+        _check(0 <= self.final_epochs <= self.epochs, "train.final_epochs", self.final_epochs,
+               f"between 0 and train.epochs={self.epochs}")
         _check(self.limit_batches >= 0, "train.limit_batches", self.limit_batches, ">= 0")
         _check(bool(self.name.strip()) and "/" not in self.name, "train.name", self.name,
                "a non-empty name without '/'")
@@ -191,7 +199,12 @@ class CheckpointConfig:
     resume: str = ""  # "" = fresh start, "auto" = <run dir>/last.pt if present, or a path
     resume_strict: bool = True  # refuse to resume with other model / features settings than the checkpoint's
     restart_epoch: bool = False  # resume a mid-epoch checkpoint from the start of its epoch (e.g. on another world size)
+    average_last: int = 0  # after the last epoch, average the weights of the last N epochs into avg.pt (validated, eligible for best.pt); 0 = off
     trust: bool = False  # load checkpoint.resume / model.init_from files holding more than tensors and plain data (their Python objects can run code): only files you trust
+
+    def __post_init__(self) -> None:
+        _check(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last, ">= 0")
+        _check(self.average_last >= 0, "checkpoint.average_last", self.average_last, ">= 0 (0 = off)")
 
 
 @dataclass

@@ -5,15 +5,17 @@
     model = load_embedder("model.onnx", torch.device("cpu"))  # any artefact → one embed function
 
 Modules:
-    checkpoints      load_trained, init_weights (fine-tuning; the trainer calls it)
-    extract          extract_embeddings (training's validation runs it too), embed_files
-    formats          TorchScript / ONNX artefacts: each format's writer and loader
-    sidecar          the export sidecar <artefact>.json
-    artefacts        load_embedder: checkpoint, state_dict, TorchScript or ONNX → LoadedEmbedder
-    exporting        export_model: the exported module, the parity check, the sidecar
-    evaluation       evaluate's data selection, metrics and report folder
-    gallery          embed's class ranking of files against a gallery sheet (cached)
-    index_embedding  embed --index: every row of a sheet into resumable part files
+    checkpoints         load_trained, init_weights (fine-tuning; the trainer calls it)
+    extract             extract_embeddings (training's validation runs it too), embed_files
+    formats             TorchScript / ONNX artefacts: each format's writer and loader
+    sidecar             the export sidecar <artefact>.json
+    artefacts           load_embedder: checkpoint, state_dict, TorchScript, ONNX → LoadedEmbedder
+    exporting           export_model: the exported module, the parity check, the sidecar
+    evaluation          evaluate's data selection, embedding, report folder and printed summary
+    evaluation_metrics  every metric of one evaluated set (retrieval, classification, ...)
+    gallery             embed's class ranking of files against a gallery sheet (cached)
+    index_embedding     embed --index: every row of a sheet into resumable part files
+    index_parts         the files of an --index run: PREFIX.* names, the part files, their manifest
 
 Nothing here imports the trainer or a CLI module; the names below are what training, tests and
 benchmarks import from `audioclf.inference`.
@@ -34,6 +36,17 @@ from audioclf.inference.extract import (
     file_dataset,
 )
 
-__all__ = ["LOG_MEL", "WAVEFORM", "ArtefactError", "LoadedEmbedder", "checkpoint_config",
-           "describe_checkpoint", "embed_files", "extract_embeddings", "file_dataset",
-           "init_weights", "load_embedder", "load_trained"]
+__all__ = [
+    "LOG_MEL",
+    "WAVEFORM",
+    "ArtefactError",
+    "LoadedEmbedder",
+    "checkpoint_config",
+    "describe_checkpoint",
+    "embed_files",
+    "extract_embeddings",
+    "file_dataset",
+    "init_weights",
+    "load_embedder",
+    "load_trained",
+]

@@ -51,8 +51,9 @@ class LoadedEmbedder:
         return self.cfg.data
 
 
-def load_embedder(path: str | Path, device: torch.device, *, flag: str = "--model",
-                  trust: bool = False) -> LoadedEmbedder:
+def load_embedder(
+    path: str | Path, device: torch.device, *, flag: str = "--model", trust: bool = False
+) -> LoadedEmbedder:
     """An audioclf checkpoint or state_dict export, or an export with its sidecar <path>.json.
 
     ONNX runs on the CPU whatever `device` says. `flag` is how the caller's user named the
@@ -68,24 +69,37 @@ def load_embedder(path: str | Path, device: torch.device, *, flag: str = "--mode
             meta = ExportSidecar.read(sidecar)
             cfg = sidecar_config(meta)
         except (ValueError, KeyError, TypeError) as exc:
-            raise ArtefactError(f"the sidecar {sidecar} of {flag} {path} cannot be read "
-                                f"({type(exc).__name__}: {exc}); export the model again") from None
+            raise ArtefactError(
+                f"the sidecar {sidecar} of {flag} {path} cannot be read "
+                f"({type(exc).__name__}: {exc}); export the model again"
+            ) from None
         if meta.format in ("torchscript", "onnx"):
             return _load_export(path, meta, cfg, device, flag)
     if path.suffix.lower() == ".onnx":
-        raise ArtefactError(f"{flag} {path}: an ONNX export needs its sidecar {sidecar} "
-                            "(written by audioclf.export)")
+        raise ArtefactError(
+            f"{flag} {path}: an ONNX export needs its sidecar {sidecar} "
+            "(written by audioclf.export)"
+        )
     try:
         net, cfg, ckpt = load_trained(path, device, trust=trust)
     except CheckpointError as exc:
-        raise CheckpointError(f"{exc} (a TorchScript export needs its sidecar {sidecar.name} "
-                              "next to it)") from None
-    return LoadedEmbedder(net.embed, cfg, input_kind_of(cfg.features), path,
-                          describe_checkpoint(ckpt, cfg), device, knows_splits=True)
+        raise CheckpointError(
+            f"{exc} (a TorchScript export needs its sidecar {sidecar.name} next to it)"
+        ) from None
+    return LoadedEmbedder(
+        net.embed,
+        cfg,
+        input_kind_of(cfg.features),
+        path,
+        describe_checkpoint(ckpt, cfg),
+        device,
+        knows_splits=True,
+    )
 
 
-def _load_export(path: Path, meta: ExportSidecar, cfg: Config, device: torch.device,
-                 flag: str) -> LoadedEmbedder:
+def _load_export(
+    path: Path, meta: ExportSidecar, cfg: Config, device: torch.device, flag: str
+) -> LoadedEmbedder:
     fmt = meta.format
     if fmt == "onnx":
         device = torch.device("cpu")  # the onnxruntime session runs on the CPU
@@ -98,5 +112,6 @@ def _load_export(path: Path, meta: ExportSidecar, cfg: Config, device: torch.dev
     def embed_fn(x: Tensor, lengths: Tensor) -> Tensor:
         return run(x, lengths)[0].to(x.device)  # the embeddings (logits come second)
 
-    return LoadedEmbedder(embed_fn, cfg, meta.input_kind, path,
-                          f"{fmt} export, {meta.embedding_dim}-d", device)
+    return LoadedEmbedder(
+        embed_fn, cfg, meta.input_kind, path, f"{fmt} export, {meta.embedding_dim}-d", device
+    )

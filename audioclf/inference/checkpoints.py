@@ -26,9 +26,13 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _SHOW = 3  # keys quoted in a state-dict mismatch message
 
 
-def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
-                 model_name: str | None = None, trust: bool = False
-                 ) -> tuple[EmbeddingNet, Config, dict]:
+def load_trained(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    model_name: str | None = None,
+    trust: bool = False,
+) -> tuple[EmbeddingNet, Config, dict]:
     """Rebuild the model a checkpoint describes and load its weights.
 
     Returns (net in eval mode on `device`, its Config, the checkpoint dict). The architecture
@@ -56,16 +60,18 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu", *,
     try:
         net = build_net(cfg, len(classes))
     except (ValueError, ConfigError) as exc:
-        raise CheckpointError(f"{path}: its config does not describe a model audioclf can build "
-                              f"({exc})") from None
+        raise CheckpointError(
+            f"{path}: its config does not describe a model audioclf can build ({exc})"
+        ) from None
     state = _strip_wrapper_prefixes(ckpt["model"])
     _check_state_dict(net.state_dict(), state, path, cfg)
     net.load_state_dict(state)
     return net.to(device).eval(), cfg, ckpt
 
 
-def init_weights(net: EmbeddingNet, path: str | Path, classes: list[str], *,
-                 trust: bool = False) -> list[str]:
+def init_weights(
+    net: EmbeddingNet, path: str | Path, classes: list[str], *, trust: bool = False
+) -> list[str]:
     """Fine-tuning: load the weights of a checkpoint or state_dict export into a new run's net.
 
     The architecture must be the same; a classifier head trained for other classes (or absent
@@ -79,13 +85,16 @@ def init_weights(net: EmbeddingNet, path: str | Path, classes: list[str], *,
     expected = net.state_dict()
     saved_classes = list(ckpt.get("classes") or [])
     head = [k for k in set(state) | set(expected) if k.startswith("head.")]
-    same_head = all(k in state and k in expected and state[k].shape == expected[k].shape
-                    for k in head) and saved_classes == list(classes)
+    same_head = all(
+        k in state and k in expected and state[k].shape == expected[k].shape for k in head
+    ) and saved_classes == list(classes)
     if head and not same_head:
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
         expected = {k: v for k, v in expected.items() if not k.startswith("head.")}
-        notes.append(f"model.init_from: the classifier head starts afresh ({len(saved_classes)} "
-                     f"classes in {path.name}, {len(classes)} here)")
+        notes.append(
+            f"model.init_from: the classifier head starts afresh ({len(saved_classes)} "
+            f"classes in {path.name}, {len(classes)} here)"
+        )
     _check_init_tensors(expected, state, path)
     net.load_state_dict(state, strict=False)
     described = describe_checkpoint(ckpt, checkpoint_config(ckpt, path))
@@ -97,16 +106,21 @@ def _check_init_tensors(expected: dict[str, Tensor], state: dict, path: Path) ->
     """CheckpointError naming the first tensor of `state` that does not fit `expected`."""
     for key, value in expected.items():
         if key not in state:
-            raise CheckpointError(f"model.init_from={path}: it has no tensor {key!r}; it holds "
-                                  "another architecture (model.* settings must match it)")
+            raise CheckpointError(
+                f"model.init_from={path}: it has no tensor {key!r}; it holds "
+                "another architecture (model.* settings must match it)"
+            )
         if tuple(state[key].shape) != tuple(value.shape):
             raise CheckpointError(
                 f"model.init_from={path}: tensor {key!r} is {list(state[key].shape)} there and "
-                f"{list(value.shape)} here; the model.* / features.n_mels settings must match it")
+                f"{list(value.shape)} here; the model.* / features.n_mels settings must match it"
+            )
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise CheckpointError(f"model.init_from={path}: tensor {unexpected[0]!r} has no place in "
-                              "this model; it holds another architecture")
+        raise CheckpointError(
+            f"model.init_from={path}: tensor {unexpected[0]!r} has no place in "
+            "this model; it holds another architecture"
+        )
 
 
 def checkpoint_config(ckpt: dict, path: str | Path) -> Config:
@@ -132,7 +146,7 @@ def describe_checkpoint(ckpt: dict[str, Any], cfg: Config) -> str:
 def _strip_wrapper_prefixes(state: dict) -> dict:
     for prefix in _WRAPPER_PREFIXES:
         if state and all(key.startswith(prefix) for key in state):
-            state = {key[len(prefix):]: value for key, value in state.items()}
+            state = {key[len(prefix) :]: value for key, value in state.items()}
     return state
 
 
@@ -143,13 +157,18 @@ def _check_state_dict(expected: dict[str, Tensor], state: dict, path: Path, cfg:
     mismatched = [
         f"{key} (checkpoint {list(state[key].shape)}, model {list(value.shape)})"
         for key, value in expected.items()
-        if key in state and hasattr(state[key], "shape") and tuple(state[key].shape) != tuple(value.shape)
+        if key in state
+        and hasattr(state[key], "shape")
+        and tuple(state[key].shape) != tuple(value.shape)
     ]
     if not (missing or unexpected or mismatched):
         return
     parts = []
-    for title, keys in (("missing keys", missing), ("unexpected keys", unexpected),
-                        ("shape mismatches", mismatched)):
+    for title, keys in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("shape mismatches", mismatched),
+    ):
         if keys:
             more = f" and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
             parts.append(f"{title} {', '.join(keys[:_SHOW])}{more}")

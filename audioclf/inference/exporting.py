@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from audioclf import checkpoint
 from audioclf.checkpoint import CheckpointError
-from audioclf.config import Config, to_dict
+from audioclf.config import Config, FeaturesConfig, to_dict
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference.checkpoints import load_trained
 from audioclf.inference.extract import WAVEFORM, input_kind_of
@@ -37,15 +37,26 @@ from audioclf.inference.sidecar import ExportSidecar, sidecar_path
 from audioclf.models import EmbeddingNet
 from audioclf.models.frontend import FeatureFrontend
 
-__all__ = ["DEFAULT_OPSET", "DEFAULT_TOLERANCE", "FORMATS", "ExportError", "ExportedEmbedder",
-           "ExportedEmbedderWithLogits", "ParityError", "export_model", "exportable",
-           "parity_difference"]
+__all__ = [
+    "DEFAULT_OPSET",
+    "DEFAULT_TOLERANCE",
+    "FORMATS",
+    "ExportError",
+    "ExportedEmbedder",
+    "ExportedEmbedderWithLogits",
+    "ParityError",
+    "export_model",
+    "exportable",
+    "parity_difference",
+]
 
 FORMATS = ("torchscript", "onnx", "state_dict")
 DEFAULT_OPSET = 18  # the dynamo exporter's lowest opset (it cannot convert down to 17)
 DEFAULT_TOLERANCE = 1e-4  # max abs difference of fp32 unit-length embeddings
 # Parity inputs: (batch, seconds, valid fraction of each row); two lengths, varied padding.
 PARITY_INPUTS = ((2, 1.0, (1.0, 0.6)), (3, 2.3, (1.0, 0.45, 0.8)))
+# The index sheet's column settings a sidecar records (so a gallery sheet reads as in training).
+DATA_COLUMNS = ("sheet", "class_column", "item_column", "id_column", "path_column", "path_template")
 
 
 class ParityError(RuntimeError):
@@ -111,8 +122,7 @@ def random_inputs(cfg: Config, kind: str, seed: int = 0) -> list[tuple[Tensor, T
 # The state_dict format (an audioclf checkpoint; TorchScript and ONNX are in formats.py)
 
 
-def write_state_dict(net: EmbeddingNet, cfg: Config, ckpt: dict, path: Path,
-                     source: Path) -> None:
+def write_state_dict(net: EmbeddingNet, cfg: Config, ckpt: dict, path: Path, source: Path) -> None:
     """A loadable audioclf checkpoint without optimizer, scheduler, sampler or RNG state."""
     slim = {
         "model": net.state_dict(),
@@ -165,17 +175,21 @@ def parity_difference(expected_fn: Callable, loaded: Callable, inputs) -> float:
     return worst
 
 
-def check_export_request(fmt: str, out: Path, *, frontend: bool, opset: int,
-                         tolerance: float) -> None:
+def check_export_request(
+    fmt: str, out: Path, *, frontend: bool, opset: int, tolerance: float
+) -> None:
     """ValueError for settings that do not fit together, before any work."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is invalid: use one of {', '.join(FORMATS)}")
     if fmt == "state_dict" and not frontend:
-        raise ValueError("--no-frontend applies to torchscript and onnx exports; a state_dict "
-                         "export always holds the whole model")
+        raise ValueError(
+            "--no-frontend applies to torchscript and onnx exports; a state_dict "
+            "export always holds the whole model"
+        )
     if fmt == "onnx" and opset < DEFAULT_OPSET:
-        raise ValueError(f"--opset {opset}: torch's ONNX exporter writes opset {DEFAULT_OPSET} "
-                         "or newer")
+        raise ValueError(
+            f"--opset {opset}: torch's ONNX exporter writes opset {DEFAULT_OPSET} or newer"
+        )
     if not tolerance >= 0:
         raise ValueError(f"--tolerance must be >= 0, got {tolerance}")
     if out.is_dir():
@@ -184,9 +198,17 @@ def check_export_request(fmt: str, out: Path, *, frontend: bool, opset: int,
         onnx_modules()  # fail before any work when the optional packages are missing
 
 
-def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, frontend: bool = True,
-                 opset: int = DEFAULT_OPSET, tolerance: float = DEFAULT_TOLERANCE,
-                 model_name: str | None = None, trust: bool = False) -> ExportSidecar:
+def export_model(
+    checkpoint_path: str | Path,
+    fmt: str,
+    out: str | Path,
+    *,
+    frontend: bool = True,
+    opset: int = DEFAULT_OPSET,
+    tolerance: float = DEFAULT_TOLERANCE,
+    model_name: str | None = None,
+    trust: bool = False,
+) -> ExportSidecar:
     """Write the artefact and its sidecar; returns the sidecar.
 
     Raises ParityError (nothing written) when the reloaded artefact differs from the PyTorch
@@ -200,16 +222,30 @@ def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, fron
     inputs = random_inputs(cfg, kind)
     expected = reference(net, module, frontend)
     with torch.no_grad():
-        if not all(torch.isfinite(o).all() for x, lengths in inputs
-                   for o in as_tuple(expected(x, lengths))):
-            raise CheckpointError(f"the model in {checkpoint_path} gives NaN/inf outputs (did "
-                                  "training diverge?); export another checkpoint")
+        if not all(
+            torch.isfinite(o).all() for x, lengths in inputs for o in as_tuple(expected(x, lengths))
+        ):
+            raise CheckpointError(
+                f"the model in {checkpoint_path} gives NaN/inf outputs (did "
+                "training diverge?); export another checkpoint"
+            )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
-        loaded = _write_and_load(fmt, tmp, net, module, cfg, ckpt, checkpoint_path,
-                                 kind=kind, example=inputs[0], opset=opset, frontend=frontend)
+        loaded = _write_and_load(
+            fmt,
+            tmp,
+            net,
+            module,
+            cfg,
+            ckpt,
+            checkpoint_path,
+            kind=kind,
+            example=inputs[0],
+            opset=opset,
+            frontend=frontend,
+        )
         difference = parity_difference(expected, loaded, inputs)
         del loaded  # release the file (onnxruntime session, mmap) before moving it
         if not difference <= tolerance:
@@ -222,71 +258,134 @@ def export_model(checkpoint_path: str | Path, fmt: str, out: str | Path, *, fron
     finally:
         tmp.unlink(missing_ok=True)
 
-    meta = sidecar(cfg, ckpt, checkpoint_path, fmt=fmt, out=out, kind=kind,
-                   with_logits=isinstance(module, ExportedEmbedderWithLogits), opset=opset,
-                   difference=difference, tolerance=tolerance, inputs=inputs)
+    meta = sidecar(
+        cfg,
+        ckpt,
+        checkpoint_path,
+        fmt=fmt,
+        out=out,
+        kind=kind,
+        with_logits=isinstance(module, ExportedEmbedderWithLogits),
+        opset=opset,
+        difference=difference,
+        tolerance=tolerance,
+        inputs=inputs,
+    )
     atomic_write_bytes(sidecar_path(out), meta.to_json().encode())
     return meta
 
 
-def _write_and_load(fmt: str, tmp: Path, net: EmbeddingNet, module: ExportedEmbedder,
-                    cfg: Config, ckpt: dict, source: Path, *, kind: str,
-                    example: tuple[Tensor, Tensor], opset: int, frontend: bool) -> Callable:
+def _write_and_load(
+    fmt: str,
+    tmp: Path,
+    net: EmbeddingNet,
+    module: ExportedEmbedder,
+    cfg: Config,
+    ckpt: dict,
+    source: Path,
+    *,
+    kind: str,
+    example: tuple[Tensor, Tensor],
+    opset: int,
+    frontend: bool,
+) -> Callable:
     """Write the artefact at `tmp` and load it back as `(x, lengths) -> outputs`."""
     if fmt == "torchscript":
         write_torchscript(module, tmp, what=type(module.net.embedder).__name__)
         return load_torchscript(tmp)
     if fmt == "onnx":
-        write_onnx(module, tmp, kind=kind, example=example, opset=opset,
-                   with_logits=isinstance(module, ExportedEmbedderWithLogits))
+        write_onnx(
+            module,
+            tmp,
+            kind=kind,
+            example=example,
+            opset=opset,
+            with_logits=isinstance(module, ExportedEmbedderWithLogits),
+        )
         return load_onnx(tmp)
     write_state_dict(net, cfg, ckpt, tmp, source)
     return load_state_dict_export(tmp, frontend)
 
 
-def sidecar(cfg: Config, ckpt: dict, checkpoint_path: Path, *, fmt: str, out: Path, kind: str,
-            with_logits: bool, opset: int, difference: float, tolerance: float,
-            inputs) -> ExportSidecar:
-    features = cfg.features
-    if kind == WAVEFORM:
-        x_doc = (f"float32 [batch, samples]: mono waveforms at {features.sample_rate} Hz in "
-                 "[-1, 1], zero-padded after each clip")
-        lengths_doc = "int64 [batch]: valid samples of each row"
-    else:
-        x_doc = (f"float32 [batch, frames, {features.n_mels}]: log-mel as "
-                 "audioclf.spectrogram.log_mel computes it (log(mel power + 1e-6), centred frames, "
-                 "not normalised), zero-padded after each clip")
-        lengths_doc = "int64 [batch]: valid frames of each row"
-    versions = checkpoint.library_versions()
-    if fmt == "onnx":
-        onnx, ort = onnx_modules()
-        versions.update(onnx=onnx.__version__, onnxruntime=ort.__version__)
-    input_names, output_names = (onnx_io_names(kind, with_logits) if fmt == "onnx"
-                                 else (["x", "lengths"], ["embeddings", "logits"][: 1 + with_logits]))
+def sidecar(
+    cfg: Config,
+    ckpt: dict,
+    checkpoint_path: Path,
+    *,
+    fmt: str,
+    out: Path,
+    kind: str,
+    with_logits: bool,
+    opset: int,
+    difference: float,
+    tolerance: float,
+    inputs,
+) -> ExportSidecar:
+    """The sidecar of an artefact that passed the parity check on `inputs`."""
+    x_doc, lengths_doc = input_docs(cfg.features, kind)
+    input_names, output_names = (
+        onnx_io_names(kind, with_logits)
+        if fmt == "onnx"
+        else (["x", "lengths"], ["embeddings", "logits"][: 1 + with_logits])
+    )
     classes = list(ckpt.get("classes") or []) if with_logits else []
     return ExportSidecar(
         format=fmt,
         file=out.name,
         input_kind=kind,
         inputs={input_names[0]: x_doc, input_names[1]: lengths_doc},
-        outputs={
-            "embeddings": f"float32 [batch, {cfg.model.embedding_dim}], L2-normalised",
-            **({"logits": f"float32 [batch, {len(classes)}], one per class in 'classes'"}
-               if with_logits else {}),
-        },
+        outputs=output_docs(cfg.model.embedding_dim, classes, with_logits),
         output_names=output_names,
         embedding_dim=cfg.model.embedding_dim,
-        sample_rate=features.sample_rate,
-        features=dataclasses.asdict(features),
+        sample_rate=cfg.features.sample_rate,
+        features=dataclasses.asdict(cfg.features),
         clips=dataclasses.asdict(cfg.clips),
         model=dataclasses.asdict(cfg.model),
         classes=classes,
-        data_columns={k: getattr(cfg.data, k) for k in (
-            "sheet", "class_column", "item_column", "id_column", "path_column", "path_template")},
-        checkpoint={"path": str(checkpoint_path), "epoch": ckpt.get("epoch"),
-                    "step": ckpt.get("step")},
-        parity={"max_abs_diff": difference, "tolerance": tolerance,
-                "input_shapes": [list(x.shape) for x, _ in inputs]},
-        versions=versions,
+        data_columns={k: getattr(cfg.data, k) for k in DATA_COLUMNS},
+        checkpoint={
+            "path": str(checkpoint_path),
+            "epoch": ckpt.get("epoch"),
+            "step": ckpt.get("step"),
+        },
+        parity={
+            "max_abs_diff": difference,
+            "tolerance": tolerance,
+            "input_shapes": [list(x.shape) for x, _ in inputs],
+        },
+        versions=export_versions(fmt),
         opset=opset if fmt == "onnx" else None,
     )
+
+
+def input_docs(features: FeaturesConfig, kind: str) -> tuple[str, str]:
+    """What the sidecar says the two inputs (x, lengths) hold."""
+    if kind == WAVEFORM:
+        x_doc = (
+            f"float32 [batch, samples]: mono waveforms at {features.sample_rate} Hz in "
+            "[-1, 1], zero-padded after each clip"
+        )
+        return x_doc, "int64 [batch]: valid samples of each row"
+    x_doc = (
+        f"float32 [batch, frames, {features.n_mels}]: log-mel as "
+        "audioclf.spectrogram.log_mel computes it (log(mel power + 1e-6), centred frames, "
+        "not normalised), zero-padded after each clip"
+    )
+    return x_doc, "int64 [batch]: valid frames of each row"
+
+
+def output_docs(embedding_dim: int, classes: list[str], with_logits: bool) -> dict[str, str]:
+    """What the sidecar says each output holds."""
+    docs = {"embeddings": f"float32 [batch, {embedding_dim}], L2-normalised"}
+    if with_logits:
+        docs["logits"] = f"float32 [batch, {len(classes)}], one per class in 'classes'"
+    return docs
+
+
+def export_versions(fmt: str) -> dict[str, str]:
+    """The library versions an artefact was written with (onnx and onnxruntime for ONNX)."""
+    versions = checkpoint.library_versions()
+    if fmt == "onnx":
+        onnx, ort = onnx_modules()
+        versions.update(onnx=onnx.__version__, onnxruntime=ort.__version__)
+    return versions

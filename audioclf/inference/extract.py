@@ -66,9 +66,12 @@ def extract_embeddings(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = torch.device(device)
     precision = precision or full_precision(device)
-    options = loader_options if loader_options is not None else loader_kwargs(0, True, False, 2, device)
-    loader = build_eval_loader(dataset, None if positions is None else list(positions),
-                               batch_size=batch_size, **options)
+    options = (
+        loader_options if loader_options is not None else loader_kwargs(0, True, False, 2, device)
+    )
+    loader = build_eval_loader(
+        dataset, None if positions is None else list(positions), batch_size=batch_size, **options
+    )
     net = distributed.unwrap(model) if isinstance(model, nn.Module) else None
     embed = net.embed if net is not None else model
     was_training = net is not None and net.training
@@ -77,8 +80,13 @@ def extract_embeddings(
     chunks, labels_out, positions_out = [], [], []
     try:
         for x, lengths, labels, batch_positions in tqdm(
-                loader, total=len(loader), desc=description, disable=not progress,
-                dynamic_ncols=True, leave=False):
+            loader,
+            total=len(loader),
+            desc=description,
+            disable=not progress,
+            dynamic_ncols=True,
+            leave=False,
+        ):
             with precision.autocast():
                 emb = embed(x.to(device, non_blocking=True), lengths.to(device, non_blocking=True))
             chunks.append(emb.float().cpu().numpy())
@@ -116,29 +124,43 @@ def model_input(dataset: AudioDataset, input_kind: str) -> torch.utils.data.Data
     if input_kind not in (WAVEFORM, LOG_MEL):
         raise ValueError(f"input_kind={input_kind!r} is invalid: use {WAVEFORM!r} or {LOG_MEL!r}")
     if input_kind == WAVEFORM and features.kind == "npy":
-        raise ValueError("a model that takes waveforms cannot read precomputed features "
-                         "(features.kind=npy)")
+        raise ValueError(
+            "a model that takes waveforms cannot read precomputed features (features.kind=npy)"
+        )
     if input_kind == LOG_MEL and features.kind == "audio":
         return LogMelDataset(dataset)
     return dataset
 
 
-def file_dataset(paths: Sequence[str | Path], cfg: Config,
-                 input_kind: str | None = None) -> torch.utils.data.Dataset:
+def file_dataset(
+    paths: Sequence[str | Path], cfg: Config, input_kind: str | None = None
+) -> torch.utils.data.Dataset:
     """Evaluation-mode dataset of `paths` (label 0) giving what a model of `input_kind` takes.
 
     input_kind defaults to what `features.kind` gives the front end (waveforms for audio,
     log-mel for npy); LOG_MEL with audio files computes the log-mel of each file.
     """
-    dataset = AudioDataset([str(p) for p in paths], np.zeros(len(paths), np.int64), cfg.features,
-                           cfg.clips, train=False)
+    dataset = AudioDataset(
+        [str(p) for p in paths],
+        np.zeros(len(paths), np.int64),
+        cfg.features,
+        cfg.clips,
+        train=False,
+    )
     return model_input(dataset, input_kind or input_kind_of(cfg.features))
 
 
-def embed_files(net: nn.Module | EmbedFn, cfg: Config, paths: Sequence[str | Path],
-                batch_size: int = 32, device: str | torch.device = "cpu", *,
-                input_kind: str | None = None, num_workers: int = 0,
-                progress: bool = True) -> np.ndarray:
+def embed_files(
+    net: nn.Module | EmbedFn,
+    cfg: Config,
+    paths: Sequence[str | Path],
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+    *,
+    input_kind: str | None = None,
+    num_workers: int = 0,
+    progress: bool = True,
+) -> np.ndarray:
     """Embeddings float32 [len(paths), D] of audio (or .npy feature) files, in order.
 
     `net` is an EmbeddingNet or any callable `(x, lengths) -> [B, D]` such as a TorchScript
@@ -151,15 +173,32 @@ def embed_files(net: nn.Module | EmbedFn, cfg: Config, paths: Sequence[str | Pat
     dataset = file_dataset(paths, cfg, input_kind)
     options = loader_kwargs(num_workers, True, False, 2, torch.device(device))
     try:
-        emb, _, positions = extract_embeddings(net, dataset, batch_size=batch_size, device=device,
-                                               loader_options=options, progress=progress)
+        emb, _, positions = extract_embeddings(
+            net,
+            dataset,
+            batch_size=batch_size,
+            device=device,
+            loader_options=options,
+            progress=progress,
+        )
     except (AudioReadError, FeatureFileError) as exc:
         # The dataset's message speaks of index items and data.skip_bad_files; for loose files
         # the reader's own message (which names the file) is the useful one.
-        cause = exc.__cause__ if isinstance(exc.__cause__, (AudioReadError, FeatureFileError)) else exc
+        cause = (
+            exc.__cause__ if isinstance(exc.__cause__, (AudioReadError, FeatureFileError)) else exc
+        )
         raise type(cause)(str(cause)) from None
     order = np.argsort(positions, kind="stable")
     return np.ascontiguousarray(emb[order], dtype=np.float32)
+
+
+def check_loader_options(batch_size: int, num_workers: int | None) -> None:
+    """ValueError for a batch size below 1 or a negative worker count (None: a default),
+    before any work."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if num_workers is not None and num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
 
 
 def check_finite(embeddings: np.ndarray, names: list[str], what: str) -> None:
@@ -167,6 +206,8 @@ def check_finite(embeddings: np.ndarray, names: list[str], what: str) -> None:
     must not pass for one that ranks or embeds."""
     bad = np.flatnonzero(~np.isfinite(embeddings).all(axis=1))
     if len(bad):
-        raise ValueError(f"the model gives NaN/inf embeddings for {len(bad)} of {len(names)} of "
-                         f"{what} (first: {names[bad[0]]}): the model is broken (did training "
-                         "diverge?); use another checkpoint or export")
+        raise ValueError(
+            f"the model gives NaN/inf embeddings for {len(bad)} of {len(names)} of "
+            f"{what} (first: {names[bad[0]]}): the model is broken (did training "
+            "diverge?); use another checkpoint or export"
+        )

@@ -85,8 +85,15 @@ def onnx_io_names(kind: str, with_logits: bool) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
-def write_onnx(module: nn.Module, path: Path, *, kind: str, example: tuple[Tensor, Tensor],
-               opset: int, with_logits: bool) -> None:
+def write_onnx(
+    module: nn.Module,
+    path: Path,
+    *,
+    kind: str,
+    example: tuple[Tensor, Tensor],
+    opset: int,
+    with_logits: bool,
+) -> None:
     onnx, _ = onnx_modules()
     input_names, output_names = onnx_io_names(kind, with_logits)
     batch = torch.export.Dim("batch")
@@ -99,8 +106,14 @@ def write_onnx(module: nn.Module, path: Path, *, kind: str, example: tuple[Tenso
         with warnings.catch_warnings(), contextlib.redirect_stdout(captured):
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                module, example, str(path), dynamo=True, external_data=False,
-                opset_version=opset, input_names=input_names, output_names=output_names,
+                module,
+                example,
+                str(path),
+                dynamo=True,
+                external_data=False,
+                opset_version=opset,
+                input_names=input_names,
+                output_names=output_names,
                 dynamic_shapes={"x": {0: batch, 1: time_axis}, "lengths": {0: batch}},
             )
         onnx.checker.check_model(str(path))
@@ -117,8 +130,10 @@ def load_onnx(path: Path, device: str | torch.device = "cpu") -> LoadedArtefact:
     names = [i.name for i in session.get_inputs()]
 
     def run(x: Tensor, lengths: Tensor) -> tuple[Tensor, ...]:
-        feeds = {names[0]: x.cpu().numpy().astype(np.float32),
-                 names[1]: lengths.cpu().numpy().astype(np.int64)}
+        feeds = {
+            names[0]: x.cpu().numpy().astype(np.float32),
+            names[1]: lengths.cpu().numpy().astype(np.int64),
+        }
         return tuple(torch.from_numpy(o) for o in session.run(None, feeds))
 
     return run

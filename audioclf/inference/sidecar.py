@@ -59,5 +59,6 @@ class ExportSidecar:
 def sidecar_config(meta: ExportSidecar) -> Config:
     """A Config holding what a sidecar records (features, clips, the sheet's columns); older
     sidecars' features sections are read as their release wrote them. Raises ConfigError."""
-    return config_from_dict({"features": meta.features, "clips": meta.clips,
-                             "data": meta.data_columns})
+    return config_from_dict(
+        {"features": meta.features, "clips": meta.clips, "data": meta.data_columns}
+    )

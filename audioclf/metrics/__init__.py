@@ -29,7 +29,17 @@ from audioclf.metrics.verification import verification_metrics, verification_pai
 # The name audioclf.search.retrieval imports (before it was public in metrics.retrieval).
 _item_groups = item_groups
 
-__all__ = ["KMEANS_N_INIT", "RETRIEVAL_KEYS", "centroid_accuracy", "check_embeddings",
-           "class_centroids", "clustering_metrics", "item_groups", "knn_accuracy",
-           "retrieval_metrics", "retrieval_summary", "verification_metrics",
-           "verification_pairs"]
+__all__ = [
+    "KMEANS_N_INIT",
+    "RETRIEVAL_KEYS",
+    "centroid_accuracy",
+    "check_embeddings",
+    "class_centroids",
+    "clustering_metrics",
+    "item_groups",
+    "knn_accuracy",
+    "retrieval_metrics",
+    "retrieval_summary",
+    "verification_metrics",
+    "verification_pairs",
+]

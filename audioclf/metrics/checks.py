@@ -18,7 +18,9 @@ def _as_embedding_tensor(embeddings, name: str) -> torch.Tensor:
 
 
 def as_label_array(labels, name: str) -> np.ndarray:
-    array = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+    array = (
+        labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+    )
     if array.ndim != 1:
         raise ValueError(f"{name} must be 1-D [N], got shape {array.shape}")
     if array.size and not (np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_):
@@ -27,7 +29,12 @@ def as_label_array(labels, name: str) -> np.ndarray:
 
 
 def check_embeddings(
-    embeddings, labels, *, emb_name: str = "embeddings", label_name: str = "labels", min_samples: int = 2
+    embeddings,
+    labels,
+    *,
+    emb_name: str = "embeddings",
+    label_name: str = "labels",
+    min_samples: int = 2,
 ) -> tuple[torch.Tensor, np.ndarray]:
     """Validated (float32 CPU tensor [N, D], int64 array [N]); one clear ValueError otherwise."""
     emb = _as_embedding_tensor(embeddings, emb_name)
@@ -38,7 +45,9 @@ def check_embeddings(
             f"they need one label per embedding row"
         )
     if emb.shape[0] < min_samples:
-        raise ValueError(f"{emb_name} has {emb.shape[0]} samples; at least {min_samples} are needed")
+        raise ValueError(
+            f"{emb_name} has {emb.shape[0]} samples; at least {min_samples} are needed"
+        )
     bad_rows = (~torch.isfinite(emb)).any(dim=1).nonzero().flatten()
     if len(bad_rows):
         first = bad_rows[:5].tolist()

@@ -11,7 +11,9 @@ from audioclf.metrics.checks import check_chunk_size, check_embeddings, resolve_
 
 
 def _check_query_gallery(query, query_labels, gallery, gallery_labels):
-    q_emb, q_lab = check_embeddings(query, query_labels, emb_name="query", label_name="query_labels", min_samples=1)
+    q_emb, q_lab = check_embeddings(
+        query, query_labels, emb_name="query", label_name="query_labels", min_samples=1
+    )
     if len(gallery) == 0 or len(gallery_labels) == 0:
         raise ValueError("gallery is empty; it needs at least one labelled embedding (one class)")
     g_emb, g_lab = check_embeddings(
@@ -60,7 +62,9 @@ def knn_accuracy(
         votes = (neighbour_labels[:, :, None] == neighbour_labels[:, None, :]).sum(dim=2)
         # argmax returns the first maximum, i.e. the nearest neighbour among the tied labels.
         winner = (votes == votes.max(dim=1, keepdim=True).values).to(torch.uint8).argmax(dim=1)
-        predictions[start:stop] = neighbour_labels.gather(1, winner[:, None]).squeeze(1).cpu().numpy()
+        predictions[start:stop] = (
+            neighbour_labels.gather(1, winner[:, None]).squeeze(1).cpu().numpy()
+        )
     return {"knn_accuracy": float(np.mean(predictions == q_lab)), "predictions": predictions}
 
 
@@ -73,7 +77,9 @@ def class_centroids(embeddings, labels) -> tuple[np.ndarray, torch.Tensor]:
     emb, lab = check_embeddings(embeddings, labels, min_samples=1)
     classes, class_index = np.unique(lab, return_inverse=True)
     normed = F.normalize(emb, p=2, dim=1)
-    sums = torch.zeros(len(classes), emb.shape[1]).index_add_(0, torch.from_numpy(class_index), normed)
+    sums = torch.zeros(len(classes), emb.shape[1]).index_add_(
+        0, torch.from_numpy(class_index), normed
+    )
     return classes, F.normalize(sums, p=2, dim=1)
 
 
@@ -91,6 +97,8 @@ def centroid_accuracy(query, query_labels, gallery, gallery_labels) -> dict:
     q_normed = F.normalize(q_emb, p=2, dim=1)
     nearest = np.empty(len(q_lab), dtype=np.int64)
     for start in range(0, len(q_lab), 2048):  # bounds the [queries, classes] block
-        nearest[start : start + 2048] = (q_normed[start : start + 2048] @ centroids_t).argmax(dim=1).numpy()
+        nearest[start : start + 2048] = (
+            (q_normed[start : start + 2048] @ centroids_t).argmax(dim=1).numpy()
+        )
     predictions = classes[nearest]
     return {"centroid_accuracy": float(np.mean(predictions == q_lab)), "predictions": predictions}

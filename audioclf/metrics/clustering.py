@@ -22,7 +22,9 @@ def clustering_metrics(embeddings, labels, *, seed: int = 0) -> dict:
     emb, lab = check_embeddings(embeddings, labels)
     n_clusters = len(np.unique(lab))
     normed = F.normalize(emb, p=2, dim=1).numpy()
-    clusters = KMeans(n_clusters=n_clusters, n_init=KMEANS_N_INIT, random_state=seed).fit_predict(normed)
+    clusters = KMeans(n_clusters=n_clusters, n_init=KMEANS_N_INIT, random_state=seed).fit_predict(
+        normed
+    )
     return {
         "nmi": float(normalized_mutual_info_score(lab, clusters)),
         "ami": float(adjusted_mutual_info_score(lab, clusters)),

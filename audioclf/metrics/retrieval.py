@@ -86,15 +86,11 @@ def retrieval_metrics(
         chunk_size = max(64, min(2048, _SIMILARITY_BUDGET // max(len(labels), 1)))
     check_chunk_size(chunk_size)
     emb, lab = check_embeddings(embeddings, labels)
-    n_samples = len(lab)
     class_index, item_group, relevant_per_query = _relevant_counts(lab, items)
+    correct_at_1, average_precision, r_precision = _per_query_scores(
+        emb, class_index, relevant_per_query, item_group, chunk_size, device
+    )
     has_relevant = relevant_per_query > 0
-    correct_at_1 = np.zeros(n_samples, dtype=np.bool_)
-    average_precision = np.zeros(n_samples, dtype=np.float64)
-    r_precision = np.zeros(n_samples, dtype=np.float64)
-    if has_relevant.any():
-        _score_queries(emb, class_index, relevant_per_query, item_group, chunk_size,
-                       resolve_device(device), correct_at_1, average_precision, r_precision)
     n_queries = int(has_relevant.sum())
 
     def mean_over_queries(values: np.ndarray) -> float:
@@ -107,7 +103,7 @@ def retrieval_metrics(
         "n_queries": n_queries,
     }
     if items is not None:
-        result["n_queries_without_other_item"] = n_samples - n_queries
+        result["n_queries_without_other_item"] = len(lab) - n_queries
     if return_per_sample:
         result["per_sample_correct_at_1"] = correct_at_1
     return result
@@ -123,10 +119,46 @@ def _relevant_counts(lab: np.ndarray, items) -> tuple[np.ndarray, np.ndarray | N
     return class_index, item_group, class_counts[class_index] - np.bincount(item_group)[item_group]
 
 
-def _score_queries(emb: torch.Tensor, class_index: np.ndarray, relevant_per_query: np.ndarray,
-                   item_group: np.ndarray | None, chunk_size: int, dev: torch.device,
-                   correct_at_1: np.ndarray, average_precision: np.ndarray,
-                   r_precision: np.ndarray) -> None:
+def _per_query_scores(
+    emb: torch.Tensor,
+    class_index: np.ndarray,
+    relevant_per_query: np.ndarray,
+    item_group: np.ndarray | None,
+    chunk_size: int,
+    device,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(correct at 1, average precision at R, R-precision) of every query; zeros for a query
+    without a relevant sample (the device is only used when some query has one)."""
+    n_samples = len(class_index)
+    correct_at_1 = np.zeros(n_samples, dtype=np.bool_)
+    average_precision = np.zeros(n_samples, dtype=np.float64)
+    r_precision = np.zeros(n_samples, dtype=np.float64)
+    if (relevant_per_query > 0).any():
+        _score_queries(
+            emb,
+            class_index,
+            relevant_per_query,
+            item_group,
+            chunk_size,
+            resolve_device(device),
+            correct_at_1,
+            average_precision,
+            r_precision,
+        )
+    return correct_at_1, average_precision, r_precision
+
+
+def _score_queries(
+    emb: torch.Tensor,
+    class_index: np.ndarray,
+    relevant_per_query: np.ndarray,
+    item_group: np.ndarray | None,
+    chunk_size: int,
+    dev: torch.device,
+    correct_at_1: np.ndarray,
+    average_precision: np.ndarray,
+    r_precision: np.ndarray,
+) -> None:
     """Fill the three per-query arrays, `chunk_size` queries at a time (see retrieval_metrics)."""
     n_samples = len(class_index)
     # Every query has at least R candidates that are not excluded (its class's other
@@ -174,7 +206,11 @@ def retrieval_summary(embeddings, labels, items=None, *, device=None) -> dict[st
     """
     if len(labels) < 2:
         return {}
-    result = retrieval_metrics(embeddings, labels, items=items, device=device) if items is not None else None
+    result = (
+        retrieval_metrics(embeddings, labels, items=items, device=device)
+        if items is not None
+        else None
+    )
     cross_item = result is not None and result["n_queries"] > 0
     if not cross_item:
         result = retrieval_metrics(embeddings, labels, device=device)

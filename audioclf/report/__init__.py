@@ -26,5 +26,14 @@ from audioclf.report.embedding_files import EMBEDDING_FILES, MAX_HTML_POINTS, MA
 from audioclf.report.plots import MAX_LABELLED_CLASSES, MAX_PROJECTION_POINTS
 from audioclf.report.writer import PLOT_FILES, PROJECTIONS, REPORT_FILES, write_report
 
-__all__ = ["EMBEDDING_FILES", "MAX_HTML_POINTS", "MAX_LABELLED_CLASSES", "MAX_PROJECTION_POINTS",
-           "MAX_TSV_POINTS", "PLOT_FILES", "PROJECTIONS", "REPORT_FILES", "write_report"]
+__all__ = [
+    "EMBEDDING_FILES",
+    "MAX_HTML_POINTS",
+    "MAX_LABELLED_CLASSES",
+    "MAX_PROJECTION_POINTS",
+    "MAX_TSV_POINTS",
+    "PLOT_FILES",
+    "PROJECTIONS",
+    "REPORT_FILES",
+    "write_report",
+]

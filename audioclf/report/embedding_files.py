@@ -32,45 +32,75 @@ _SCATTER_SIZE = (900, 700)
 _TEMPLATE = "embeddings.html"  # @TITLE@, @SUBTITLE@, @WIDTH@, @HEIGHT@, @POINTS@, @LEGEND@
 
 
-def write_embedding_files(out_dir: pathlib.Path, emb: torch.Tensor, labels: np.ndarray,
-                           class_names: list[str], metadata: pd.DataFrame, seed: int,
-                           tsv_points: int, html_points: int, title: str,
-                           written: dict[str, pathlib.Path]) -> dict:
+def write_embedding_files(
+    out_dir: pathlib.Path,
+    emb: torch.Tensor,
+    labels: np.ndarray,
+    class_names: list[str],
+    metadata: pd.DataFrame,
+    seed: int,
+    tsv_points: int,
+    html_points: int,
+    title: str,
+    written: dict[str, pathlib.Path],
+) -> dict:
     """embeddings.tsv, metadata.tsv and embeddings.html into out_dir (added to `written`);
     returns {file: {"points", "of", "sampling"}} for report.json and report.md."""
     total = len(labels)
     info = {}
     keep = stratified_subset(labels, tsv_points, seed)
     names = np.asarray(class_names, dtype=object)[labels[keep]]
-    table = pd.concat([pd.DataFrame({"class": names}), metadata.iloc[keep].reset_index(drop=True)],
-                      axis=1)
+    table = pd.concat(
+        [pd.DataFrame({"class": names}), metadata.iloc[keep].reset_index(drop=True)], axis=1
+    )
     # Plain tab-joined lines: the projector does not undo csv quoting.
-    lines = ["\t".join(map(tsv_cell, row)) for row in [table.columns, *table.itertuples(index=False)]]
+    lines = [
+        "\t".join(map(tsv_cell, row)) for row in [table.columns, *table.itertuples(index=False)]
+    ]
     vectors = emb[torch.from_numpy(keep)].numpy()
     written["embeddings.tsv"] = atomic_write(
-        out_dir / "embeddings.tsv", lambda f: np.savetxt(f, vectors, fmt="%.5g", delimiter="\t"))
+        out_dir / "embeddings.tsv", lambda f: np.savetxt(f, vectors, fmt="%.5g", delimiter="\t")
+    )
     written["metadata.tsv"] = atomic_write(
-        out_dir / "metadata.tsv",
-        lambda f: f.write(("\n".join(lines) + "\n").encode()))
+        out_dir / "metadata.tsv", lambda f: f.write(("\n".join(lines) + "\n").encode())
+    )
     for name in ("embeddings.tsv", "metadata.tsv"):
         info[name] = _sampling(len(keep), total)
 
     keep = stratified_subset(labels, html_points, seed)
-    page = _scatter_html(emb[torch.from_numpy(keep)], labels[keep], class_names,
-                         metadata.iloc[keep].reset_index(drop=True), seed, title, total)
-    written["embeddings.html"] = atomic_write(out_dir / "embeddings.html",
-                                              lambda f: f.write(page.encode()))
+    page = _scatter_html(
+        emb[torch.from_numpy(keep)],
+        labels[keep],
+        class_names,
+        metadata.iloc[keep].reset_index(drop=True),
+        seed,
+        title,
+        total,
+    )
+    written["embeddings.html"] = atomic_write(
+        out_dir / "embeddings.html", lambda f: f.write(page.encode())
+    )
     info["embeddings.html"] = _sampling(len(keep), total)
     return info
 
 
 def _sampling(points: int, total: int) -> dict:
-    return {"points": int(points), "of": int(total),
-            "sampling": "all" if points == total else "class-stratified"}
+    return {
+        "points": int(points),
+        "of": int(total),
+        "sampling": "all" if points == total else "class-stratified",
+    }
 
 
-def _scatter_html(emb: torch.Tensor, labels: np.ndarray, class_names: list[str],
-                  metadata: pd.DataFrame, seed: int, title: str, total: int) -> str:
+def _scatter_html(
+    emb: torch.Tensor,
+    labels: np.ndarray,
+    class_names: list[str],
+    metadata: pd.DataFrame,
+    seed: int,
+    title: str,
+    total: int,
+) -> str:
     """A self-contained page: SVG scatter of the 2-D PCA of the normalised embeddings."""
     points = F.normalize(emb, p=2, dim=1).numpy().astype(np.float64)
     components = min(2, *points.shape)
@@ -97,19 +127,33 @@ def _scatter_html(emb: torch.Tensor, labels: np.ndarray, class_names: list[str],
     for i in np.random.default_rng(seed).permutation(len(labels)):
         name = class_names[labels[i]]
         hover = "\n".join([f"class: {name}", *(f"{c}: {values[c][i]}" for c in columns)])
-        circles.append(f'<circle cx="{x[i]:.1f}" cy="{y[i]:.1f}" r="3" fill="{colours[codes[i]]}" '
-                       f'data-k="{codes[i]}"><title>{esc(hover)}</title></circle>')
-    legend = [f'<div data-k="{k}"><i style="background:{colours[k]}"></i>'
-              f'{esc(class_names[class_id])} ({counts[k]})</div>'
-              for k, class_id in enumerate(present)]
-    shown = (f"all {total}" if len(labels) == total
-             else f"a class-stratified sample of {len(labels)} of {total}")
-    subtitle = (f"PCA of the L2-normalised embeddings: {shown} samples, {len(present)} classes; "
-                f"the two axes explain {100 * explained[0]:.1f}% and {100 * explained[1]:.1f}% "
-                "of the variance.")
+        circles.append(
+            f'<circle cx="{x[i]:.1f}" cy="{y[i]:.1f}" r="3" fill="{colours[codes[i]]}" '
+            f'data-k="{codes[i]}"><title>{esc(hover)}</title></circle>'
+        )
+    legend = [
+        f'<div data-k="{k}"><i style="background:{colours[k]}"></i>'
+        f"{esc(class_names[class_id])} ({counts[k]})</div>"
+        for k, class_id in enumerate(present)
+    ]
+    shown = (
+        f"all {total}"
+        if len(labels) == total
+        else f"a class-stratified sample of {len(labels)} of {total}"
+    )
+    subtitle = (
+        f"PCA of the L2-normalised embeddings: {shown} samples, {len(present)} classes; "
+        f"the two axes explain {100 * explained[0]:.1f}% and {100 * explained[1]:.1f}% "
+        "of the variance."
+    )
     page = importlib.resources.files(__package__).joinpath(_TEMPLATE).read_text("utf-8")
-    for key, value in (("@WIDTH@", str(width)), ("@HEIGHT@", str(height)),
-                       ("@SUBTITLE@", esc(subtitle)), ("@POINTS@", "\n".join(circles)),
-                       ("@LEGEND@", "\n".join(legend)), ("@TITLE@", esc(title))):
+    for key, value in (
+        ("@WIDTH@", str(width)),
+        ("@HEIGHT@", str(height)),
+        ("@SUBTITLE@", esc(subtitle)),
+        ("@POINTS@", "\n".join(circles)),
+        ("@LEGEND@", "\n".join(legend)),
+        ("@TITLE@", esc(title)),
+    ):
         page = page.replace(key, value)
     return page

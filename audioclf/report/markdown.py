@@ -15,12 +15,25 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(title: str, metrics: dict, counts: dict, per_class: list[dict], images: list[str],
-              setup: dict | None, notes: list[str], embedding_files: dict) -> str:
+def markdown(
+    title: str,
+    metrics: dict,
+    counts: dict,
+    per_class: list[dict],
+    images: list[str],
+    setup: dict | None,
+    notes: list[str],
+    embedding_files: dict,
+) -> str:
     lines = [f"# {title}", ""]
     if setup is not None:
-        lines += ["## Setup", "", *(f"- {key}: {value}" for key, value in setup.items()),
-                  *(f"- note: {note}" for note in notes), ""]
+        lines += [
+            "## Setup",
+            "",
+            *(f"- {key}: {value}" for key, value in setup.items()),
+            *(f"- note: {note}" for note in notes),
+            "",
+        ]
     lines += [
         f"{counts['n_samples']} samples, {counts['n_classes']} classes "
         f"({counts['n_singleton_classes']} with a single sample, left out of retrieval metrics), "

@@ -40,14 +40,18 @@ def plot_det(path: pathlib.Path, verification: dict) -> pathlib.Path:
     fpr = np.asarray(verification["fpr"], dtype=np.float64)
     fnr = np.asarray(verification["fnr"], dtype=np.float64)
     if fpr.shape != fnr.shape or fpr.ndim != 1:
-        raise ValueError(f"verification fpr {fpr.shape} and fnr {fnr.shape} must be 1-D of one length")
+        raise ValueError(
+            f"verification fpr {fpr.shape} and fnr {fnr.shape} must be 1-D of one length"
+        )
     low, high = _DET_TICKS[0], _DET_TICKS[-1]
     # Probit axes: the DET convention, where Gaussian score distributions give straight lines.
     figure, axes = plt.subplots(figsize=(5.5, 5))
     axes.plot(norm.ppf(np.clip(fpr, low, high)), norm.ppf(np.clip(fnr, low, high)), lw=1.5)
     if "eer" in verification:
         eer = float(np.clip(verification["eer"], low, high))
-        axes.plot(norm.ppf(eer), norm.ppf(eer), "o", label=f"EER {100 * float(verification['eer']):.2f}%")
+        axes.plot(
+            norm.ppf(eer), norm.ppf(eer), "o", label=f"EER {100 * float(verification['eer']):.2f}%"
+        )
         axes.legend(loc="upper right")
     ticks = norm.ppf(_DET_TICKS)
     tick_labels = [f"{100 * t:g}" for t in _DET_TICKS]
@@ -89,7 +93,9 @@ def plot_per_class(path: pathlib.Path, per_class: list[dict], metrics: dict) -> 
     return _save_figure(figure, path)
 
 
-def plot_projection(path, emb: torch.Tensor, labels: np.ndarray, class_names, projection: str, seed: int):
+def plot_projection(
+    path, emb: torch.Tensor, labels: np.ndarray, class_names, projection: str, seed: int
+):
     rng = np.random.default_rng(seed)
     if len(labels) > MAX_PROJECTION_POINTS:
         keep = np.sort(rng.choice(len(labels), size=MAX_PROJECTION_POINTS, replace=False))
@@ -101,7 +107,9 @@ def plot_projection(path, emb: torch.Tensor, labels: np.ndarray, class_names, pr
         coords = PCA(n_components=2, random_state=seed).fit_transform(points)
     else:
         perplexity = min(30.0, max(1.0, (len(points) - 1) / 3))
-        coords = TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(points)
+        coords = TSNE(
+            n_components=2, perplexity=perplexity, init="pca", random_state=seed
+        ).fit_transform(points)
 
     classes = np.unique(shown_labels)
     figure, axes = plt.subplots(figsize=(7, 6))
@@ -114,7 +122,9 @@ def plot_projection(path, emb: torch.Tensor, labels: np.ndarray, class_names, pr
     else:
         colour = np.searchsorted(classes, shown_labels)
         axes.scatter(*coords.T, s=3, c=colour, cmap="nipy_spectral", alpha=0.7)
-    axes.set_title(f"{projection.upper()} of {len(keep)} of {len(labels)} embeddings, {len(classes)} classes")
+    axes.set_title(
+        f"{projection.upper()} of {len(keep)} of {len(labels)} embeddings, {len(classes)} classes"
+    )
     axes.set_xticks([])
     axes.set_yticks([])
     return _save_figure(figure, path)
@@ -148,5 +158,7 @@ def class_colours(n: int) -> list[str]:
         palette = plt.get_cmap("tab10" if n <= 10 else "tab20")
         return [to_hex(palette(i)) for i in range(n)]
     # Golden-angle hues with three lightness levels: neighbours in the legend differ clearly.
-    return [to_hex(colorsys.hls_to_rgb((i * 0.381966) % 1.0, 0.35 + 0.15 * (i % 3), 0.75))
-            for i in range(n)]
+    return [
+        to_hex(colorsys.hls_to_rgb((i * 0.381966) % 1.0, 0.35 + 0.15 * (i % 3), 0.75))
+        for i in range(n)
+    ]

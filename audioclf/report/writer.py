@@ -68,49 +68,89 @@ def write_report(
 
     Returns file name -> path for every file written.
     """
-    if projection not in PROJECTIONS:
-        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-    emb, lab = check_embeddings(embeddings, labels)
-    class_names = [str(name) for name in class_names]
-    knn_predictions = _check_predictions(knn_predictions, lab, class_names)
-    metadata = _check_metadata(metadata, len(lab))
-    if tsv_points < 1 or html_points < 1:
-        raise ValueError(f"tsv_points ({tsv_points}) and html_points ({html_points}) must be >= 1")
+    emb, lab, class_names, knn_predictions, metadata = _checked_inputs(
+        embeddings,
+        labels,
+        class_names,
+        knn_predictions,
+        metadata,
+        projection,
+        tsv_points,
+        html_points,
+    )
     correct_at_1 = _correct_at_1(results, emb, lab)
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = _scalars(results)
-    for name, value in _scalars(verification or {}).items():
-        metrics.setdefault(name, value)
+    metrics = _report_metrics(results, verification)
     per_class = _per_class_p1(lab, correct_at_1, class_names)
-    counts = _counts(lab, per_class, class_names, emb)
-    written = _write_plots(out_dir, emb, lab, class_names, per_class, metrics, verification,
-                           knn_predictions, projection, seed)
+    written = _write_plots(
+        out_dir,
+        emb,
+        lab,
+        class_names,
+        per_class,
+        metrics,
+        verification,
+        knn_predictions,
+        projection,
+        seed,
+    )
     images = list(written)
-    embedding_files = write_embedding_files(out_dir, emb, lab, class_names, metadata, seed,
-                                            tsv_points, html_points, title, written)
-
-    page = markdown(title, metrics, counts, per_class, images=images,
-                    setup=setup, notes=list(notes), embedding_files=embedding_files)
-    written["report.md"] = atomic_write(out_dir / "report.md", lambda f: f.write(page.encode()))
+    embedding_files = write_embedding_files(
+        out_dir, emb, lab, class_names, metadata, seed, tsv_points, html_points, title, written
+    )
     report = {
         "title": title,
         "metrics": metrics,
-        "counts": counts,
+        "counts": _counts(lab, per_class, class_names, emb),
         "per_class_p1": per_class,
         "embedding_files": embedding_files,
-        "files": sorted([*written, "report.json"]),
     }
-    if setup is not None:
-        report["evaluation"] = {**setup, "notes": list(notes)}
-    text = json.dumps(_json_ready(report), indent=2, allow_nan=False) + "\n"
-    written["report.json"] = atomic_write(out_dir / "report.json", lambda f: f.write(text.encode()))
+    _write_summaries(out_dir, report, written, images=images, setup=setup, notes=list(notes))
     return written
 
 
-def _counts(lab: np.ndarray, per_class: list[dict], class_names: list[str],
-            emb: torch.Tensor) -> dict:
+def _write_summaries(
+    out_dir: pathlib.Path,
+    report: dict,
+    written: dict[str, pathlib.Path],
+    *,
+    images: list[str],
+    setup: dict | None,
+    notes: list[str],
+) -> None:
+    """report.md, then report.json (which lists every file written, itself included); both
+    are added to `written`."""
+    page = markdown(
+        report["title"],
+        report["metrics"],
+        report["counts"],
+        report["per_class_p1"],
+        images=images,
+        setup=setup,
+        notes=notes,
+        embedding_files=report["embedding_files"],
+    )
+    written["report.md"] = atomic_write(out_dir / "report.md", lambda f: f.write(page.encode()))
+    report = {**report, "files": sorted([*written, "report.json"])}
+    if setup is not None:
+        report["evaluation"] = {**setup, "notes": notes}
+    text = json.dumps(_json_ready(report), indent=2, allow_nan=False) + "\n"
+    written["report.json"] = atomic_write(out_dir / "report.json", lambda f: f.write(text.encode()))
+
+
+def _report_metrics(results: dict, verification: dict | None) -> dict:
+    """The scalar metrics of the results, then those of the verification not already there."""
+    metrics = _scalars(results)
+    for name, value in _scalars(verification or {}).items():
+        metrics.setdefault(name, value)
+    return metrics
+
+
+def _counts(
+    lab: np.ndarray, per_class: list[dict], class_names: list[str], emb: torch.Tensor
+) -> dict:
     return {
         "n_samples": int(len(lab)),
         "n_classes": int(len(per_class)),
@@ -120,10 +160,18 @@ def _counts(lab: np.ndarray, per_class: list[dict], class_names: list[str],
     }
 
 
-def _write_plots(out_dir: pathlib.Path, emb: torch.Tensor, lab: np.ndarray,
-                 class_names: list[str], per_class: list[dict], metrics: dict,
-                 verification: dict | None, knn_predictions, projection: str,
-                 seed: int) -> dict[str, pathlib.Path]:
+def _write_plots(
+    out_dir: pathlib.Path,
+    emb: torch.Tensor,
+    lab: np.ndarray,
+    class_names: list[str],
+    per_class: list[dict],
+    metrics: dict,
+    verification: dict | None,
+    knn_predictions,
+    projection: str,
+    seed: int,
+) -> dict[str, pathlib.Path]:
     """The PNG plots whose inputs are given, in report order: file name -> path."""
     written: dict[str, pathlib.Path] = {}
     if verification is not None:
@@ -133,13 +181,38 @@ def _write_plots(out_dir: pathlib.Path, emb: torch.Tensor, lab: np.ndarray,
         out_dir / "projection.png", emb, lab, class_names, projection, seed
     )
     if knn_predictions is not None:
-        written["confusion.png"] = plot_confusion(out_dir / "confusion.png", lab, knn_predictions, class_names)
+        written["confusion.png"] = plot_confusion(
+            out_dir / "confusion.png", lab, knn_predictions, class_names
+        )
     return written
 
 
 # --------------------------------------------------------------------------------------------
 # Checking the inputs
 # --------------------------------------------------------------------------------------------
+
+
+def _checked_inputs(
+    embeddings,
+    labels,
+    class_names: list,
+    knn_predictions,
+    metadata,
+    projection: str,
+    tsv_points: int,
+    html_points: int,
+) -> tuple[torch.Tensor, np.ndarray, list[str], np.ndarray | None, pd.DataFrame]:
+    """(embeddings, labels, class names as str, kNN predictions, metadata), each validated;
+    one ValueError naming the first bad input, before anything is written."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+    emb, lab = check_embeddings(embeddings, labels)
+    class_names = [str(name) for name in class_names]
+    knn_predictions = _check_predictions(knn_predictions, lab, class_names)
+    metadata = _check_metadata(metadata, len(lab))
+    if tsv_points < 1 or html_points < 1:
+        raise ValueError(f"tsv_points ({tsv_points}) and html_points ({html_points}) must be >= 1")
+    return emb, lab, class_names, knn_predictions, metadata
 
 
 def _check_predictions(knn_predictions, lab: np.ndarray, class_names: list[str]):
@@ -160,7 +233,9 @@ def _correct_at_1(results: dict, emb: torch.Tensor, lab: np.ndarray) -> np.ndarr
     """Whether each sample's nearest neighbour has its class: from the results, else computed."""
     correct_at_1 = results.get("per_sample_correct_at_1")
     if correct_at_1 is None:
-        correct_at_1 = retrieval_metrics(emb, lab, return_per_sample=True)["per_sample_correct_at_1"]
+        correct_at_1 = retrieval_metrics(emb, lab, return_per_sample=True)[
+            "per_sample_correct_at_1"
+        ]
     correct_at_1 = np.asarray(correct_at_1, dtype=bool)
     if correct_at_1.shape != lab.shape:
         raise ValueError(
@@ -186,8 +261,10 @@ def _check_metadata(metadata, n: int) -> pd.DataFrame:
     if not isinstance(metadata, pd.DataFrame):
         raise ValueError(f"metadata must be a pandas DataFrame, got {type(metadata).__name__}")
     if len(metadata) != n:
-        raise ValueError(f"metadata has {len(metadata)} rows but there are {n} embeddings; "
-                         "give one metadata row per embedding, in the same order")
+        raise ValueError(
+            f"metadata has {len(metadata)} rows but there are {n} embeddings; "
+            "give one metadata row per embedding, in the same order"
+        )
     if "class" in metadata.columns:
         raise ValueError("metadata must not have a 'class' column: the class comes from labels")
     return metadata.reset_index(drop=True).astype(str)
@@ -200,7 +277,9 @@ def _is_scalar(value) -> bool:
 
 
 def _scalars(metric_dict: dict) -> dict:
-    return {str(name): _json_ready(value) for name, value in metric_dict.items() if _is_scalar(value)}
+    return {
+        str(name): _json_ready(value) for name, value in metric_dict.items() if _is_scalar(value)
+    }
 
 
 def _json_ready(value):
@@ -218,10 +297,14 @@ def _json_ready(value):
     return value
 
 
-def _per_class_p1(labels: np.ndarray, correct_at_1: np.ndarray, class_names: list[str]) -> list[dict]:
+def _per_class_p1(
+    labels: np.ndarray, correct_at_1: np.ndarray, class_names: list[str]
+) -> list[dict]:
     """One row per class present, worst P@1 first; a singleton class has P@1 None (no positive)."""
     class_ids, class_index, counts = np.unique(labels, return_inverse=True, return_counts=True)
-    hits = np.bincount(class_index, weights=correct_at_1.astype(np.float64), minlength=len(class_ids))
+    hits = np.bincount(
+        class_index, weights=correct_at_1.astype(np.float64), minlength=len(class_ids)
+    )
     rows = [
         {
             "class_id": int(class_id),
@@ -232,4 +315,6 @@ def _per_class_p1(labels: np.ndarray, correct_at_1: np.ndarray, class_names: lis
         for class_id, count, hit in zip(class_ids, counts, hits, strict=True)
     ]
     # Worst first; classes without a P@1 go last, ties by class id for a stable order.
-    return sorted(rows, key=lambda row: (row["p_at_1"] is None, row["p_at_1"] or 0.0, row["class_id"]))
+    return sorted(
+        rows, key=lambda row: (row["p_at_1"] is None, row["p_at_1"] or 0.0, row["class_id"])
+    )

@@ -1,0 +1,203 @@
+"""Every metric of one evaluated set: retrieval (cross-item and leave-one-out), kNN and
+nearest-centroid classification against a gallery or a half/half enrollment split, verification
+and clustering (see `python -m audioclf.evaluate --help`).
+
+    evaluation = compute_metrics(emb, names, classification="gallery", items=items,
+                                 gallery_emb=gallery_emb, gallery_names=gallery_names)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from audioclf.metrics import (
+    centroid_accuracy,
+    clustering_metrics,
+    knn_accuracy,
+    retrieval_metrics,
+    verification_metrics,
+)
+
+CLASSIFICATIONS = ("gallery", "enrollment", "none")
+
+
+@dataclass
+class Evaluation:
+    results: dict  # metric name -> value (report scalars + per_sample_correct_at_1)
+    embeddings: np.ndarray
+    labels: np.ndarray  # class ids into class_names
+    class_names: list[str]
+    knn_predictions: np.ndarray | None
+    verification: dict | None
+    setup: dict = field(default_factory=dict)  # what was evaluated how (report.json "evaluation")
+    notes: list[str] = field(default_factory=list)
+
+
+def compute_metrics(
+    emb: np.ndarray,
+    names: np.ndarray,
+    *,
+    classification: str = "none",
+    items: np.ndarray | None = None,
+    gallery_emb: np.ndarray | None = None,
+    gallery_names: np.ndarray | None = None,
+    max_pairs: int = 1_000_000,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> Evaluation:
+    """Every metric of one evaluated set (embeddings and class name per row).
+
+    classification: "gallery" (against gallery_emb / gallery_names, which hold every evaluated
+    class), "enrollment" (half/half split of the set by `items`), or "none".
+    """
+    if classification not in CLASSIFICATIONS:
+        raise ValueError(f"classification={classification!r}: use gallery, enrollment or none")
+    gallery_list = gallery_names.tolist() if classification == "gallery" else []
+    class_names = sorted(set(names.tolist()) | set(gallery_list))
+    code = {name: i for i, name in enumerate(class_names)}
+    labels = np.array([code[n] for n in names.tolist()], dtype=np.int64)
+    n_classes = len(set(names.tolist()))
+    evaluation = Evaluation(
+        {}, emb, labels, class_names, None, None, {"n_samples": len(labels), "n_classes": n_classes}
+    )
+    evaluation.results = _retrieval(evaluation, items, device)
+    if classification == "gallery":
+        sets = _gallery_sets(evaluation, names, gallery_emb, gallery_list, code)
+    elif classification == "enrollment":
+        sets = _enrollment_sets(evaluation, names, items, seed)
+    else:
+        evaluation.setup["classification"] = "none"
+        sets = None
+    if sets is not None:
+        _classify(evaluation, *sets, per_sample=classification == "gallery", device=device)
+    _verification_and_clustering(evaluation, n_classes, max_pairs, seed)
+    return evaluation
+
+
+def _retrieval(evaluation: Evaluation, items: np.ndarray | None, device) -> dict:
+    """Cross-item retrieval with items (leave-one-out without), plus the loo_* figures."""
+    emb, labels, setup, notes = (
+        evaluation.embeddings,
+        evaluation.labels,
+        evaluation.setup,
+        evaluation.notes,
+    )
+    leave_one_out = retrieval_metrics(emb, labels, device=device, return_per_sample=True)
+    results = leave_one_out
+    if items is not None:
+        results = retrieval_metrics(emb, labels, items=items, device=device, return_per_sample=True)
+        setup["retrieval"] = (
+            "cross-item: a query never retrieves clips of its own item "
+            "(recording); R counts the other items' clips of its class"
+        )
+        setup["n_retrieval_queries"] = results["n_queries"]
+        if results["n_queries_without_other_item"]:
+            notes.append(
+                f"{results['n_queries_without_other_item']} sample(s) have no clip of "
+                "another item in their class: left out of the cross-item metrics"
+            )
+        if results["n_queries"] == 0:
+            notes.append(
+                "no class has clips of two items: cross-item retrieval is undefined "
+                "(the loo_* figures are leave-one-out)"
+            )
+    if leave_one_out["n_queries"] == 0:
+        notes.append("every class has a single sample: retrieval metrics are undefined")
+    return {
+        **{k: v for k, v in results.items() if k != "n_queries_without_other_item"},
+        **{f"loo_{k}": leave_one_out[k] for k in ("precision_at_1", "map_at_r", "r_precision")},
+    }
+
+
+def _gallery_sets(
+    evaluation: Evaluation,
+    names: np.ndarray,
+    gallery_emb: np.ndarray,
+    gallery_list: list,
+    code: dict,
+) -> tuple[tuple, tuple]:
+    """(queries, gallery) of a closed-set classification: every evaluated sample queries."""
+    missing = sorted(set(names.tolist()) - set(gallery_list))
+    if missing:  # only when data.skip_bad_files dropped a class's every gallery file
+        raise ValueError(
+            f"no gallery file of class(es) {', '.join(map(repr, missing[:5]))} "
+            "could be read; fix the files or use --gallery none"
+        )
+    g_labels = np.array([code[n] for n in gallery_list], dtype=np.int64)
+    evaluation.setup["classification"] = "closed set: every evaluated sample against the gallery"
+    evaluation.setup["n_gallery_samples"] = len(g_labels)
+    return (evaluation.embeddings, evaluation.labels), (gallery_emb, g_labels)
+
+
+def _enrollment_sets(
+    evaluation: Evaluation, names: np.ndarray, items: np.ndarray | None, seed: int
+) -> tuple[tuple, tuple] | None:
+    """(queries, gallery) of a half/half enrollment split of the set by item; None when no
+    class has two samples."""
+    if items is None:
+        raise ValueError("an enrollment split needs the item of every evaluated row")
+    emb, labels = evaluation.embeddings, evaluation.labels
+    enroll = enrollment_split(names, items, seed)
+    query = ~enroll & np.isin(names, list(set(names[enroll].tolist())))
+    evaluation.setup["classification"] = (
+        "enrollment: in each evaluated class half of the items enroll, the other half query"
+    )
+    evaluation.setup["n_enrollment_samples"] = int(enroll.sum())
+    left_out = int((~enroll & ~query).sum())
+    if left_out:
+        evaluation.notes.append(
+            f"{left_out} sample(s) of single-sample classes are left out of "
+            "classification (nothing to enroll them with)"
+        )
+    if not query.any():
+        evaluation.notes.append("no class has two samples: classification metrics skipped")
+        return None
+    return (emb[query], labels[query]), (emb[enroll], labels[enroll])
+
+
+def _classify(
+    evaluation: Evaluation, queries: tuple, gallery: tuple, *, per_sample: bool, device
+) -> None:
+    """kNN and nearest-centroid accuracy; with one query per evaluated sample (per_sample),
+    the kNN predictions too (a confusion plot)."""
+    knn = knn_accuracy(*queries, *gallery, k=1, device=device)
+    evaluation.results["knn_accuracy"] = knn["knn_accuracy"]
+    evaluation.results["centroid_accuracy"] = centroid_accuracy(*queries, *gallery)[
+        "centroid_accuracy"
+    ]
+    evaluation.setup["n_classification_queries"] = len(queries[1])
+    if per_sample:
+        evaluation.knn_predictions = knn["predictions"]
+
+
+def _verification_and_clustering(
+    evaluation: Evaluation, n_classes: int, max_pairs: int, seed: int
+) -> None:
+    emb, labels = evaluation.embeddings, evaluation.labels
+    try:
+        evaluation.verification = verification_metrics(emb, labels, max_pairs=max_pairs, seed=seed)
+    except ValueError as exc:
+        evaluation.notes.append(f"verification skipped: {exc}")
+    if n_classes >= 2:
+        evaluation.results.update(clustering_metrics(emb, labels, seed=seed))
+    else:
+        evaluation.notes.append("a single class: clustering metrics skipped")
+
+
+def enrollment_split(classes: np.ndarray, items: np.ndarray, seed: int) -> np.ndarray:
+    """True for enrollment rows: per class half of the items (at least one) enroll; a class
+    with a single item splits its samples half/half; a class with one sample only queries."""
+    rng = np.random.default_rng(seed)
+    enroll = np.zeros(len(classes), dtype=bool)
+    for cls in sorted(set(classes.tolist())):
+        rows = np.flatnonzero(classes == cls)
+        class_items = sorted(set(items[rows].tolist()))
+        if len(class_items) >= 2:
+            chosen = rng.permutation(len(class_items))[: len(class_items) // 2]
+            enroll[rows] = np.isin(items[rows], [class_items[i] for i in chosen])
+        elif len(rows) >= 2:
+            enroll[rng.permutation(rows)[: len(rows) // 2]] = True
+    return enroll

@@ -1,0 +1,134 @@
+"""The files of an embed --index run: the PREFIX.* names, PREFIX.parts/ with its manifest, and
+the part files, each one finished chunk of rows (see index_embedding.py).
+
+A part is taken by a rerun only when it is whole and was made for the very rows it covers (their
+ids and paths); the manifest says which model, features and chunk size made them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from audioclf.fileio import atomic_write_bytes
+from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.outputs import ManifestMismatch, check_manifest, write_manifest
+
+PARTS_VERSION = 1  # bump when the part files' layout changes
+PART_KEYS = ("embeddings", "positions", "rows", "skipped", "reasons")
+
+
+@dataclass(frozen=True)
+class IndexOutputs:
+    """The files of one --index run, all named after --save PREFIX."""
+
+    npy: Path
+    parquet: Path
+    skipped: Path
+    parts: Path  # folder of finished chunks while the run is unfinished
+
+    @classmethod
+    def of(cls, prefix: str | Path) -> IndexOutputs:
+        prefix = Path(prefix)
+        name = prefix.name
+        return cls(
+            prefix.with_name(name + ".npy"),
+            prefix.with_name(name + ".parquet"),
+            prefix.with_name(name + ".skipped.csv"),
+            prefix.with_name(name + ".parts"),
+        )
+
+    def part(self, chunk: int) -> Path:
+        return self.parts / f"chunk-{chunk:06d}.npz"
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def parts_manifest(model: LoadedEmbedder, chunk_rows: int) -> dict:
+    """What every part file of a run depends on besides its own rows' ids and paths."""
+    stat = model.path.stat()
+    return {
+        "version": PARTS_VERSION,
+        "model": str(model.path.resolve()),
+        "model_mtime_ns": stat.st_mtime_ns,
+        "model_size": stat.st_size,
+        "input_kind": model.input_kind,
+        "features": dataclasses.asdict(model.features),
+        "clips": dataclasses.asdict(model.cfg.clips),
+        "chunk_rows": chunk_rows,
+    }
+
+
+def open_parts(outputs: IndexOutputs, manifest: dict) -> None:
+    """Create PREFIX.parts/ with its manifest, or check that an earlier run's parts were made
+    by the same model, features and chunk size."""
+    path = outputs.parts / "manifest.json"
+    try:
+        if check_manifest(path, manifest):
+            return
+    except ManifestMismatch as exc:
+        what = (
+            f"its {', '.join(exc.changed)} differ{'s' if len(exc.changed) == 1 else ''}"
+            if exc.earlier is not None
+            else f"its {path.name} is {exc.reason}"
+        )
+        raise ValueError(
+            f"{outputs.parts} holds the unfinished work of another run ({what}); "
+            "delete it to start over, or choose another --save PREFIX"
+        ) from None
+    if outputs.parts.is_dir() and any(outputs.parts.glob("chunk-*.npz")):
+        raise ValueError(
+            f"{outputs.parts} holds part files but no manifest.json, so their model "
+            "is unknown; delete the folder to start over"
+        )
+    try:
+        write_manifest(path, manifest)
+    except OSError as exc:
+        raise ValueError(
+            f"--save {outputs.parts.parent}: cannot write {outputs.parts} ({exc.strerror or exc})"
+        ) from None
+
+
+def write_part(path: Path, part: dict[str, np.ndarray]) -> Path:
+    """One finished chunk as an .npz, atomically: a killed run leaves whole parts only."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **part)
+    return atomic_write_bytes(path, buffer.getvalue())
+
+
+def rows_digest(ids: np.ndarray, paths: np.ndarray) -> str:
+    """What a part's rows were: their ids and paths (a digest; paths can be long)."""
+    return _digest("\0".join([*ids.tolist(), *paths.tolist()]).encode())
+
+
+def read_part(
+    path: Path, ids: np.ndarray, paths: np.ndarray, start: int, dim: int | None
+) -> dict[str, np.ndarray] | None:
+    """A finished chunk of rows start .. start + len(ids), if `path` holds one that is whole
+    and was made for these very rows (same ids and paths); None otherwise."""
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            part = {key: stored[key] for key in PART_KEYS}
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    emb, positions, skipped = part["embeddings"], part["positions"], part["skipped"]
+    expected = np.arange(start, start + len(ids))
+    whole = (
+        str(part["rows"]) == rows_digest(ids, paths)
+        and emb.dtype == np.float32
+        and emb.ndim == 2
+        and len(emb) == len(positions)
+        and len(part["reasons"]) == len(skipped)
+        and np.array_equal(np.union1d(positions, skipped), expected)
+        and len(positions) + len(skipped) == len(expected)
+        and (len(emb) == 0 or dim is None or emb.shape[1] == dim)
+        and bool(np.isfinite(emb).all())
+    )
+    return part if whole else None
