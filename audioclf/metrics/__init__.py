@@ -26,9 +26,6 @@ from audioclf.metrics.retrieval import (
 )
 from audioclf.metrics.verification import verification_metrics, verification_pairs
 
-# The name audioclf.search.retrieval imports (before it was public in metrics.retrieval).
-_item_groups = item_groups
-
 __all__ = [
     "KMEANS_N_INIT",
     "RETRIEVAL_KEYS",
