@@ -63,6 +63,8 @@ def run_cli(prog: str, run: Callable[[], int]) -> int:
     except AlreadyReported:
         return 2
     except Exception as exc:
+        if getattr(exc, "reported", False):  # distributed.PeerFailure: another rank said why
+            return 2
         if not is_user_error(exc) or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         # Under torchrun another rank's progress bar may hold the terminal's current line.

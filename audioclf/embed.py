@@ -4,6 +4,7 @@ every row of an index sheet into files for a search index.
     python -m audioclf.embed --model runs/demo/best.pt --gallery data/demo/index.xlsx clips/
     python -m audioclf.embed --model model.pt --gallery refs.xlsx --top 3 --save out/new a.wav
     python -m audioclf.embed --model runs/demo/best.pt --index big.xlsx --save out/big --num-workers 8
+    torchrun --nproc_per_node=8 -m audioclf.embed --model best.pt --index big.xlsx --save out/big
 
 --model   an audioclf checkpoint (.pt from audioclf.train, or an export --format state_dict),
           or a TorchScript / ONNX export of audioclf.export with its sidecar <model>.json next
@@ -12,17 +13,14 @@ FILES     audio files (.wav .flac .ogg .aiff .mp3 ..., every format libsndfile r
           prepare), or .npy log-mel files for a model trained on precomputed features; folders
           are searched recursively. Each file is embedded whole, as in evaluation
           (clips.eval_crop).
---gallery an index sheet (.xlsx .csv .parquet) read with the model's column settings
-          (data.class_column, data.path_column, ...); every row is used, the split column is
-          ignored. Its embeddings are cached in <model folder>/.audioclf_cache/, keyed by the
-          sheet's content and path, the model file's mtime and size, and the features settings,
-          so a second call only embeds the new files. The key does not cover the gallery's audio
-          files: after replacing them behind an unchanged sheet, pass --no-cache once.
+--gallery an index sheet (.xlsx .csv .parquet) read with the model's column settings; every row
+          is used, the split column is ignored. Its embeddings are cached in <model folder>/
+          .audioclf_cache/ (keyed by the sheet, the model file and the features settings, not the
+          audio files: after replacing them behind an unchanged sheet, pass --no-cache once).
 
-For each file the N classes with the highest cosine similarity to the class centroid (the mean
-of the class's normalised gallery embeddings, renormalised) are printed, best first.
---save PREFIX writes PREFIX.npy (embeddings float32 [files, D], in the printed order) and
-PREFIX.csv (file, top class, its score).
+For each file the N classes with the highest cosine similarity to the class centroid (mean of
+the normalised gallery embeddings) are printed, best first. --save PREFIX writes PREFIX.npy
+(float32 [files, D], printed order) and PREFIX.csv (file, top class, its score).
 Exit status: 0 done; 1 done, but some files could not be read (each named on stderr, the rest
 embedded); 2 bad input (no audio files found, a gallery sheet without a class column, no file
 readable, a model that gives NaN) with a one-line message.
@@ -34,12 +32,13 @@ data.num_workers) and a progress bar, into
   PREFIX.npy      float32 [rows, D]
   PREFIX.parquet  row (the sheet's row number), id, class, item, path: one row per .npy row.
 The work goes in chunks of 4,096 rows, each written as a part file into PREFIX.parts/ when done;
-a rerun (after a crash, a kill, a full disk) checks the finished parts (same model and
-features, same ids and paths at those rows, whole files) and embeds only the rest. At the end
-PREFIX.npy and PREFIX.parquet are assembled and PREFIX.parts/ is removed. An unreadable or
-missing file stops the run with one line naming it and its sheet row (finished parts are kept);
-with --skip-bad-files it is left out and listed in PREFIX.skipped.csv (row, id, path, reason).
-Prints a summary instead of rankings. Exit status: 0 done; 2 bad input.
+a rerun (after a crash, a kill, a full disk) takes the finished parts of the same model, features
+and rows and embeds only the rest; at the end PREFIX.npy and .parquet are assembled. An
+unreadable or missing file stops the run with one line naming it and its sheet row; with
+--skip-bad-files it is left out and listed in PREFIX.skipped.csv (row, id, path, reason).
+Under torchrun or srun the chunks are dealt to the ranks, each on its own GPU, and rank 0
+assembles the outputs (a rerun with another number of ranks takes every finished chunk); plain
+python is one process. Prints a summary instead of rankings. Exit status: 0 done; 2 bad input.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ import sys
 import time
 from pathlib import Path
 
+from audioclf import distributed
 from audioclf.cli import add_trust_flag, resolve_device, run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder
 from audioclf.inference.extract import check_loader_options
@@ -76,9 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="audioclf checkpoint, or TorchScript/ONNX export with its .json",
     )
-    parser.add_argument(
-        "--gallery", type=Path, help="index sheet of labelled reference files (ranking mode)"
-    )
+    parser.add_argument("--gallery", type=Path, help="index sheet of labelled files (ranking)")
     parser.add_argument(
         "--index",
         type=Path,
@@ -91,10 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --index: only the rows of this split (train, "
         "val, test), by the sheet's split column or the training's rules",
     )
-    parser.add_argument(
-        "--root",
-        help="folder that the sheet's relative paths resolve against (default: the sheet's folder)",
-    )
+    parser.add_argument("--root", help="folder of the sheet's relative paths (default: its own)")
     parser.add_argument("--top", type=int, help="classes shown per file (default 5; ranking mode)")
     parser.add_argument(
         "--save",
@@ -145,10 +140,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    model = load_embedder(args.model, resolve_device(args.device), trust=args.trust_checkpoint)
-    if args.index is not None:
-        return run_index(args, model)
-    return run_ranking(args, model)
+    device = resolve_device(args.device)
+    if args.index is None:
+        return run_ranking(args, load_embedder(args.model, device, trust=args.trust_checkpoint))
+    with distributed.process_group(device) as env:  # one rank per process under torchrun
+        return run_index(args, load_embedder(args.model, env.device, trust=args.trust_checkpoint))
 
 
 def run_ranking(args: argparse.Namespace, model: LoadedEmbedder) -> int:
@@ -187,7 +183,10 @@ def run_index(args: argparse.Namespace, model: LoadedEmbedder) -> int:
         skip_hint=SKIP_HINT,
         missing_files_hint=MISSING_FILES_HINT,
     )
-    print("\n".join(summary.lines(model, split=args.split, seconds=time.perf_counter() - start)))
+    if distributed.get_rank() == 0:
+        print(
+            "\n".join(summary.lines(model, split=args.split, seconds=time.perf_counter() - start))
+        )
     return 0
 
 

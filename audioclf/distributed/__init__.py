@@ -15,6 +15,7 @@ from audioclf.distributed.collectives import (
     gather_objects,
     gather_to_primary,
     primary_first,
+    primary_only,
 )
 from audioclf.distributed.consistency import (
     ParameterDriftError,
@@ -33,6 +34,7 @@ from audioclf.distributed.group import (
     get_rank,
     get_world_size,
     is_initialized,
+    process_group,
     setup,
     teardown,
 )
@@ -61,6 +63,8 @@ __all__ = [
     "parameter_checksums",
     "peer_failure",
     "primary_first",
+    "primary_only",
+    "process_group",
     "setup",
     "teardown",
     "unwrap",

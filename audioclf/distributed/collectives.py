@@ -77,28 +77,49 @@ def broadcast_object(obj=None, src: int = 0):
 
 
 def primary_first(fn, *args, **kwargs):
-    """Run fn on rank 0 first (e.g. to build a cache), then on the other ranks.
+    """Run fn on rank 0 first (e.g. to build a cache), then on the other ranks (collective).
 
     Rank 0's failure is broadcast, so the other ranks raise the same message at once instead of
     waiting at a barrier until the timeout.
     """
     if not is_initialized():
         return fn(*args, **kwargs)
-    error = None
-    result = None
-    if dist.get_rank() == 0:
-        try:
-            result = fn(*args, **kwargs)
-        except Exception as exc:  # re-raised below on every rank
-            error = exc
-    message = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    result, error = _on_primary(fn, args, kwargs)
+    _raise_primary_failure(error, broadcast_object(_failure_text(error)))
+    if dist.get_rank() != 0:
+        result = fn(*args, **kwargs)
+    return result
+
+
+def primary_only(fn, *args, **kwargs):
+    """Run fn on rank 0 alone and hand its (picklable) result to every rank (collective); its
+    failure is raised on every rank at once, as in primary_first."""
+    if not is_initialized():
+        return fn(*args, **kwargs)
+    result, error = _on_primary(fn, args, kwargs)
+    message, result = broadcast_object((_failure_text(error), result))
+    _raise_primary_failure(error, message)
+    return result
+
+
+def _on_primary(fn, args, kwargs) -> tuple[object, Exception | None]:
+    if dist.get_rank() != 0:
+        return None, None
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as exc:  # re-raised on every rank by _raise_primary_failure
+        return None, exc
+
+
+def _failure_text(error: Exception | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_primary_failure(error: Exception | None, message: str | None) -> None:
     if error is not None:
         raise error
     if message is not None:
         raise RuntimeError(f"rank 0 failed: {message}")
-    if dist.get_rank() != 0:
-        result = fn(*args, **kwargs)
-    return result
 
 
 def gather_to_primary(obj) -> list | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +114,24 @@ def setup(
                 dist.init_process_group(backend=chosen_backend, timeout=timeout, **extra)
         rank, world_size = dist.get_rank(), dist.get_world_size()
     return DistEnv(rank, local_rank, world_size, dev, strategy, chosen_backend)
+
+
+@contextmanager
+def process_group(
+    device: str | torch.device = "auto", *, timeout_minutes: float = 30.0
+) -> Iterator[DistEnv]:
+    """The launcher's process group around a tool's work: under torchrun or srun one rank per
+    process (each on its own GPU), under plain python one process on `device` (which may name a
+    GPU, cuda:N). Torn down after the block."""
+    device = torch.device(device) if not isinstance(device, str) or device != "auto" else device
+    kind = device if isinstance(device, str) else device.type
+    env = setup(device=kind, timeout_minutes=timeout_minutes)
+    if env.world_size == 1 and not isinstance(device, str):
+        env.device = device
+    try:
+        yield env
+    finally:
+        teardown()
 
 
 def teardown() -> None:

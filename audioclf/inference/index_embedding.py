@@ -19,33 +19,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 from tqdm import tqdm
 
+from audioclf import distributed
 from audioclf.cli import one_line
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, IndexValidationError, load_index, split_index
 from audioclf.data.loader import loader_kwargs
 from audioclf.data.readers import AudioReadError, FeatureFileError
-from audioclf.fileio import atomic_write
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.extract import check_finite, extract_embeddings, model_input
 from audioclf.inference.index_parts import (
     IndexOutputs,
+    assemble,
     open_parts,
     parts_manifest,
     read_part,
     rows_digest,
     write_part,
 )
-from audioclf.outputs import write_skipped
 
 log = logging.getLogger("audioclf")
 
@@ -304,106 +302,131 @@ def write_index_embeddings(
 ) -> IndexSummary:
     """Embed every row of `index` into PREFIX.npy + PREFIX.parquet, through resumable part
     files in PREFIX.parts/ (chunk_rows rows each; default CHUNK_ROWS). `skip_hint`: how an
-    unreadable file's message says to skip such files."""
+    unreadable file's message says to skip such files.
+
+    Under a process group (torchrun, srun) the chunks are dealt to the ranks (chunk c to rank
+    c % world size; each rank embeds whole chunks on its own device) and rank 0 assembles the
+    outputs once every chunk exists: every rank must call it. The part files do not depend on
+    the rank, so a rerun with another number of ranks takes every finished one.
+    """
     chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     outputs = IndexOutputs.of(prefix)
-    total = len(index)
-    open_parts(outputs, parts_manifest(model, chunk_rows))
+    distributed.primary_first(open_parts, outputs, parts_manifest(model, chunk_rows))
     rows = _index_rows(model, index, skip_bad_files, skip_hint)
-    options = loader_kwargs(num_workers, True, False, 2, model.device)
-    chunks = math.ceil(total / chunk_rows)
-    dim, resumed = None, 0
+    work = _ChunkWork(
+        model,
+        rows,
+        outputs,
+        chunk_rows,
+        len(index),
+        batch_size,
+        skip_bad_files,
+        loader_kwargs(num_workers, True, False, 2, model.device),
+    )
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    shown = progress and rank == 0
+    resumed = 0
     with tqdm(
-        total=total, unit="rows", desc="embed", disable=not progress, dynamic_ncols=True
+        total=len(index), unit="rows", desc="embed", disable=not shown, dynamic_ncols=True
     ) as bar:
-        for chunk in range(chunks):
-            start, stop = chunk * chunk_rows, min((chunk + 1) * chunk_rows, total)
-            part = _finished_part(outputs.part(chunk), rows, start, stop, dim, skip_bad_files)
-            if part is not None:
-                resumed += 1
-            else:
-                part = embed_chunk(
-                    model,
-                    rows,
-                    start,
-                    stop,
-                    batch_size=batch_size,
-                    loader_options=options,
-                    progress=progress,
-                    description=f"chunk {chunk + 1}/{chunks}",
-                )
-                write_part(outputs.part(chunk), part)
-            if len(part["positions"]):
-                dim = part["embeddings"].shape[1]
-            bar.update(stop - start)
-    embedded, skipped = _assemble(outputs, index, chunks, dim)
-    return IndexSummary(total, embedded, dim or 0, chunks, resumed, skipped, outputs, index.source)
+        for first in range(0, work.chunks, world):  # one round: a chunk per rank
+            resumed += work.run_round(first, rank, progress=shown)
+            bar.update(work.rows_in(range(first, min(first + world, work.chunks))))
+    resumed = int(distributed.all_reduce_sum([resumed]).item())
+    try:
+        embedded, skipped = distributed.primary_only(assemble, outputs, index, work.chunks)
+    except RuntimeError as exc:  # rank 0 failed and says why; the others stop quietly
+        if rank == 0:
+            raise
+        raise distributed.PeerFailure(str(exc), reported=True) from None
+    return IndexSummary(
+        len(index),
+        embedded,
+        _dim(outputs, embedded),
+        work.chunks,
+        resumed,
+        skipped,
+        outputs,
+        index.source,
+    )
+
+
+@dataclass
+class _ChunkWork:
+    """The chunks of one --index run and how each is embedded (or taken from an earlier run)."""
+
+    model: LoadedEmbedder
+    rows: _Rows
+    outputs: IndexOutputs
+    chunk_rows: int
+    total: int
+    batch_size: int
+    skip_bad_files: bool
+    loader_options: dict
+
+    @property
+    def chunks(self) -> int:
+        return math.ceil(self.total / self.chunk_rows)
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        return chunk * self.chunk_rows, min((chunk + 1) * self.chunk_rows, self.total)
+
+    def rows_in(self, chunks: range) -> int:
+        return sum(stop - start for start, stop in map(self.bounds, chunks))
+
+    def run_round(self, first: int, rank: int, *, progress: bool) -> int:
+        """Embed (or take) chunk first + rank; 1 when an earlier run's part was taken. A
+        failure on any rank stops every rank (collective: every rank calls it each round)."""
+        chunk, failure, taken = first + rank, None, 0
+        if chunk < self.chunks:
+            try:
+                taken = self.one_chunk(chunk, progress=progress)
+            except Exception as exc:  # raised below, after the others know
+                failure = exc
+        failed = distributed.all_reduce_max(torch.tensor([float(failure is not None)]))
+        if failure is not None:
+            raise failure
+        if failed.item() > 0:
+            raise distributed.PeerFailure("another rank's chunk failed (it said why)", True)
+        return taken
+
+    def one_chunk(self, chunk: int, *, progress: bool) -> int:
+        start, stop = self.bounds(chunk)
+        path = self.outputs.part(chunk)
+        if _finished_part(path, self.rows, start, stop, self.skip_bad_files) is not None:
+            return 1
+        part = embed_chunk(
+            self.model,
+            self.rows,
+            start,
+            stop,
+            batch_size=self.batch_size,
+            loader_options=self.loader_options,
+            progress=progress,
+            description=f"chunk {chunk + 1}/{self.chunks}",
+        )
+        write_part(path, part)
+        return 0
+
+
+def _dim(outputs: IndexOutputs, embedded: int) -> int:
+    """The embedding size of the assembled PREFIX.npy (its header)."""
+    if not embedded:
+        return 0
+    return int(np.load(outputs.npy, mmap_mode="r").shape[1])
 
 
 def _finished_part(
-    path: Path, rows: _Rows, start: int, stop: int, dim: int | None, skip_bad_files: bool
+    path: Path, rows: _Rows, start: int, stop: int, skip_bad_files: bool
 ) -> dict[str, np.ndarray] | None:
     """An earlier run's part for rows start .. stop that this run may take, else None."""
     if not path.is_file():
         return None
-    part = read_part(path, rows.ids[start:stop], rows.paths[start:stop], start, dim)
+    part = read_part(path, rows.ids[start:stop], rows.paths[start:stop], start, None)
     if part is None:
         log.warning("%s is incomplete or was made for other rows: embedding its rows again", path)
     elif len(part["skipped"]) and not skip_bad_files:
         return None  # an earlier --skip-bad-files run left rows out: now they must fail
     return part
-
-
-# ---------------------------------------------------------------------------------------------
-# Assembling the outputs
-
-
-def _assemble(outputs: IndexOutputs, index: Index, chunks: int, dim: int | None) -> tuple[int, int]:
-    """PREFIX.npy, PREFIX.parquet and PREFIX.skipped.csv from the part files (streamed, never
-    all in memory at once), then PREFIX.parts/ removed. Returns (rows embedded, skipped)."""
-    positions, skipped, reasons = [], [], []
-    for chunk in range(chunks):
-        with np.load(outputs.part(chunk), allow_pickle=False) as part:
-            positions.append(part["positions"])
-            skipped.append(part["skipped"])
-            reasons.append(part["reasons"])
-    positions, skipped = np.concatenate(positions), np.concatenate(skipped)
-    table = index.table
-    write_skipped(
-        outputs.skipped,
-        table,
-        dict(zip(skipped.tolist(), np.concatenate(reasons).tolist(), strict=True)),
-    )
-    if not len(positions):
-        raise ValueError(
-            f"none of the {len(table)} rows of {index.source} could be read "
-            f"(listed in {outputs.skipped})"
-        )
-
-    def write_npy(handle) -> None:
-        header = {
-            "descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
-            "fortran_order": False,
-            "shape": (len(positions), dim),
-        }
-        np.lib.format.write_array_header_1_0(handle, header)
-        for chunk in range(chunks):
-            with np.load(outputs.part(chunk), allow_pickle=False) as part:
-                handle.write(part["embeddings"].astype("<f4", copy=False).tobytes())
-
-    atomic_write(outputs.npy, write_npy)
-    rows = table.iloc[positions]
-    frame = pd.DataFrame(
-        {
-            "row": rows["row"].to_numpy(dtype=np.int64),
-            "id": rows["id"].to_numpy(),
-            "class": rows["cls"].to_numpy(),
-            "item": rows["item"].to_numpy(),
-            "path": rows["path"].to_numpy(),
-        }
-    )
-    atomic_write(outputs.parquet, lambda handle: frame.to_parquet(handle, index=False))
-    shutil.rmtree(outputs.parts)
-    return len(positions), len(skipped)

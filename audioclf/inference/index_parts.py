@@ -1,5 +1,6 @@
-"""The files of an embed --index run: the PREFIX.* names, PREFIX.parts/ with its manifest, and
-the part files, each one finished chunk of rows (see index_embedding.py).
+"""The files of an embed --index run: the PREFIX.* names, PREFIX.parts/ with its manifest, the
+part files, each one finished chunk of rows (see index_embedding.py), and their assembly into
+PREFIX.npy / .parquet / .skipped.csv.
 
 A part is taken by a rerun only when it is whole and was made for the very rows it covers (their
 ids and paths); the manifest says which model, features and chunk size made them all.
@@ -10,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
-from audioclf.fileio import atomic_write_bytes
+from audioclf.data.index import Index
+from audioclf.fileio import atomic_write, atomic_write_bytes
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.outputs import ManifestMismatch, check_manifest, write_manifest
+from audioclf.outputs import ManifestMismatch, check_manifest, write_manifest, write_skipped
 
 PARTS_VERSION = 1  # bump when the part files' layout changes
 PART_KEYS = ("embeddings", "positions", "rows", "skipped", "reasons")
@@ -132,3 +136,57 @@ def read_part(
         and bool(np.isfinite(emb).all())
     )
     return part if whole else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembling the outputs
+
+
+def assemble(outputs: IndexOutputs, index: Index, chunks: int) -> tuple[int, int]:
+    """PREFIX.npy, PREFIX.parquet and PREFIX.skipped.csv from the part files (streamed, never
+    all in memory at once), then PREFIX.parts/ removed. Returns (rows embedded, skipped)."""
+    positions, skipped, reasons, dim = [], [], [], 0
+    for chunk in range(chunks):
+        with np.load(outputs.part(chunk), allow_pickle=False) as part:
+            positions.append(part["positions"])
+            skipped.append(part["skipped"])
+            reasons.append(part["reasons"])
+            dim = part["embeddings"].shape[1] if len(part["positions"]) else dim
+    positions, skipped = np.concatenate(positions), np.concatenate(skipped)
+    table = index.table
+    write_skipped(
+        outputs.skipped,
+        table,
+        dict(zip(skipped.tolist(), np.concatenate(reasons).tolist(), strict=True)),
+    )
+    if not len(positions):
+        raise ValueError(
+            f"none of the {len(table)} rows of {index.source} could be read "
+            f"(listed in {outputs.skipped})"
+        )
+
+    def write_npy(handle) -> None:
+        header = {
+            "descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
+            "fortran_order": False,
+            "shape": (len(positions), dim),
+        }
+        np.lib.format.write_array_header_1_0(handle, header)
+        for chunk in range(chunks):
+            with np.load(outputs.part(chunk), allow_pickle=False) as part:
+                handle.write(part["embeddings"].astype("<f4", copy=False).tobytes())
+
+    atomic_write(outputs.npy, write_npy)
+    rows = table.iloc[positions]
+    frame = pd.DataFrame(
+        {
+            "row": rows["row"].to_numpy(dtype=np.int64),
+            "id": rows["id"].to_numpy(),
+            "class": rows["cls"].to_numpy(),
+            "item": rows["item"].to_numpy(),
+            "path": rows["path"].to_numpy(),
+        }
+    )
+    atomic_write(outputs.parquet, lambda handle: frame.to_parquet(handle, index=False))
+    shutil.rmtree(outputs.parts)
+    return len(positions), len(skipped)
