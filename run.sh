@@ -139,14 +139,20 @@ run_foreground() {
     pid=$!
     trap 'interrupts=$((interrupts + 1)); interrupt "$pid" "$interrupts"' INT TERM
     while :; do
-        wait "$pid" && status=0 || status=$?
+        wait "$pid" 2>/dev/null && status=0 || status=$?  # 2>/dev/null: no "Killed" notice
         alive "$pid" || break
     done
     trap - INT TERM
     [[ $interrupts -eq 0 ]] && exit "$status"
+    if [[ $interrupts -ge 2 ]]; then
+        echo "run.sh: stopped at once by a second Ctrl-C; last.pt is the last one saved; resume" \
+             "with checkpoint.resume=auto" >&2
+        exit 130
+    fi
     local stopped
     stopped="$(tail -c "+$((log_start + 1))" "$run_dir/train.log" 2>/dev/null \
-               | grep "stopped on request" | tail -n 1 | sed 's/.*stopped on request at /stopped at /')"
+               | grep "stopped on request" | tail -n 1 | sed 's/.*stopped on request at /stopped at /' \
+               || true)"  # no such line: stopped before a step finished
     echo "run.sh: ${stopped:-stopped before a step finished; see $run_dir/train.log}" >&2
     exit 130
 }
@@ -158,6 +164,8 @@ interrupt() {
         pkill -TERM -P "$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null || true
     else
         echo "run.sh: second Ctrl-C: killing the run at once; last.pt is the last one saved" >&2
+        # torchrun starts each worker in a session of its own: kill them, then torchrun's group.
+        pkill -KILL -P "$1" 2>/dev/null || true
         kill -KILL -- "-$1" 2>/dev/null || true
     fi
 }

@@ -56,8 +56,25 @@ PROJECTOR_POINTS = 2000
 PROJECTOR_DECIMALS = 5  # the projector draws; more digits only make tensors.tsv bigger
 
 
+class _Backlog(logging.Handler):
+    """What is logged before the run folder exists (the index read, its assumptions, warnings):
+    kept to go into train.log once it is opened. Bounded: the last BACKLOG_RECORDS records."""
+
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records = [*self.records[-(BACKLOG_RECORDS - 1) :], record]
+
+
+BACKLOG_RECORDS = 1000
+
+
 def setup_logging(run_dir: Path | None, rank: int) -> None:
-    """Console + train.log handlers on the 'audioclf' logger (idempotent)."""
+    """Console + train.log handlers on the 'audioclf' logger (idempotent). Without a run folder
+    the records are also kept, and the first call with one writes them into its train.log."""
+    backlog = [r for h in log.handlers if isinstance(h, _Backlog) for r in h.records]
     for handler in list(log.handlers):
         if isinstance(handler, logging.FileHandler):
             faulthandler.enable(file=sys.__stderr__, all_threads=True)  # off the file closed next
@@ -72,11 +89,15 @@ def setup_logging(run_dir: Path | None, rank: int) -> None:
     console.setFormatter(fmt)
     console.setLevel(level)
     log.addHandler(console)
-    if run_dir is not None:
+    if run_dir is None:
+        log.addHandler(_Backlog(level))
+    else:
         run_dir.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(run_dir / "train.log", mode="a")
         file_handler.setFormatter(fmt)
         file_handler.setLevel(level)
+        for record in backlog:  # what was said before the folder could take it
+            file_handler.handle(record)
         log.addHandler(file_handler)
         # A process killed by a signal, e.g. NCCL's watchdog aborting a collective that ran
         # past dist.timeout_minutes, runs no Python handler: faulthandler still writes "Fatal

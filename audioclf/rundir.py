@@ -78,7 +78,13 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock and write who holds it; RunFolderBusy when another run has it."""
-        handle = open(self.run_dir / LOCK_FILE, "a+b")  # noqa: SIM115 - held for the run
+        path = self.run_dir / LOCK_FILE
+        try:
+            handle = open(path, "a+b")  # noqa: SIM115 - held for the run
+        except OSError as exc:  # a read-only or full runs folder: say so as every write does
+            raise DiskWriteError(
+                exc.errno, write_failure_message(path, exc.strerror or str(exc))
+            ) from exc
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

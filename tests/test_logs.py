@@ -128,3 +128,22 @@ def test_training_sends_validation_embeddings_to_the_projector(tmp_path, tiny_de
     assert sorted(tuple(row) for row in metadata[1:]) == sorted(
         zip(val.table["cls"], val.table["item"], strict=True)
     )
+
+
+def test_what_is_said_before_the_run_folder_exists_reaches_train_log(tmp_path):
+    import logging
+
+    from audioclf.logs import setup_logging
+
+    log = logging.getLogger("audioclf")
+    setup_logging(None, rank=0)
+    log.info("index file x.xlsx: the header is row 3")
+    log.debug("not kept: below the level")
+    setup_logging(tmp_path / "run", rank=0)
+    log.info("run directory %s", tmp_path / "run")
+    setup_logging(None, rank=0)  # closes train.log
+    lines = (tmp_path / "run" / "train.log").read_text().splitlines()
+    assert [line.split(" INFO ")[1] for line in lines] == [
+        "index file x.xlsx: the header is row 3",
+        f"run directory {tmp_path / 'run'}",
+    ]
