@@ -18,6 +18,11 @@ Metrics:
   verification    EER and minDCF (p_target 0.01) on same/different-class pairs (--max-pairs)
   clustering      NMI and AMI of k-means with one cluster per class
 
+Retrieval search (--search): each query's R nearest clips come from an audioclf.search index.
+auto (default) is exact below 50,000 samples or on a GPU, ivf above (faiss installed; else
+exact, said in a note); exact equals a full scan. The report and summary state the method,
+the list depth k and, for ivf / hnsw, their neighbour recall against exact on 1,000 queries.
+
 Classification gallery (--gallery):
   train (default)  the train split of the same index. When it holds every evaluated class the
                    evaluated split is classified against it (closed set). When it lacks some
@@ -59,6 +64,7 @@ from audioclf.inference.evaluation import (  # noqa: F401
     summary_lines,
     write_evaluation,
 )
+from audioclf.inference.evaluation_metrics import SEARCH_METHODS
 
 PROG = "python -m audioclf.evaluate"
 SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them
@@ -107,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="verification pairs scored at most (default 1000000)",
     )
     parser.add_argument(
+        "--search",
+        choices=SEARCH_METHODS,
+        default="auto",
+        help="retrieval neighbour search (default auto: exact below 50,000 samples)",
+    )
+    parser.add_argument(
         "--projection",
         choices=("pca", "tsne"),
         default="pca",
@@ -136,7 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     check_evaluation_options(
-        batch_size=args.batch_size, max_pairs=args.max_pairs, num_workers=args.num_workers
+        batch_size=args.batch_size,
+        max_pairs=args.max_pairs,
+        num_workers=args.num_workers,
+        search=args.search,
     )
     device = resolve_device(args.device)
     net, cfg, ckpt = load_trained(
@@ -159,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         max_pairs=args.max_pairs,
         seed=args.seed,
         skip_hint=SKIP_HINT,
+        search=args.search,
     )
     model = describe_checkpoint(ckpt, cfg)
     seconds = time.perf_counter() - start

@@ -5,6 +5,7 @@ Run from the repository root (nice: the machine is shared):
     nice .venv/bin/python benchmarks/search.py                  # 100k and 400k x 256
     nice .venv/bin/python benchmarks/search.py --sizes 20000    # quick smoke run
     nice .venv/bin/python benchmarks/search.py --baseline-sizes 100000 400000   # + ~24 min
+    nice .venv/bin/python benchmarks/search.py --real out/bench           # a model's embeddings
 
 Data: eval_metrics.py's make_embeddings (n / --class-size classes, class centres plus Gaussian
 noise of std --noise per dimension) with each class's rows dealt to --items items, as in
@@ -16,6 +17,16 @@ ru_maxrss) after an untimed warm-up, and reports:
   against the exact backend's;
 - evaluation's cross-item P@1 / MAP@R from its neighbour lists (knn_retrieval_metrics over
   every row), the time of build + that pass, and its neighbour recall on 1,000 queries.
+
+Real embeddings (--real PREFIX ...): the rows of PREFIX.npy / .parquet written by
+`audioclf.embed --index` (class and item from the parquet); --queries seeded rows are held out
+as the search queries, the others indexed and evaluated, and today's path is always measured.
+The run in benchmarks/RESULTS.md embedded a generated demo set with the demo CNN:
+
+    python -m audioclf.data.demo --out data/search_bench --classes 128 --items 16 --ids 16 --seed 1
+    ./run.sh --nproc 2 configs/demo_cnn.yaml train.epochs=3 train.name=search_bench
+    python -m audioclf.embed --model runs/search_bench/best.pt --index data/search_bench/index.xlsx \
+        --save out/bench --batch-size 64
 
 Baseline, measured in the same run at --baseline-sizes: today's audioclf.metrics
 .retrieval_metrics over all rows (the 1,444 s of issue 20 at 400k). At other sizes its time
@@ -37,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 
 sys.path.insert(
@@ -45,6 +57,7 @@ sys.path.insert(
 
 from audioclf.metrics import retrieval_metrics  # noqa: E402
 from audioclf.search import build, knn_retrieval_metrics, neighbour_recall  # noqa: E402
+from audioclf.search.collection import Collection  # noqa: E402
 from benchmarks.eval_metrics import items_of, make_embeddings  # noqa: E402
 
 # Issue 20's targets at 400k x 256 on 2 cores.
@@ -79,6 +92,22 @@ def make_data(n: int, args: argparse.Namespace) -> Data:
     )
     embeddings /= np.linalg.norm(embeddings, axis=1, keepdims=True)  # as audioclf.embed writes them
     return Data(embeddings[:n], labels[:n], items_of(labels[:n], args.items), embeddings[n:])
+
+
+def real_data(prefix: str, args: argparse.Namespace) -> Data:
+    """The rows of an embed --index PREFIX, --queries seeded rows held out as search queries."""
+    collection = Collection.open(prefix)
+    rows = collection.embeddings().astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    table = collection.rows
+    labels = pd.factorize(table["class"].astype(str))[0]
+    items = pd.factorize(table["class"].astype(str) + "/" + table["item"].astype(str))[0]
+    held_out = np.zeros(len(rows), dtype=bool)
+    held_out[
+        np.random.default_rng(args.seed).choice(len(rows), size=args.queries, replace=False)
+    ] = True
+    kept = ~held_out
+    return Data(rows[kept], labels[kept], items[kept], rows[held_out])
 
 
 def _child(fn, args, conn) -> None:
@@ -298,17 +327,25 @@ def print_targets(
         )
 
 
-def run_size(n: int, args: argparse.Namespace, measured_today: dict[int, float]) -> None:
-    data = make_data(n, args)
+def run_size(
+    n: int, args: argparse.Namespace, measured_today: dict[int, float], real: str | None = None
+) -> None:
+    """One size of synthetic data, or (`real`) the embeddings of a PREFIX, with the baseline."""
+    data = make_data(n, args) if real is None else real_data(real, args)
+    n = len(data.rows)
     counts = np.bincount(data.labels)
+    if real is None:
+        what = f"{args.items} items per class, noise {args.noise}"
+    else:
+        what = f"{len(np.unique(data.items))} items in all, real embeddings {real}"
     print(
-        f"\n## {n} x {args.dim}: {np.count_nonzero(counts)} classes (size {counts[counts > 0].min()}.."
-        f"{counts.max()}), {args.items} items per class, noise {args.noise}, {args.queries} held-out queries",
+        f"\n## {n} x {data.rows.shape[1]}: {np.count_nonzero(counts)} classes (size "
+        f"{counts[counts > 0].min()}..{counts.max()}), {what}, {args.queries} held-out queries",
         flush=True,
     )
     reference: dict[str, Any] = {"key": "full"}
     sample_rows = None
-    if n in args.baseline_sizes:
+    if n in args.baseline_sizes or real is not None:
         today = in_child(measure_today, data)
         measured_today[n] = today["metrics_s"]
         reference.update(today["full"])
@@ -356,7 +393,13 @@ def run_size(n: int, args: argparse.Namespace, measured_today: dict[int, float])
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--sizes", type=int, nargs="+", default=[100_000, 400_000], help="rows indexed"
+        "--sizes",
+        type=int,
+        nargs="+",
+        help="synthetic rows indexed (default 100000 400000, none with --real)",
+    )
+    parser.add_argument(
+        "--real", nargs="+", default=[], metavar="PREFIX", help="embed --index outputs to run"
     )
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument(
@@ -413,10 +456,17 @@ def main() -> int:
         import faiss  # noqa: PLC0415 - optional: only the approximate methods need it
 
         faiss.omp_set_num_threads(args.threads)
-    print(f"audioclf.search benchmark: torch threads {torch.get_num_threads()}, sizes {args.sizes}")
+    if args.sizes is None:
+        args.sizes = [] if args.real else [100_000, 400_000]
+    print(
+        f"audioclf.search benchmark: torch threads {torch.get_num_threads()}, sizes {args.sizes}"
+        + (f", real embeddings {' '.join(args.real)}" if args.real else "")
+    )
     measured_today: dict[int, float] = {}
     for n in sorted(args.sizes):
         run_size(n, args, measured_today)
+    for prefix in args.real:
+        run_size(0, args, {}, real=prefix)
     return 0
 
 

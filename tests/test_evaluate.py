@@ -361,3 +361,92 @@ def test_help_runs_as_a_module():
     )
     assert result.returncode == 0, result.stderr
     assert "MAP@R" in result.stdout and "--gallery" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# --search: the retrieval metrics from a search index's neighbour lists
+
+
+def test_exact_search_equals_the_full_scan_to_the_last_bit():
+    from audioclf.inference.evaluation_metrics import compute_metrics
+    from audioclf.metrics import retrieval_metrics
+
+    rng = np.random.default_rng(0)
+    classes = rng.integers(0, 9, 400)
+    emb = (rng.normal(size=(9, 24))[classes] + rng.normal(size=(400, 24))).astype(np.float32)
+    names = np.array([f"c{c}" for c in classes], dtype=object)
+    items = np.array([f"i{i % 5}" for i in range(400)], dtype=object)
+    evaluation = compute_metrics(emb, names, items=items, search="exact")
+    labels = evaluation.labels
+    cross = retrieval_metrics(emb, labels, items=items, return_per_sample=True)
+    loo = retrieval_metrics(emb, labels, return_per_sample=True)
+    assert evaluation.results["n_queries"] == cross["n_queries"]
+    for key in ("precision_at_1", "map_at_r", "r_precision"):
+        assert evaluation.results[key] == cross[key], key
+        assert evaluation.results[f"loo_{key}"] == loo[key], key
+    np.testing.assert_array_equal(
+        evaluation.results["per_sample_correct_at_1"], cross["per_sample_correct_at_1"]
+    )
+    assert evaluation.setup["search"] == "exact" and evaluation.setup["search_k"] > 0
+    assert not {"method", "k", "neighbour_recall"} & set(evaluation.results)
+
+
+def test_auto_search_is_exact_on_small_sets_and_gpus(monkeypatch):
+    from audioclf.inference import evaluation_metrics
+
+    choose = evaluation_metrics.choose_search
+    assert choose("auto", 49_999, "cpu") == ("exact", None)
+    assert choose("auto", 400_000, "cuda") == ("exact", None)
+    assert choose("hnsw" if evaluation_metrics.faiss_available() else "exact", 10, "cpu")[1] is None
+    if evaluation_metrics.faiss_available():
+        assert choose("auto", 50_000, "cpu") == ("ivf", None)
+    monkeypatch.setattr(evaluation_metrics, "faiss_available", lambda: False)
+    method, note = choose("auto", 50_000, "cpu")
+    assert method == "exact" and "faiss is not installed" in note
+    with pytest.raises(ValueError, match="--search ivf needs faiss, which is not installed"):
+        choose("ivf", 10, "cpu")
+
+
+def test_each_search_backend_gives_the_exact_figures_and_says_so(trained, tmp_path, capsys):
+    from audioclf.search import faiss_available
+
+    methods = ["exact", "ivf", "hnsw"] if faiss_available() else ["exact"]
+    reports = {}
+    for method in methods:
+        out = tmp_path / method
+        code, stdout, err = run_cli(
+            capsys, "--checkpoint", trained, "--out", out, "--num-workers", 0, "--quiet",
+            "--gallery", "none", "--search", method, "--device", "cpu",
+        )  # fmt: skip
+        assert code == 0, err
+        reports[method] = read_report(out)
+        setup = reports[method]["evaluation"]
+        assert setup["search"] == method and setup["search_requested"] == method
+        search_line = [line for line in stdout.splitlines() if line.startswith("search ")]
+        assert len(search_line) == 1 and f"{method} (--search {method}), k = " in search_line[0]
+        assert f"- search: {method}" in (out / "report.md").read_text()
+        if method != "exact":  # 36 samples: one IVF list, probed; HNSW visits every node
+            assert setup["search_neighbour_recall"] == 1.0 and "neighbour recall" in stdout
+    for method in methods:
+        for key in ("precision_at_1", "map_at_r", "r_precision", "loo_precision_at_1"):
+            assert reports[method]["metrics"][key] == reports["exact"]["metrics"][key], key
+        assert reports[method]["per_class_p1"] == reports["exact"]["per_class_p1"]
+
+
+def test_default_search_is_auto_and_exact_on_the_tiny_set(trained, tmp_path, capsys):
+    out = tmp_path / "eval"
+    args = ["--checkpoint", trained, "--out", out, "--num-workers", 0, "--quiet"]
+    code, _, err = run_cli(capsys, *args, "--gallery", "none")
+    assert code == 0, err
+    setup = read_report(out)["evaluation"]
+    assert (setup["search"], setup["search_requested"]) == ("exact", "auto")
+
+
+def test_search_without_faiss_is_one_line_before_any_work(trained, tmp_path, capsys, monkeypatch):
+    from audioclf.inference import evaluation_metrics
+
+    monkeypatch.setattr(evaluation_metrics, "faiss_available", lambda: False)
+    out = tmp_path / "eval"
+    code, stdout, err = run_cli(capsys, "--checkpoint", trained, "--out", out, "--search", "hnsw")
+    assert code == 2 and stdout == "" and err.count("\n") == 1
+    assert "--search hnsw needs faiss" in err and not out.exists()

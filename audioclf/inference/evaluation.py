@@ -25,7 +25,7 @@ from audioclf.config import Config, DataConfig
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index, split_index
 from audioclf.data.loader import loader_kwargs
-from audioclf.inference.evaluation_metrics import Evaluation, compute_metrics
+from audioclf.inference.evaluation_metrics import Evaluation, check_search, compute_metrics
 from audioclf.inference.extract import extract_embeddings
 from audioclf.report import REPORT_FILES, write_report
 
@@ -50,8 +50,12 @@ SUMMARY_METRICS = (
 # Choosing the data
 
 
-def check_evaluation_options(*, batch_size: int, max_pairs: int, num_workers: int | None) -> None:
-    """ValueError for an out-of-range option (None workers: the config's), before any work."""
+def check_evaluation_options(
+    *, batch_size: int, max_pairs: int, num_workers: int | None, search: str = "auto"
+) -> None:
+    """ValueError for an out-of-range option (None workers: the config's), or a --search
+    method that cannot run here (faiss missing), before any work."""
+    check_search(search)
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if max_pairs < 2:
@@ -198,9 +202,11 @@ def evaluate_split(
     max_pairs: int,
     seed: int,
     skip_hint: str | None = None,
+    search: str = "auto",
 ) -> tuple[Evaluation, pd.DataFrame]:
-    """Embed the evaluated split (and the gallery), then every metric; returns the evaluation
-    and the index rows of its embeddings. ValueError when fewer than 2 files could be read."""
+    """Embed the evaluated split (and the gallery), then every metric (retrieval searched with
+    `search`, see compute_metrics); returns the evaluation and the index rows of its
+    embeddings. ValueError when fewer than 2 files could be read."""
     common = dict(
         batch_size=batch_size,
         device=device,
@@ -230,6 +236,8 @@ def evaluate_split(
         max_pairs=max_pairs,
         seed=seed,
         device=device,
+        search=search,
+        progress=progress,
     )
     skipped = len(data.evaluated) - len(rows)
     if skipped:
@@ -317,6 +325,17 @@ def evaluation_setup(
     }
 
 
+def search_line(setup: dict) -> str:
+    """How the retrieval metrics were searched, in words: method, k, neighbour recall."""
+    line = f"{setup['search']} (--search {setup['search_requested']}), k = {setup['search_k']}"
+    if "search_neighbour_recall" in setup:
+        line += (
+            f", neighbour recall {setup['search_neighbour_recall']:.4f} against exact search "
+            f"on {setup['search_recall_queries']} queries"
+        )
+    return line
+
+
 def summary_lines(evaluation: Evaluation, setup: dict, out_dir: Path) -> list[str]:
     """What evaluate prints: the setup, the notes, the SUMMARY_METRICS table, the files."""
     rows = [
@@ -329,6 +348,8 @@ def summary_lines(evaluation: Evaluation, setup: dict, out_dir: Path) -> list[st
         ("gallery", setup["gallery"]),
         ("classification", setup["classification"]),
     ]
+    if "search" in setup:
+        rows.append(("search", search_line(setup)))
     width = max(len(k) for k, _ in rows)
     lines = [f"{key:<{width}}  {value}" for key, value in rows]
     lines += [f"{'note':<{width}}  {note}" for note in evaluation.notes]

@@ -4,6 +4,10 @@ and clustering (see `python -m audioclf.evaluate --help`).
 
     evaluation = compute_metrics(emb, names, classification="gallery", items=items,
                                  gallery_emb=gallery_emb, gallery_names=gallery_names)
+
+Retrieval ranks each query's neighbours in an audioclf.search index (`search`): exact (on the
+evaluation's device, so on the GPU under CUDA) or approximate (faiss IVF / HNSW), whose
+neighbour recall against exact search the setup records.
 """
 
 from __future__ import annotations
@@ -17,11 +21,18 @@ from audioclf.metrics import (
     centroid_accuracy,
     clustering_metrics,
     knn_accuracy,
-    retrieval_metrics,
     verification_metrics,
 )
+from audioclf.search import build, faiss_available, knn_retrieval_metrics
 
 CLASSIFICATIONS = ("gallery", "enrollment", "none")
+SEARCH_METHODS = ("auto", "exact", "ivf", "hnsw")
+# --search auto: exact below this many evaluated samples (a full scan takes seconds there),
+# approximate (ivf) from here on when faiss is installed and the device is not a GPU.
+AUTO_EXACT_BELOW = 50_000
+# Keys of knn_retrieval_metrics' result that describe the search, not the embeddings: they go
+# into the setup, not the metrics table.
+_SEARCH_KEYS = ("method", "k", "neighbour_recall", "recall_queries")
 
 
 @dataclass
@@ -47,11 +58,16 @@ def compute_metrics(
     max_pairs: int = 1_000_000,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    search: str = "auto",
+    progress: bool = False,
 ) -> Evaluation:
     """Every metric of one evaluated set (embeddings and class name per row).
 
     classification: "gallery" (against gallery_emb / gallery_names, which hold every evaluated
     class), "enrollment" (half/half split of the set by `items`), or "none".
+    search: how retrieval finds each query's neighbours, one of SEARCH_METHODS (see
+    choose_search); the setup records the method, the list depth k and, for approximate
+    search, the neighbour recall against exact search on 1,000 seeded queries.
     """
     if classification not in CLASSIFICATIONS:
         raise ValueError(f"classification={classification!r}: use gallery, enrollment or none")
@@ -63,7 +79,7 @@ def compute_metrics(
     evaluation = Evaluation(
         {}, emb, labels, class_names, None, None, {"n_samples": len(labels), "n_classes": n_classes}
     )
-    evaluation.results = _retrieval(evaluation, items, device)
+    evaluation.results = _retrieval(evaluation, items, device, search, seed, progress)
     if classification == "gallery":
         sets = _gallery_sets(evaluation, names, gallery_emb, gallery_list, code)
     elif classification == "enrollment":
@@ -77,18 +93,54 @@ def compute_metrics(
     return evaluation
 
 
-def _retrieval(evaluation: Evaluation, items: np.ndarray | None, device) -> dict:
-    """Cross-item retrieval with items (leave-one-out without), plus the loo_* figures."""
+def check_search(search: str) -> None:
+    """ValueError for an unknown method, or an approximate one without faiss, before any work."""
+    if search not in SEARCH_METHODS:
+        raise ValueError(f"--search {search!r}: use one of {', '.join(SEARCH_METHODS)}")
+    if search not in ("auto", "exact") and not faiss_available():
+        raise ValueError(
+            f"--search {search} needs faiss, which is not installed: pip install faiss-cpu "
+            "(or faiss-gpu), or use --search exact"
+        )
+
+
+def choose_search(search: str, n_samples: int, device) -> tuple[str, str | None]:
+    """(the method retrieval uses, a note for the report or None). "auto" is exact below
+    AUTO_EXACT_BELOW samples and on a GPU (a full scan of 400k takes seconds there), else ivf
+    when faiss is installed, else exact (with a note saying so)."""
+    check_search(search)
+    if search != "auto":
+        return search, None
+    if n_samples < AUTO_EXACT_BELOW or torch.device(device).type == "cuda":
+        return "exact", None
+    if faiss_available():
+        return "ivf", None
+    return "exact", (
+        f"--search auto: {n_samples} samples would be searched with ivf, but faiss is not "
+        "installed (pip install faiss-cpu): exact search, a full scan, was used"
+    )
+
+
+def _retrieval(
+    evaluation: Evaluation, items: np.ndarray | None, device, search: str, seed: int, progress
+) -> dict:
+    """Cross-item retrieval with items (leave-one-out without), plus the loo_* figures, from
+    the neighbour lists of one search index over the embeddings."""
     emb, labels, setup, notes = (
         evaluation.embeddings,
         evaluation.labels,
         evaluation.setup,
         evaluation.notes,
     )
-    leave_one_out = retrieval_metrics(emb, labels, device=device, return_per_sample=True)
+    method, note = choose_search(search, len(labels), device)
+    if note:
+        notes.append(note)
+    index = build(emb, method, device=device, progress=progress, seed=seed)
+    common = dict(index=index, device=device, seed=seed, progress=progress, return_per_sample=True)
+    leave_one_out = knn_retrieval_metrics(emb, labels, **common)
     results = leave_one_out
     if items is not None:
-        results = retrieval_metrics(emb, labels, items=items, device=device, return_per_sample=True)
+        results = knn_retrieval_metrics(emb, labels, items=items, **common)
         setup["retrieval"] = (
             "cross-item: a query never retrieves clips of its own item "
             "(recording); R counts the other items' clips of its class"
@@ -106,10 +158,22 @@ def _retrieval(evaluation: Evaluation, items: np.ndarray | None, device) -> dict
             )
     if leave_one_out["n_queries"] == 0:
         notes.append("every class has a single sample: retrieval metrics are undefined")
+    _describe_search(setup, search, results)
+    hidden = ("n_queries_without_other_item", *_SEARCH_KEYS)
     return {
-        **{k: v for k, v in results.items() if k != "n_queries_without_other_item"},
+        **{k: v for k, v in results.items() if k not in hidden},
         **{f"loo_{k}": leave_one_out[k] for k in ("precision_at_1", "map_at_r", "r_precision")},
     }
+
+
+def _describe_search(setup: dict, requested: str, results: dict) -> None:
+    """The setup entries that say how the retrieval metrics were searched."""
+    setup["search"] = results["method"]
+    setup["search_requested"] = requested
+    setup["search_k"] = results["k"]
+    if "neighbour_recall" in results:
+        setup["search_neighbour_recall"] = round(results["neighbour_recall"], 4)
+        setup["search_recall_queries"] = results["recall_queries"]
 
 
 def _gallery_sets(

@@ -11,7 +11,7 @@
   lists, with the recall of an approximate index against exact search.
 """
 
-from audioclf.search.approximate import FaissIndex
+from audioclf.search.approximate import FaissIndex, faiss_available
 from audioclf.search.base import SearchIndex
 from audioclf.search.exact import ExactIndex
 from audioclf.search.index import METHODS, build, load, read_embeddings
@@ -23,6 +23,7 @@ __all__ = [
     "FaissIndex",
     "SearchIndex",
     "build",
+    "faiss_available",
     "knn_retrieval_metrics",
     "load",
     "neighbour_recall",

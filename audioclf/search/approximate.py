@@ -9,6 +9,7 @@ on the CPU.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import IO, Any
@@ -52,6 +53,11 @@ def import_faiss(method: str) -> Any:
             f"(or faiss-gpu), or use method='exact'"
         ) from None
     return faiss
+
+
+def faiss_available() -> bool:
+    """Whether faiss can be imported (checked without importing it)."""
+    return importlib.util.find_spec("faiss") is not None
 
 
 def default_nlist(size: int) -> int:

@@ -103,6 +103,9 @@ class SearchIndex(ABC):
         self.params = params
         self.source = source  # the embeddings file the index was built from, if any
         self.path: Path | None = None  # the JSON description, once saved or loaded
+        # What the caller knows of the embeddings (e.g. the model that made them): saved in the
+        # JSON description and given back by load(), never read by the index itself.
+        self.info: dict[str, Any] = {}
 
     def describe(self) -> str:
         """Which index this is, for error messages: its method and the files behind it."""
@@ -189,9 +192,10 @@ class SearchIndex(ABC):
     def save(self, path: str | Path) -> Path:
         """Write the index as `path` (a JSON description) plus its data file beside it.
 
-        The description records the method, dimension, size, parameters and the size and
-        modification time of the embeddings file the index was built from, so load() detects
-        an index that no longer matches its embeddings. Both writes are atomic.
+        The description records the method, dimension, size, parameters, `info` (plain JSON
+        data) and the size and modification time of the embeddings file the index was built
+        from, so load() detects an index that no longer matches its embeddings. Both writes
+        are atomic.
         """
         path = Path(path)
         if path.suffix != ".json":
@@ -207,6 +211,7 @@ class SearchIndex(ABC):
             "params": self.params,
             "data": data.name if data is not None else None,
             "source": None if self.source is None else file_stamp(self.source, path.parent),
+            "info": self.info,
         }
         atomic_write_bytes(path, json.dumps(meta, indent=2).encode() + b"\n")
         self.path = path

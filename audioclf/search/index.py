@@ -160,4 +160,5 @@ def load(path: str | Path, *, device: str | torch.device | None = None) -> Searc
             f"{data or source} holds {index.size} x {index.dim}; rebuild the index"
         )
     index.path = path
+    index.info = meta.get("info") or {}  # absent from descriptions written before it existed
     return index

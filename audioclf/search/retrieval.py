@@ -87,16 +87,55 @@ def _neighbour_lists(
 
 
 def _score_lists(
-    ids: np.ndarray, queries: np.ndarray, class_index: np.ndarray, relevant: np.ndarray
+    ids: np.ndarray,
+    queries: np.ndarray,
+    class_index: np.ndarray,
+    relevant: np.ndarray,
+    width: int,
 ):
-    """Per query: correct at 1, average precision at R, R-precision (as retrieval_metrics)."""
+    """Per query: correct at 1, average precision at R, R-precision.
+
+    Scored as retrieval_metrics scores them, in torch float64 over lists `width` (its k, the
+    largest R) wide, so an exact index gives its figures to the last bit: a sum of the same
+    terms grouped otherwise (numpy, or a narrower row) can differ by an ulp. Rows go in slices
+    of at most _LIST_BUDGET entries, so memory stays bounded however wide the lists are.
+    """
     r = relevant[queries]
     is_match = (ids >= 0) & (class_index[np.maximum(ids, 0)] == class_index[queries][:, None])
-    ranks = np.arange(1, ids.shape[1] + 1)
-    hit = is_match & (ranks[None, :] <= r[:, None])
-    hits_so_far = np.cumsum(hit, axis=1)
-    average_precision = (hits_so_far * hit / ranks).sum(axis=1) / r
-    return is_match[:, 0], average_precision, hit.sum(axis=1) / r
+    correct = is_match[:, 0]
+    average_precision = np.empty(len(queries))
+    r_precision = np.empty(len(queries))
+    ranks = torch.arange(1, width + 1)
+    depth = ids.shape[1]
+    rows = max(1, _LIST_BUDGET // width)
+    for start in range(0, len(queries), rows):
+        stop = min(start + rows, len(queries))
+        hit = torch.zeros(stop - start, width, dtype=torch.bool)
+        hit[:, :depth] = torch.from_numpy(is_match[start:stop])
+        relevant_t = torch.from_numpy(r[start:stop])[:, None]
+        hit &= ranks[None, :] <= relevant_t
+        precision_at_hits = (hit.cumsum(dim=1) * hit).to(torch.float64) / ranks
+        denom = relevant_t.clamp(min=1).to(torch.float64).squeeze(1)
+        average_precision[start:stop] = (precision_at_hits.sum(dim=1) / denom).numpy()
+        r_precision[start:stop] = (hit.sum(dim=1).to(torch.float64) / denom).numpy()
+    return correct, average_precision, r_precision
+
+
+def _score_queries(index, emb, scored, class_index, groups, relevant, progress: bool):
+    """(correct at 1, average precision, R-precision) per sample, zero where it did not query."""
+    width = max(1, int(relevant.max()))  # retrieval_metrics' k: every list is scored this wide
+    correct = np.zeros(len(relevant), dtype=np.bool_)
+    average_precision = np.zeros(len(relevant))
+    r_precision = np.zeros(len(relevant))
+    with tqdm(
+        total=len(scored), unit="query", desc=f"retrieval {index.method}", disable=not progress
+    ) as bar:
+        for chunk, ids in _neighbour_lists(index, emb, scored, relevant, groups):
+            correct[chunk], average_precision[chunk], r_precision[chunk] = _score_lists(
+                ids, chunk, class_index, relevant, width
+            )
+            bar.update(len(chunk))
+    return correct, average_precision, r_precision
 
 
 def _sampled_recall(
@@ -156,6 +195,7 @@ def knn_retrieval_metrics(
     recall_queries: int = 1000,
     seed: int = 0,
     progress: bool = False,
+    return_per_sample: bool = False,
 ) -> dict[str, Any]:
     """retrieval_metrics' P@1, MAP@R and R-precision, from `index`'s neighbour lists.
 
@@ -169,6 +209,11 @@ def knn_retrieval_metrics(
     "n_queries_without_other_item"), "method" and "k" (the deepest list searched). For an
     approximate index also "neighbour_recall": the mean fraction of each query's R exact
     neighbours that its list holds, on `recall_queries` seeded queries ("recall_queries").
+    With ``return_per_sample=True`` also "per_sample_correct_at_1", as retrieval_metrics
+    (False for a sample that did not query).
+
+    With an exact index on the CPU the figures equal retrieval_metrics' to the last bit, but
+    for rows of exactly equal score (duplicate clips), which torch.topk may order otherwise.
     """
     check_positive(recall_queries, "recall_queries")
     emb, lab = check_embeddings(embeddings, labels)
@@ -182,21 +227,15 @@ def knn_retrieval_metrics(
     rows = _query_selection(query_rows, len(lab))
     scored = rows[relevant[rows] > 0]
     scored = scored[np.argsort(relevant[scored], kind="stable")]
-
-    correct = np.zeros(len(lab), dtype=np.bool_)
-    average_precision = np.zeros(len(lab))
-    r_precision = np.zeros(len(lab))
-    with tqdm(
-        total=len(scored), unit="query", desc=f"retrieval {index.method}", disable=not progress
-    ) as bar:
-        for chunk, ids in _neighbour_lists(index, emb, scored, relevant, groups):
-            correct[chunk], average_precision[chunk], r_precision[chunk] = _score_lists(
-                ids, chunk, class_index, relevant
-            )
-            bar.update(len(chunk))
+    correct, average_precision, r_precision = _score_queries(
+        index, emb, scored, class_index, groups, relevant, progress
+    )
+    # Averaged in row order, as retrieval_metrics does, so an exact index gives its figures
+    # to the last bit (the sum of the same values in another order can differ by an ulp).
+    in_row_order = np.sort(scored)
 
     def mean_over_queries(values: np.ndarray) -> float:
-        return float(values[scored].mean()) if len(scored) else float("nan")
+        return float(values[in_row_order].mean()) if len(scored) else float("nan")
 
     result: dict[str, Any] = {
         "precision_at_1": mean_over_queries(correct.astype(np.float64)),
@@ -208,6 +247,8 @@ def knn_retrieval_metrics(
     }
     if items is not None:
         result["n_queries_without_other_item"] = len(rows) - len(scored)
+    if return_per_sample:
+        result["per_sample_correct_at_1"] = correct
     if index.method != "exact" and len(scored):
         result["neighbour_recall"], result["recall_queries"] = _sampled_recall(
             index, emb, scored, relevant, groups, recall_queries, seed, device

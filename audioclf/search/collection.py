@@ -1,0 +1,229 @@
+"""An embedded collection on disk, as `python -m audioclf.search` uses it: PREFIX.npy and
+PREFIX.parquet of `audioclf.embed --index SHEET --save PREFIX`, and the search indexes saved
+beside them as PREFIX.<method>.json (plus PREFIX.<method>.faiss for the approximate ones).
+
+    collection = Collection.open("out/big")
+    index = build_saved(collection, "ivf", model=model_record(model), progress=True)
+    index = open_index(collection, None, device="cpu")   # the saved one; exact when none is
+    warning = check_model(index, model, collection)      # ValueError when they cannot match
+
+An index remembers in its `info` what is known of the embeddings: their rows and dimension,
+and, when build is given the model that made them, that model (file, size, mtime, features,
+dimension), so a query with another model is one clear line instead of meaningless neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.sidecar import ExportSidecar, sidecar_path
+from audioclf.search.approximate import APPROXIMATE_METHODS, FaissIndex, faiss_available
+from audioclf.search.base import SearchIndex
+from audioclf.search.index import METHODS, build, load
+
+# The columns embed --index writes into PREFIX.parquet, one row per PREFIX.npy row.
+ROW_COLUMNS = ("row", "id", "class", "item", "path")
+
+
+@dataclass
+class Collection:
+    """PREFIX.npy + PREFIX.parquet: the embeddings [size, dim] and one table row per embedding."""
+
+    prefix: Path
+    npy: Path
+    parquet: Path
+    rows: pd.DataFrame
+    size: int
+    dim: int
+
+    @classmethod
+    def open(cls, prefix: str | Path, *, flag: str = "PREFIX") -> Collection:
+        """Both files of `prefix` (a PREFIX.npy / PREFIX.parquet path names its prefix too),
+        checked to match; `flag` is how messages name the prefix."""
+        prefix = Path(prefix)
+        if prefix.suffix in (".npy", ".parquet"):
+            prefix = prefix.with_suffix("")
+        npy, parquet = (prefix.with_name(prefix.name + suffix) for suffix in (".npy", ".parquet"))
+        missing = [str(path) for path in (npy, parquet) if not path.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{flag} {prefix}: {' and '.join(missing)} not found; write both with "
+                f"python -m audioclf.embed --model MODEL --index SHEET --save {prefix}"
+            )
+        shape = _npy_shape(npy)
+        try:
+            rows = pd.read_parquet(parquet)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{parquet} is not a readable parquet table ({exc})") from None
+        lacking = [column for column in ROW_COLUMNS if column not in rows.columns]
+        if lacking:
+            raise ValueError(
+                f"{parquet} lacks column(s) {', '.join(lacking)}; it was not written by "
+                f"audioclf.embed --index: write {prefix} again"
+            )
+        if len(rows) != shape[0]:
+            raise ValueError(
+                f"{parquet} has {len(rows)} rows but {npy} has {shape[0]}: they are not one "
+                f"run's files; write {prefix} again with audioclf.embed --index"
+            )
+        return cls(prefix, npy, parquet, rows.reset_index(drop=True), shape[0], shape[1])
+
+    def embeddings(self) -> np.ndarray:
+        return np.load(self.npy, allow_pickle=False)
+
+    def index_file(self, method: str) -> Path:
+        """Where the index of `method` is saved: PREFIX.<method>.json."""
+        return self.prefix.with_name(f"{self.prefix.name}.{method}.json")
+
+    def saved_methods(self) -> list[str]:
+        return [method for method in METHODS if self.index_file(method).is_file()]
+
+
+def _npy_shape(npy: Path) -> tuple[int, int]:
+    try:
+        array = np.load(npy, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{npy} is not a readable .npy array ({exc})") from None
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.floating) or 0 in array.shape:
+        raise ValueError(
+            f"{npy} holds a {array.dtype} array of shape {array.shape}; expected float "
+            "[rows, dim] as audioclf.embed --index writes"
+        )
+    return int(array.shape[0]), int(array.shape[1])
+
+
+def check_method(method: str) -> None:
+    """ValueError for an unknown method, or an approximate one without faiss installed."""
+    if method not in METHODS:
+        raise ValueError(f"unknown search method {method!r}; choose one of {', '.join(METHODS)}")
+    if method in APPROXIMATE_METHODS and not faiss_available():
+        raise ValueError(
+            f"search method {method!r} needs faiss, which is not installed: pip install "
+            "faiss-cpu (or faiss-gpu), or use --method exact"
+        )
+
+
+def build_saved(
+    collection: Collection,
+    method: str,
+    *,
+    model: dict[str, Any] | None = None,
+    progress: bool = True,
+    **params: int | None,
+) -> SearchIndex:
+    """Build the `method` index of the collection's embeddings (build()'s `params`) and save it
+    as collection.index_file(method), recording the embeddings' shape and `model`
+    (model_record of the model that made them; None: not known)."""
+    check_method(method)
+    index = build(collection.npy, method, progress=progress, **params)
+    embeddings = {"rows": collection.size, "dim": collection.dim, "table": collection.parquet.name}
+    index.info = {"embeddings": embeddings, "model": model}
+    index.save(collection.index_file(method))
+    return index
+
+
+def open_index(
+    collection: Collection,
+    method: str | None,
+    *,
+    device: str | torch.device | None = None,
+    nprobe: int | None = None,
+    ef_search: int | None = None,
+) -> SearchIndex:
+    """The saved index of `method` (None: the only one saved, else exact built on the fly:
+    an exact index needs no building), with search-time `nprobe` / `ef_search` applied."""
+    saved = collection.saved_methods()
+    if method is None:
+        if len(saved) > 1:
+            raise ValueError(
+                f"{collection.prefix} has {len(saved)} saved indexes ({', '.join(saved)}); "
+                "pick one with --method"
+            )
+        method = saved[0] if saved else "exact"
+    check_method(method)
+    path = collection.index_file(method)
+    if path.is_file():
+        index = load(path, device=device)
+    elif method == "exact":
+        index = build(collection.npy, "exact", device=device, progress=False)
+    else:
+        raise FileNotFoundError(
+            f"no {method} index of {collection.prefix} ({path} not found); build it with "
+            f"python -m audioclf.search build {collection.prefix} --method {method}"
+        )
+    if index.size != collection.size:
+        raise ValueError(
+            f"the index {index.describe()} has {index.size} rows but {collection.parquet} has "
+            f"{collection.size}; rebuild it with python -m audioclf.search build"
+        )
+    if isinstance(index, FaissIndex):
+        index.set_search_params(nprobe=nprobe, ef_search=ef_search)
+    elif nprobe is not None or ef_search is not None:
+        raise ValueError("--nprobe and --ef-search apply to ivf, ivfpq and hnsw indexes, not exact")
+    return index
+
+
+def model_dim(model: LoadedEmbedder) -> int | None:
+    """The dimension of the model's embeddings, from its export sidecar or checkpoint config."""
+    sidecar = sidecar_path(model.path)
+    if sidecar.is_file():
+        try:
+            return int(ExportSidecar.read(sidecar).embedding_dim)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return int(model.cfg.model.embedding_dim) if model.knows_splits else None
+
+
+def model_record(model: LoadedEmbedder) -> dict[str, Any]:
+    """What an index remembers of the model that made its embeddings."""
+    stat = model.path.stat()
+    return {
+        "path": str(model.path.resolve()),
+        "description": model.description,
+        "bytes": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "input_kind": model.input_kind,
+        "features": dataclasses.asdict(model.features),
+        "dim": model_dim(model),
+    }
+
+
+def check_model(index: SearchIndex, model: LoadedEmbedder, collection: Collection) -> str | None:
+    """ValueError when `model` cannot make embeddings comparable with the index's (another
+    dimension or other features than the recorded model's); a warning line when the index
+    recorded another model file (e.g. the checkpoint of this export: fine if so); else None."""
+    recorded = index.info.get("model")
+    made_by = f" (made by {recorded['path']}, {recorded['description']})" if recorded else ""
+    dim = model_dim(model)
+    if dim is not None and dim != index.dim:
+        raise ValueError(
+            f"--model {model.path} ({model.description}) makes {dim}-d embeddings but the index "
+            f"{index.describe()} holds {index.dim}-d ones{made_by}; query with the model that "
+            f"embedded {collection.prefix}"
+        )
+    if not recorded:
+        return None
+    mine = model_record(model)
+    if mine["features"] != recorded["features"] or mine["input_kind"] != recorded["input_kind"]:
+        raise ValueError(
+            f"--model {model.path} reads audio with other features than the model that made the "
+            f"index {index.path}{made_by}; query with that model, or rebuild the index from "
+            "embeddings of this one"
+        )
+    if [mine[key] for key in ("path", "bytes", "mtime_ns")] != [
+        recorded[key] for key in ("path", "bytes", "mtime_ns")
+    ]:
+        return (
+            f"warning: the index {index.path} was built from embeddings of {recorded['path']} "
+            f"({recorded['description']}), not of --model {model.path}: the neighbours mean "
+            "something only if both are the same trained model (e.g. a checkpoint and its export)"
+        )
+    return None

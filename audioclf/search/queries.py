@@ -1,0 +1,192 @@
+"""The queries of `python -m audioclf.search query`, their neighbours, and how they are shown.
+
+    queries = audio_queries(model, ["clips/", "a.wav"], batch_size=16, progress=True)
+    queries = prefix_queries(Collection.open("out/new"))
+    table = search_neighbours(index, collection, queries, k=10, exclude_same_item=False)
+    print("\n".join(table_lines(table)))      # or write_csv(table, path) / write_json(...)
+
+Audio files are found and embedded as `audioclf.embed` does (audioclf.inference.gallery:
+folders searched recursively, unreadable files named and left out). The neighbour table has one
+row per (query, rank): the query's columns, then rank, score and the index row's class, item,
+id and path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from audioclf.fileio import atomic_write_bytes
+from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.extract import check_finite
+from audioclf.inference.gallery import embed_readable, find_files
+from audioclf.search.base import SearchIndex
+from audioclf.search.collection import Collection
+
+NEIGHBOUR_COLUMNS = ("rank", "score", "class", "item", "id", "path")
+
+
+@dataclass
+class Queries:
+    """Query embeddings [Q, D] and what names each query (a `query` column, and for rows of
+    a PREFIX also query_class, query_item and query_path)."""
+
+    embeddings: np.ndarray
+    labels: pd.DataFrame
+    source: str  # what the queries are, for messages
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # unreadable audio files
+
+    @property
+    def has_items(self) -> bool:
+        return "query_item" in self.labels.columns
+
+
+def audio_queries(
+    model: LoadedEmbedder,
+    inputs: list[str | Path],
+    *,
+    batch_size: int = 16,
+    num_workers: int = 0,
+    progress: bool = True,
+) -> Queries:
+    """The audio files of `inputs` (folders searched recursively) embedded by `model`; files
+    that cannot be read are listed in `skipped` (ValueError when none can be)."""
+    files, embeddings, skipped = embed_readable(
+        model,
+        find_files(inputs, model.features),
+        batch_size=batch_size,
+        progress=progress,
+        num_workers=num_workers,
+    )
+    check_finite(embeddings, [str(f) for f in files], "the query files")
+    labels = pd.DataFrame({"query": [str(f) for f in files]})
+    return Queries(embeddings, labels, f"{len(files)} audio file(s)", skipped)
+
+
+def prefix_queries(collection: Collection) -> Queries:
+    """Every row of another embedded collection (or of the indexed one) as a query."""
+    rows = collection.rows
+    labels = pd.DataFrame(
+        {
+            "query": rows["id"].to_numpy(),
+            "query_class": rows["class"].to_numpy(),
+            "query_item": rows["item"].to_numpy(),
+            "query_path": rows["path"].to_numpy(),
+        }
+    )
+    source = f"{collection.size} rows of {collection.npy}"
+    return Queries(collection.embeddings(), labels, source)
+
+
+def check_query_dim(queries: Queries, index: SearchIndex) -> None:
+    """One line naming both sides when the queries and the index differ in dimension."""
+    dim = queries.embeddings.shape[1]
+    if dim != index.dim:
+        raise ValueError(
+            f"the queries ({queries.source}) are {dim}-d but the index {index.describe()} is "
+            f"{index.dim}-d; embed both with the same model"
+        )
+
+
+def _group_codes(queries: Queries, collection: Collection) -> tuple[np.ndarray, np.ndarray]:
+    """One code per (class, item) pair, shared by the queries and the index rows."""
+    if not queries.has_items:
+        raise ValueError(
+            "--exclude-same-item needs queries with an item: give them as --query-prefix "
+            "PREFIX (rows of embed --index), not as audio files"
+        )
+
+    def keys(classes: pd.Series, items: pd.Series) -> pd.Series:
+        return classes.astype(str) + "\x1f" + items.astype(str)
+
+    both = pd.concat(
+        [
+            keys(queries.labels["query_class"], queries.labels["query_item"]),
+            keys(collection.rows["class"], collection.rows["item"]),
+        ],
+        ignore_index=True,
+    )
+    codes = pd.factorize(both)[0].astype(np.int64)
+    return codes[: len(queries.labels)], codes[len(queries.labels) :]
+
+
+def search_neighbours(
+    index: SearchIndex,
+    collection: Collection,
+    queries: Queries,
+    k: int,
+    *,
+    exclude_same_item: bool = False,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """The k nearest index rows of each query, best first (fewer where the index has fewer):
+    one table row per (query, rank). With `exclude_same_item` a query never gets a row of
+    its own item (class + item)."""
+    check_query_dim(queries, index)
+    groups: dict[str, Any] = {}
+    if exclude_same_item:
+        groups["query_groups"], groups["index_groups"] = _group_codes(queries, collection)
+    scores, ids = index.search(queries.embeddings, k, progress=progress, **groups)
+    query_at, rank_at = np.nonzero(ids >= 0)  # row-major: by query, then by rank
+    found = ids[query_at, rank_at]
+    table = queries.labels.iloc[query_at].reset_index(drop=True)
+    table["rank"] = rank_at + 1
+    table["score"] = scores[query_at, rank_at].astype(np.float64)
+    neighbours = collection.rows.iloc[found][["class", "item", "id", "path"]]
+    return pd.concat([table, neighbours.reset_index(drop=True)], axis=1)
+
+
+def _by_query(table: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per query (in order): its columns, and "neighbours", its table rows' neighbour columns.
+    A query's rows start at rank 1, so two queries of one name stay apart."""
+    query_columns = [c for c in table.columns if c.startswith("query")]
+    queries: list[dict[str, Any]] = []
+    for record in table.to_dict("records"):  # plain Python values
+        if record["rank"] == 1:
+            queries.append({**{c: record[c] for c in query_columns}, "neighbours": []})
+        queries[-1]["neighbours"].append({c: record[c] for c in NEIGHBOUR_COLUMNS})
+    return queries
+
+
+def table_lines(table: pd.DataFrame) -> list[str]:
+    """The neighbours as text: a line per query, then its neighbours in aligned columns."""
+    if table.empty:
+        return ["no neighbours found"]
+
+    def cell(column: str, value: Any) -> str:
+        return f"{value:.4f}" if column == "score" else str(value)
+
+    widths = {
+        c: max(len(c), int(table[c].map(lambda v, c=c: len(cell(c, v))).max()))
+        for c in NEIGHBOUR_COLUMNS
+    }
+    header = ("  " + "  ".join(f"{c:<{widths[c]}}" for c in NEIGHBOUR_COLUMNS)).rstrip()
+    lines = []
+    for query in _by_query(table):
+        about = ", ".join(
+            f"{c.removeprefix('query_')} {v}" for c, v in query.items() if c.startswith("query_")
+        )
+        lines += [f"query {query['query']}" + (f" ({about})" if about else ""), header]
+        lines += [
+            (
+                "  " + "  ".join(f"{cell(c, row[c]):<{widths[c]}}" for c in NEIGHBOUR_COLUMNS)
+            ).rstrip()
+            for row in query["neighbours"]
+        ]
+    return lines
+
+
+def write_csv(table: pd.DataFrame, path: str | Path) -> Path:
+    """The table as CSV, one row per (query, rank), written atomically."""
+    return atomic_write_bytes(Path(path), table.to_csv(index=False).encode())
+
+
+def write_json(table: pd.DataFrame, path: str | Path, about: dict[str, Any]) -> Path:
+    """`about` (the index, k, ...) and "queries": per query its columns and "neighbours"."""
+    text = json.dumps({**about, "queries": _by_query(table)}, indent=2) + "\n"
+    return atomic_write_bytes(Path(path), text.encode())
