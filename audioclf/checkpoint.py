@@ -41,6 +41,12 @@ log = logging.getLogger("audioclf")
 
 LAST = "last.pt"
 BEST = "best.pt"
+AVG = "avg.pt"  # checkpoint.average_last: the average of the last epochs' weights
+
+
+def epoch_path(run_dir: str | Path, epoch: int) -> Path:
+    """epoch_<N>.pt of a run folder (`epoch` 1-based)."""
+    return Path(run_dir) / f"epoch_{epoch:04d}.pt"
 
 
 class CheckpointError(ValueError):
@@ -172,12 +178,14 @@ class Checkpointer:
         flat: list[Stateful],
         meta: Callable[[], dict],
         primary: bool,
+        optional: tuple[str, ...] = (),
     ):
         self.saver = saver
         self.states = states
         self.flat = flat
         self.meta = meta
         self.primary = primary
+        self.optional = optional
 
     def state_dict(self) -> dict:
         """The checkpoint dict (collective: every rank must call it)."""
@@ -198,12 +206,28 @@ class Checkpointer:
         state = self.state_dict()
         return self.saver.save_epoch(state, epoch, metric) if self.primary else []
 
+    def save_average(self, weights: dict, metric: float | None, about: dict) -> list[Path]:
+        """After the last epoch (collective): avg.pt, a checkpoint of the run whose model
+        weights are `weights` (`about` them under "average_of"), then last.pt; best.pt = avg.pt
+        when `metric` beats the best epoch. Returns the files rank 0 wrote."""
+        if not self.primary:
+            self.state_dict()  # the collectives (RNG states) of the primary's call
+            return []
+        better = self.saver.is_better(metric)
+        if better:
+            self.saver.best_metric = float(metric)
+        return self.saver.save_average(self.state_dict(), weights, about, best=better)
+
     def restore(self, ckpt: dict) -> None:
-        """Load every part from a checkpoint dict (each rank, no collective)."""
+        """Load every part from a checkpoint dict (each rank, no collective). A part named in
+        `optional` that the checkpoint lacks (an EMA switched on at resume) gets None."""
         for part in self.flat:
             part.load_state_dict(ckpt)
         for name, part in self.states.items():
-            part.load_state_dict(ckpt[name])
+            if name not in ckpt and name in self.optional:
+                part.load_state_dict(None)
+            else:
+                part.load_state_dict(ckpt[name])
 
 
 def save_atomic(obj: dict, path: str | Path) -> Path:
@@ -268,14 +292,15 @@ def load(
 
 
 class CheckpointSaver:
-    """Keeps last.pt, best.pt and the last `keep_last` epoch checkpoints in a run directory.
+    """Keeps last.pt, best.pt and the last `keep_last` epoch checkpoints in a run directory
+    (at least `average_last` of them, which checkpoint.average_last reads), and avg.pt.
 
     best.pt follows the highest finite metric (every validation metric is higher-is-better).
     """
 
-    def __init__(self, run_dir: str | Path, *, keep_last: int):
+    def __init__(self, run_dir: str | Path, *, keep_last: int, average_last: int = 0):
         self.run_dir = Path(run_dir)
-        self.keep_last = keep_last
+        self.keep_last = max(keep_last, average_last)
         self.best_metric: float | None = None
 
     def is_better(self, metric: float | None) -> bool:
@@ -310,12 +335,23 @@ class CheckpointSaver:
         """End of an epoch: last.pt, epoch_<N>.pt (pruned to keep_last) and best.pt if improved."""
         written = [self.save_last(state)]
         if self.keep_last > 0:
-            written.append(atomic_copy(written[0], self.run_dir / f"epoch_{epoch:04d}.pt"))
+            written.append(atomic_copy(written[0], epoch_path(self.run_dir, epoch)))
             for old in sorted(self.run_dir.glob("epoch_*.pt"))[: -self.keep_last]:
                 old.unlink(missing_ok=True)
         if self.is_better(metric):
             self.best_metric = float(metric)
             written.append(atomic_copy(written[0], self.run_dir / BEST))
+        return written
+
+    def save_average(self, state: dict, weights: dict, about: dict, *, best: bool) -> list[Path]:
+        """avg.pt (`state` with `weights` as its model, `about` as "average_of", and no EMA
+        entry: the average is what it holds), best.pt when `best`, then last.pt (`state`)."""
+        averaged = {key: value for key, value in state.items() if key != "ema"}
+        averaged.update(model=weights, average_of=about)
+        written = [save_atomic(averaged, self.run_dir / AVG)]
+        if best:
+            written.append(atomic_copy(written[0], self.run_dir / BEST))
+        written.append(self.save_last(state))
         return written
 
 

@@ -33,6 +33,10 @@ used; the result is the same (tests compare them).
 Margin warm-up (`loss.margin_warmup_epochs=W`): `set_epoch(epoch)` sets both margins to
 min(1, (epoch + 1) / (W + 1)) × their configured values (epoch 0-based); the triplet miner uses
 the same current margin as the triplet loss.
+
+Final epochs (`train.final_epochs=K`, WeSpeaker's large-margin fine-tuning): in the last K
+epochs (epoch >= train.epochs - K) the margins are `loss.final_margin` / `loss.final_head_margin`
+where set, in full (the warm-up ramp applies to the epochs before them).
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ HEADS = tuple(h for h in choices(ModelConfig, "head") if h != "none")
 
 def build_loss(cfg: Config) -> WeightedLosses:
     """The run's objective: the triplet term, plus loss.ce_weight × the head's cross-entropy
-    when model.head is not none."""
-    terms: dict[str, nn.Module] = {"triplet": TripletLoss(cfg.loss)}
+    when model.head is not none; their margins follow the warm-up and the final epochs."""
+    final_from = final_epochs_start(cfg)
+    terms: dict[str, nn.Module] = {"triplet": TripletLoss(cfg.loss, final_from=final_from)}
     weights = {"triplet": 1.0}
     if cfg.model.head != "none":
         terms["ce"] = MarginHeadLoss(
@@ -61,39 +66,66 @@ def build_loss(cfg: Config) -> WeightedLosses:
             scale=cfg.model.effective_head_scale,
             margin=cfg.loss.head_margin,
             warmup_epochs=cfg.loss.margin_warmup_epochs,
+            final_margin=cfg.loss.final_head_margin,
+            final_from=final_from,
         )
         weights["ce"] = cfg.loss.ce_weight
     return WeightedLosses(terms, weights)
 
 
-class _MarginWarmup(nn.Module):
-    """A term whose margin ramps up over the first `warmup_epochs` epochs (set_epoch)."""
+def final_epochs_start(cfg: Config) -> int | None:
+    """The first (0-based) of the last train.final_epochs epochs; None when that is off."""
+    final = cfg.train.final_epochs
+    return cfg.train.epochs - final if final else None
 
-    def __init__(self, margin: float, warmup_epochs: int):
+
+class _MarginSchedule(nn.Module):
+    """A term whose margin ramps up over the first `warmup_epochs` epochs and is `final_margin`
+    (when given) from epoch `final_from` on (set_epoch)."""
+
+    def __init__(
+        self,
+        margin: float,
+        warmup_epochs: int,
+        final_margin: float | None = None,
+        final_from: int | None = None,
+    ):
         super().__init__()
         self.full_margin = margin
         self.margin = margin  # the current margin (set_epoch changes it)
         self.warmup_epochs = warmup_epochs
-        self.epoch: int | None = None  # set by set_epoch; needed only with a warm-up
+        self.final_margin = final_margin if final_from is not None else None
+        self.final_from = final_from
+        self.epoch: int | None = None  # set by set_epoch; needed only when the margin changes
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the margin of `epoch` (0-based) on the warm-up ramp; call before every epoch."""
+        """Set the margin of `epoch` (0-based); call before every epoch."""
         if epoch < 0:
             raise ValueError(f"set_epoch needs an epoch >= 0, got {epoch}")
         self.epoch = epoch
+        if self.final_margin is not None and epoch >= self.final_from:
+            self.margin = self.final_margin
+            return
         # (epoch + 1) / (W + 1): never 0, so semi-hard mining finds triplets from the start.
         factor = min(1.0, (epoch + 1) / (self.warmup_epochs + 1)) if self.warmup_epochs else 1.0
         self.margin = factor * self.full_margin
 
     def _check_epoch(self) -> None:
-        if self.warmup_epochs and self.epoch is None:
+        if self.epoch is not None:
+            return
+        if self.warmup_epochs:
             raise RuntimeError(
                 f"loss.margin_warmup_epochs={self.warmup_epochs} ramps the margins per epoch: call "
                 "TripletLoss.set_epoch(epoch) before each epoch (or set loss.margin_warmup_epochs=0)"
             )
+        if self.final_margin is not None:
+            raise RuntimeError(
+                "the final epochs (train.final_epochs) change the margin: call set_epoch(epoch) "
+                "before each epoch"
+            )
 
 
-class TripletLoss(_MarginWarmup):
+class TripletLoss(_MarginSchedule):
     """forward(embeddings [B, D], labels [B], logits=None) → the triplet term (logits unused).
 
     A batch whose labels admit no triplet (one class, or all singletons) gives a zero loss that
@@ -101,10 +133,10 @@ class TripletLoss(_MarginWarmup):
     cross_rank, every rank runs the gather's backward collective).
     """
 
-    def __init__(self, cfg: LossConfig):
+    def __init__(self, cfg: LossConfig, *, final_from: int | None = None):
         if cfg.miner not in MINERS:  # a LossConfig edited after construction
             raise ValueError(f"loss.miner={cfg.miner!r} is invalid: use one of {', '.join(MINERS)}")
-        super().__init__(cfg.margin, cfg.margin_warmup_epochs)
+        super().__init__(cfg.margin, cfg.margin_warmup_epochs, cfg.final_margin, final_from)
         self.cross_rank = cfg.cross_rank
         distance = distances.CosineSimilarity()
         self.triplet = losses.TripletMarginLoss(margin=cfg.margin, distance=distance)
@@ -145,17 +177,33 @@ class TripletLoss(_MarginWarmup):
             return self.triplet(embeddings, labels, triplets), {"triplets": float(n_triplets)}
 
 
-class MarginHeadLoss(_MarginWarmup):
+class MarginHeadLoss(_MarginSchedule):
     """forward(embeddings, labels [B], logits [B, C]) → cross-entropy of the head's logits.
 
     `logits` are the model head's scaled cosines (`scale`, the scale build_net gives the head);
-    the arcface heads add their angular `margin` (radians) to each row's target first.
+    the arcface heads add their angular `margin` (radians) to each row's target first
+    (`final_margin` from epoch `final_from` on). The softmax head has no margin.
     """
 
-    def __init__(self, head: str, *, scale: float, margin: float, warmup_epochs: int = 0):
+    def __init__(
+        self,
+        head: str,
+        *,
+        scale: float,
+        margin: float,
+        warmup_epochs: int = 0,
+        final_margin: float | None = None,
+        final_from: int | None = None,
+    ):
         if head not in HEADS:
             raise ValueError(f"model.head={head!r} is invalid: use one of {', '.join(HEADS)}")
-        super().__init__(margin if head != "softmax" else 0.0, warmup_epochs)
+        softmax = head == "softmax"
+        super().__init__(
+            0.0 if softmax else margin,
+            warmup_epochs,
+            None if softmax else final_margin,
+            final_from,
+        )
         self.head = head
         self.scale = scale
 
@@ -199,7 +247,8 @@ class WeightedLosses(nn.Module):
         self.weights = dict(weights)
 
     def set_epoch(self, epoch: int) -> None:
-        """Call before every epoch: the terms' margins follow loss.margin_warmup_epochs."""
+        """Call before every epoch: the terms' margins follow loss.margin_warmup_epochs and
+        the final epochs (train.final_epochs)."""
         for term in self.terms.values():
             term.set_epoch(epoch)
 

@@ -1,6 +1,7 @@
-"""A run's parts, built from its Config: the seeds, the data, the train loader, and the
-training objects (the wrapped model, the objective, optimizer, LR schedule, and the step that
-uses them). The Trainer assembles them; this module holds no state of its own."""
+"""A run's parts, built from its Config: the seeds, the data, the train loader, the
+training objects (the wrapped model, the objective, optimizer, LR schedule, the step that uses
+them, the EMA of the weights), and the final-epochs schedule. The Trainer assembles them; this
+module holds no state of its own."""
 
 from __future__ import annotations
 
@@ -8,20 +9,22 @@ import logging
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from audioclf import distributed
-from audioclf.config import Config
+from audioclf import checkpoint, distributed
+from audioclf.averaging import WeightEMA
+from audioclf.config import Config, to_dict
 from audioclf.data.augment import Augmenter
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index, split_index
 from audioclf.data.loader import TrainLoader, loader_kwargs
-from audioclf.losses import WeightedLosses, build_loss
+from audioclf.losses import WeightedLosses, build_loss, final_epochs_start
 from audioclf.models import count_parameters
-from audioclf.optim import LRSchedule, base_lr, build_optimizer, param_groups
+from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer, param_groups
 from audioclf.precision import Precision
 from audioclf.sampler import MPerClassSampler
 from audioclf.step import NonFiniteGuard, TrainStep
@@ -75,9 +78,63 @@ def loader_options(cfg: Config, device: torch.device) -> dict:
     )
 
 
+@dataclass(frozen=True)
+class FinalEpochs:
+    """train.final_epochs (WeSpeaker's large-margin fine-tuning): from epoch `start` (0-based) on,
+    training crops of `final_crop` samples (clips.final_crop_seconds) and the final margins
+    (losses.build_loss). `start` is train.epochs when it is off."""
+
+    start: int
+    crop: int  # samples of a training crop before (clips.crop_seconds)
+    final_crop: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> FinalEpochs:
+        crop = cfg.clips.crop_samples(cfg.features)
+        final = cfg.clips.final_crop_seconds
+        start = final_epochs_start(cfg)
+        return cls(
+            cfg.train.epochs if start is None else start,
+            crop,
+            crop if final is None or start is None else cfg.features.samples(final),
+        )
+
+    @property
+    def changes_crop(self) -> bool:
+        return self.final_crop != self.crop
+
+    def crop_samples(self, epoch: int) -> int:
+        return self.final_crop if epoch >= self.start else self.crop
+
+
+def describe_final_epochs(cfg: Config) -> str:
+    """What changes at the start of the final epochs, for train.log."""
+    loss, clips, epochs = cfg.loss, cfg.clips, cfg.train.epochs
+    changes = []
+    if clips.final_crop_seconds is not None:
+        changes.append(
+            f"training crops of {clips.final_crop_seconds:g} s (clips.final_crop_seconds; "
+            f"{clips.crop_seconds:g} s before)"
+        )
+    if loss.final_margin is not None:
+        changes.append(f"triplet margin {loss.final_margin:g} (loss.final_margin; {loss.margin:g})")
+    if loss.final_head_margin is not None and cfg.model.head not in ("none", "softmax"):
+        changes.append(
+            f"head margin {loss.final_head_margin:g} rad (loss.final_head_margin; "
+            f"{loss.head_margin:g})"
+        )
+    final = cfg.train.final_epochs
+    span = f"epoch {epochs}" if final == 1 else f"epochs {epochs - final + 1}-{epochs}"
+    what = "; ".join(changes) or (
+        "nothing changes: set clips.final_crop_seconds, loss.final_margin or loss.final_head_margin"
+    )
+    return f"train.final_epochs={final} ({span} of {epochs}): {what}"
+
+
 def build_train_loader(cfg: Config, env: distributed.DistEnv, data: RunData) -> TrainLoader:
-    """The m-per-class sampler of this rank over the train split, in a stateful loader."""
-    train = data.train
+    """The m-per-class sampler of this rank over the train split, in a stateful loader (whose
+    keys carry the crop length when the final epochs change it)."""
+    train, final = data.train, FinalEpochs.of(cfg)
     sampler = MPerClassSampler(
         train.codes.class_codes,
         train.codes.item_codes,
@@ -95,6 +152,7 @@ def build_train_loader(cfg: Config, env: distributed.DistEnv, data: RunData) -> 
         seed=cfg.train.seed,
         limit_batches=cfg.train.limit_batches,
         restart_epoch=cfg.checkpoint.restart_epoch,
+        crop_samples=final.crop_samples if final.changes_crop else None,
         **loader_options(cfg, env.device),
     )
 
@@ -109,6 +167,7 @@ class Training:
     schedule: LRSchedule
     guard: NonFiniteGuard
     step: TrainStep
+    ema: WeightEMA | None  # train.ema_decay
 
 
 def build_training(
@@ -157,4 +216,64 @@ def build_training(
         batch_size=cfg.sampler.batch_size,
         placeholder=data.train_set.placeholder(),
     )
-    return Training(model, loss_fn, optimizer, schedule, guard, step)
+    return Training(model, loss_fn, optimizer, schedule, guard, step, build_ema(cfg, model))
+
+
+def build_ema(cfg: Config, model: nn.Module) -> WeightEMA | None:
+    """The EMA of the (wrapped, on its device) model's weights, or None (train.ema_decay=0)."""
+    if not cfg.train.ema_decay:
+        return None
+    log.info(
+        'train.ema_decay=%g: an EMA of the weights is kept (checkpoint entry "ema"); '
+        "validation, best.pt and the model artefacts use it",
+        cfg.train.ema_decay,
+    )
+    return WeightEMA(distributed.unwrap(model), cfg.train.ema_decay)
+
+
+def build_checkpointer(
+    cfg: Config,
+    env: distributed.DistEnv,
+    run_dir: Path,
+    training: Training,
+    precision: Precision,
+    train_loader: TrainLoader,
+    train_state: checkpoint.Stateful,
+    *,
+    classes: list[str],
+) -> checkpoint.Checkpointer:
+    """The run's stateful parts, by name, in one Checkpointer (with "ema" when kept)."""
+    keep, average = cfg.checkpoint.keep_last, cfg.checkpoint.average_last
+    saver = checkpoint.CheckpointSaver(run_dir, keep_last=keep, average_last=average)
+    if average > keep:
+        log.info(
+            "checkpoint.average_last=%d: the last %d epoch checkpoints are kept "
+            "(checkpoint.keep_last=%d)",
+            average,
+            average,
+            keep,
+        )
+    states = {
+        "model": distributed.unwrap(training.model),
+        "optimizer": OptimizerState(training.optimizer),
+        "lr_schedule": training.schedule,
+        "scaler": checkpoint.ScalerState(precision.scaler),
+        "sampler": train_loader,  # the sampler's state at the loader's position
+        "rng": checkpoint.RankRNG(env.rank, env.world_size, env.device),
+    }
+    if training.ema is not None:  # after "model": a checkpoint without one starts from it
+        states["ema"] = training.ema
+    return checkpoint.Checkpointer(
+        saver,
+        states=states,
+        optional=("ema",),
+        flat=[train_state, saver],
+        meta=lambda: {
+            "config": to_dict(cfg),
+            "classes": classes,
+            "position": train_loader.position,
+            "world_size": env.world_size,
+            "versions": checkpoint.library_versions(),
+        },
+        primary=env.is_primary,
+    )

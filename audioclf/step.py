@@ -140,7 +140,11 @@ class TrainStep:
         # [loss sum, samples, skipped items, skipped batches], all-reduced by end_epoch
         self._totals = torch.zeros(4, dtype=torch.float64, device=self.device)
 
-    def start_epoch(self) -> None:
+    def start_epoch(self, placeholder: tuple[Tensor, Tensor] | None = None) -> None:
+        """`placeholder`: this epoch's stand-in for a batch with no readable item (its crop
+        length may change between epochs); default: the one given at construction."""
+        if placeholder is not None:
+            self.placeholder = placeholder
         self.model.train()
         self._totals.zero_()
         self.optimizer.zero_grad()  # no argument: apex's FusedAdam.zero_grad() takes none

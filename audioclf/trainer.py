@@ -3,12 +3,14 @@
     fit(cfg)   # what `python -m audioclf.train` does, on every rank
 
 Set-up order: process group → (resume checkpoint) → seeds → index and split (rank 0 builds the
-index cache) → data → model (DDP/SyncBN) → optimizer, schedule, precision → run directory and
-logging → checkpointer. Each epoch: `train_epoch` (micro-batches → update → after-step work →
-a sync every train.log_every_steps), the parameter-consistency check, validation, then save.
-The parts that carry state (model, optimizer, LR schedule, grad scaler, the train loader's
-position, RNG streams, the counters in `TrainState`) are handed to the `Checkpointer` by name,
-so saving and resuming are one call each.
+index cache) → data → model (DDP/SyncBN) → optimizer, schedule, precision, EMA → run directory
+and logging → checkpointer. Each epoch: `train_epoch` (micro-batches → update → after-step work
+(the EMA, hooks) → a sync every train.log_every_steps), the parameter-consistency check,
+validation (of the EMA when on), then save. After the last epoch, checkpoint.average_last
+averages the last epochs into avg.pt (`averaging`). The parts that carry state (model,
+optimizer, LR schedule, grad scaler, the train loader's position, RNG streams, the EMA, the
+counters in `TrainState`) are handed to the `Checkpointer` by name, so saving and resuming are
+one call each.
 """
 
 from __future__ import annotations
@@ -22,19 +24,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from audioclf import checkpoint, distributed
-from audioclf.config import Config, to_dict
+from audioclf import averaging, checkpoint, distributed
+from audioclf.config import Config
 from audioclf.fileio import atomic_copy
 from audioclf.inference import init_weights
 from audioclf.logs import EpochRow, MetricsWriter, setup_logging
 from audioclf.models import build_net
-from audioclf.optim import OptimizerState
 from audioclf.precision import configure_backends, resolve_precision
 from audioclf.resume import resume_point
 from audioclf.run_parts import (
+    FinalEpochs,
+    build_checkpointer,
     build_data,
     build_train_loader,
     build_training,
+    describe_final_epochs,
     loader_options,
     seed_everything,
 )
@@ -63,19 +67,22 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     history: list[dict] = field(default_factory=list)  # one EpochRow.as_dict() per epoch
     last_metrics: dict = field(default_factory=dict)  # the latest validation metrics
+    averaged: dict = field(default_factory=dict)  # avg.pt's epochs and metrics, once written
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "epoch": self.epoch,
             "step": self.step,
             "metrics": self.history,
             "last_metrics": self.last_metrics,
         }
+        return {**state, "averaged": self.averaged} if self.averaged else state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step = state["epoch"], state["step"]
         self.history = list(state.get("metrics", []))
         self.last_metrics = dict(state.get("last_metrics", {}))
+        self.averaged = dict(state.get("averaged", {}))
 
 
 def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | None = None) -> dict:
@@ -147,11 +154,9 @@ class Trainer:
         configure_backends(cfg.train, env.device)
         training = build_training(cfg, env, net, self.precision, self.data)
         self.model, self.loss_fn, self.step = training.model, training.loss_fn, training.step
-        self.optimizer, self.schedule, self.guard = (
-            training.optimizer,
-            training.schedule,
-            training.guard,
-        )
+        self.optimizer, self.schedule = training.optimizer, training.schedule
+        self.guard = training.guard
+        self.ema, self.final = training.ema, FinalEpochs.of(cfg)
         self.state = TrainState()
         self.metrics = MetricsWriter(self.run_dir, enabled=env.is_primary)
         self.validator = Validator(
@@ -163,7 +168,17 @@ class Trainer:
             loader_options=self.loader_options,
             metrics=self.metrics,
         )
-        self.checkpointer = self._build_checkpointer(net)
+        self.checkpointer = build_checkpointer(
+            cfg,
+            env,
+            self.run_dir,
+            training,
+            self.precision,
+            self.train_loader,
+            self.state,
+            classes=self.data.train.classes,
+        )
+        self.average = averaging.LastEpochsAverage(cfg, env, self.checkpointer, self.validator)
         if ckpt is not None:
             self.checkpointer.restore(ckpt)
             log.info(
@@ -184,30 +199,6 @@ class Trainer:
             len(train.classes),
             len(val) if val else 0,
             self.train_loader.sampler.batches_per_epoch,
-        )
-
-    def _build_checkpointer(self, net: torch.nn.Module) -> checkpoint.Checkpointer:
-        cfg, env = self.cfg, self.env
-        saver = checkpoint.CheckpointSaver(self.run_dir, keep_last=cfg.checkpoint.keep_last)
-        return checkpoint.Checkpointer(
-            saver,
-            states={
-                "model": distributed.unwrap(self.model),
-                "optimizer": OptimizerState(self.optimizer),
-                "lr_schedule": self.schedule,
-                "scaler": checkpoint.ScalerState(self.precision.scaler),
-                "sampler": self.train_loader,  # the sampler's state at the loader's position
-                "rng": checkpoint.RankRNG(env.rank, env.world_size, env.device),
-            },
-            flat=[self.state, saver],
-            meta=lambda: {
-                "config": to_dict(cfg),
-                "classes": self.data.train.classes,
-                "position": self.train_loader.position,
-                "world_size": env.world_size,
-                "versions": checkpoint.library_versions(),
-            },
-            primary=env.is_primary,
         )
 
     def _prepare_run_dir(self) -> None:
@@ -243,6 +234,8 @@ class Trainer:
         next step all ranks agree on (mid-epoch: last.pt at that step), or after the epoch
         when it came during the epoch's end (validation, checkpoints)."""
         stopped = False
+        if self.final.start < self.state.epoch < self.cfg.train.epochs:  # resumed into them
+            log.info(describe_final_epochs(self.cfg))
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             result = self.train_epoch(epoch)
             if result.stopped:
@@ -258,6 +251,9 @@ class Trainer:
                     self.state.step,
                 )
                 break
+        if not stopped and self.average.due(self.state.epoch, self.state.averaged):
+            self.average.run(self._validated(), self.state)
+            distributed.barrier()
         return self.finish(stopped)
 
     def _stop_agreed(self) -> bool:
@@ -293,7 +289,9 @@ class Trainer:
     def _start_epoch(self, epoch: int) -> None:
         self.train_loader.set_epoch(epoch)
         self.loss_fn.set_epoch(epoch)
-        self.step.start_epoch()
+        self.step.start_epoch(self.data.train_set.placeholder(self.final.crop_samples(epoch)))
+        if epoch == self.final.start:
+            log.info(describe_final_epochs(self.cfg))
         if epoch < self.cfg.optim.freeze_epochs:
             log.info(
                 "epoch %d: only the embedding layer (and head) learns (optim.freeze_epochs=%d)",
@@ -321,8 +319,10 @@ class Trainer:
         return halt
 
     def _after_step(self) -> None:
-        """After every optimizer step (every rank): hooks, and what is due at this step."""
+        """After every optimizer step (every rank): the EMA, hooks, and what is due now."""
         cfg, step = self.cfg, self.state.step
+        if self.ema is not None:
+            self.ema.update()
         if self.hooks.on_step is not None:
             self.hooks.on_step(self)
         if _due(step, cfg.train.consistency_every_steps):
@@ -343,7 +343,7 @@ class Trainer:
             self.model, action=cfg.train.consistency_action, device=self.env.device
         )
         state.last_metrics = (
-            self.validator.run(self.model, epoch=epoch, step=state.step)
+            self.validator.run(self._validated(), epoch=epoch, step=state.step)
             if self._eval_due(epoch)
             else {}
         )
@@ -394,6 +394,10 @@ class Trainer:
                 result.skipped_batches,
             )
 
+    def _validated(self) -> torch.nn.Module:
+        """What validation (and so best.pt) judges: the EMA of the weights when kept."""
+        return self.model if self.ema is None else self.ema.module
+
     def _eval_due(self, epoch: int) -> bool:
         every = self.cfg.eval.every
         return every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == self.cfg.train.epochs)
@@ -430,6 +434,7 @@ class Trainer:
             "step": state.step,
             "stop_signal": self.stop.signal if stopped else None,
             "world_size": self.env.world_size,
+            "average": state.averaged or None,  # checkpoint.average_last: avg.pt's epochs, metrics
         }
         if self.hooks.on_end is not None:
             self.hooks.on_end(self, summary)

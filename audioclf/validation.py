@@ -40,13 +40,16 @@ class Validator:
         self.positions = self._positions()
         self._said_leave_one_out = False
 
-    def run(self, model: torch.nn.Module, *, epoch: int, step: int) -> dict[str, float]:
+    def run(
+        self, model: torch.nn.Module, *, epoch: int, step: int, projector: bool = True
+    ) -> dict[str, float]:
         """Cross-item retrieval metrics on the validation split, on rank 0 ({} elsewhere).
 
         A query may not retrieve clips of its own item (recording). Every rank must call it:
         rank 0 embeds alone while the others wait at a barrier (dist.timeout_minutes must cover
         it), or with eval.distributed every rank embeds a shard and rank 0 gathers them.
-        eval.max_samples restricts it to a fixed class-stratified subset.
+        eval.max_samples restricts it to a fixed class-stratified subset. `projector`: a sample
+        of the embeddings goes to TensorBoard's projector as epoch `epoch` + 1.
         """
         val_set, env = self.val_set, self.env
         if val_set is None:
@@ -69,13 +72,14 @@ class Validator:
                 "metrics are leave-one-out: a clip may retrieve clips of its own item"
             )
         val = self.val  # a class-stratified sample for TensorBoard's projector (rank 0)
-        self.metrics.projector(
-            emb,
-            np.asarray(val.classes)[labels],
-            val.table["item"].to_numpy()[seen],
-            epoch=epoch + 1,
-            step=step,
-        )
+        if projector:
+            self.metrics.projector(
+                emb,
+                np.asarray(val.classes)[labels],
+                val.table["item"].to_numpy()[seen],
+                epoch=epoch + 1,
+                step=step,
+            )
         return {k: summary[k] for k in RETRIEVAL_KEYS if k in summary}
 
     def _embed(self, model: torch.nn.Module, sharded: bool) -> tuple | None:

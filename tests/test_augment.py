@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -16,12 +17,15 @@ import torchaudio
 
 from audioclf.config import AugmentConfig, Config, ConfigError, FeaturesConfig, load_config
 from audioclf.data.augment import Augmenter, room_impulse_response
+from audioclf.data.augment.channel import codec_ratio
+from audioclf.data.augment.pitch import time_stretch
 
 SR = 16000
 FEATURES = FeaturesConfig(sample_rate=SR)
 CROP = 8000  # samples: 0.5 s crops
 ROOT = Path(__file__).resolve().parents[1]
 PIECES = ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "gain_prob")
+SOURCE_PIECES = ("pitch_prob", "stretch_prob", "band_prob", "codec_prob")  # off by default
 
 
 def only(**fields) -> Augmenter:
@@ -36,7 +40,7 @@ def all_on() -> Augmenter:
         enabled=True,
         speed_factors=(0.9, 1.1),
         noise_colors=("pink",),
-        **{name: 1.0 for name in PIECES},
+        **{name: 1.0 for name in PIECES + SOURCE_PIECES},
     )
     return Augmenter(cfg, FEATURES, CROP)
 
@@ -350,3 +354,224 @@ def test_settings_load_from_overrides():
     cfg = load_config(None, overrides).augment
     assert cfg.enabled and cfg.gain_db == (-3.0, 3.0) and cfg.noise_colors == ("pink",)
     assert Augmenter(cfg, FEATURES, CROP).speed_ratios == [(19, 20), (21, 20)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The source and the channel: pitch, stretch, band, codec
+
+
+def modulated(samples: int, carrier_hz: float = 1000.0, rate_hz: float = 20.0) -> torch.Tensor:
+    """A tone whose amplitude swings at `rate_hz`: the carrier tells pitch, the swing tempo."""
+    t = np.arange(samples) / SR
+    wave = 0.3 * (1.0 + 0.8 * np.sin(2 * np.pi * rate_hz * t)) * np.sin(2 * np.pi * carrier_hz * t)
+    return torch.from_numpy(wave.astype(np.float32))
+
+
+def modulation_hz(x) -> float:
+    """The envelope's frequency: the strongest line of x² between 5 and 100 Hz."""
+    x = np.asarray(x, dtype=np.float64)
+    spectrum = np.abs(np.fft.rfft((x**2 - np.mean(x**2)) * np.hanning(len(x))))
+    hz = np.fft.rfftfreq(len(x), 1.0 / SR)
+    inside = (hz > 5) & (hz < 100)
+    return float(hz[inside][np.argmax(spectrum[inside])])
+
+
+def level_db(out, reference) -> float:
+    return 10 * np.log10(power(out) / power(reference))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"pitch_prob": 1.0},
+        {"stretch_prob": 1.0},
+        {"band_prob": 1.0},
+        {"codec_prob": 1.0},
+        {"pitch_prob": 1.0, "stretch_prob": 1.0, "speed_prob": 1.0, "speed_factors": (1.1,)},
+    ],
+    ids=["pitch", "stretch", "band", "codec", "speed+pitch+stretch"],
+)
+def test_source_pieces_are_seeded_and_keep_the_length(fields):
+    augment, wave = only(**fields), signal(3 * CROP, seed=1)
+    outs = [augment_item(augment, wave, seed) for seed in (3, 3, 4, 5)]
+    assert all(out.shape == (CROP,) and out.dtype == torch.float32 for out in outs)
+    assert all(torch.isfinite(out).all() for out in outs)
+    assert torch.equal(outs[0], outs[1])  # same seed, same crop
+    assert not torch.equal(outs[0], outs[2]) and not torch.equal(outs[2], outs[3])
+    if "band_prob" in fields or "codec_prob" in fields:  # a crop of any length keeps it
+        for length in (1, 300, 12345):
+            crop = signal(length, seed=2)
+            assert augment.after_crop(crop, np.random.default_rng(0)).shape == (length,)
+
+
+def test_source_pieces_are_off_by_default_and_leave_other_draws_alone():
+    assert all(getattr(AugmentConfig(), name) == 0.0 for name in SOURCE_PIECES)
+    augment, wave = only(), signal(3 * CROP)
+    rng = np.random.default_rng(0)
+    state = rng.bit_generator.state
+    assert augment.before_crop(wave, rng) is wave
+    crop = wave[:CROP]
+    assert augment.after_crop(crop, rng) is crop
+    assert rng.bit_generator.state == state
+    # Turning a source piece on leaves the room pieces' draws as they were: with every room
+    # piece on and the codec on, the crop before the codec is the crop without it.
+    room = AugmentConfig(enabled=True, speed_factors=(0.9, 1.1), **{name: 1.0 for name in PIECES})
+    codec = {"codec_prob": 1.0, "codec_kinds": ("quantize",), "codec_bits": (16, 16)}
+    room_and_codec = Augmenter(dataclasses.replace(room, **codec), FEATURES, CROP)
+    room = Augmenter(room, FEATURES, CROP)
+    plain = augment_item(room, wave, 9)
+    coded = augment_item(room_and_codec, wave, 9)
+    assert not torch.equal(plain, coded)
+    assert torch.allclose(plain, coded, atol=1.0 / 2**15 * float(plain.abs().max()) + 1e-7)
+
+
+def test_before_crop_takes_the_crop_length_per_call():
+    for fields in ({"speed_prob": 1.0, "speed_factors": (0.9,)}, {"pitch_prob": 1.0}):
+        augment, wave = only(**fields), signal(5 * SR)
+        default = augment.before_crop(wave, np.random.default_rng(2))
+        explicit = augment.before_crop(wave, np.random.default_rng(2), crop_samples=CROP)
+        assert torch.equal(default, explicit) and default.shape == (CROP,)
+        longer = augment.before_crop(wave, np.random.default_rng(2), crop_samples=3 * CROP)
+        assert longer.shape == (3 * CROP,)
+    with pytest.raises(ValueError, match="crop_samples >= 1"):
+        augment.before_crop(wave, np.random.default_rng(2), crop_samples=0)
+
+
+@pytest.mark.parametrize("semitones", [-2.0, 0.5, 2.0])
+def test_pitch_shift_moves_the_frequency_and_keeps_the_tempo(semitones):
+    augment = only(pitch_prob=1.0, pitch_semitones=(semitones, semitones))
+    ratio = 2.0 ** (semitones / 12.0)
+    short = modulated(6000)  # shorter than a crop needs: processed whole, length kept exactly
+    out = augment.before_crop(short, np.random.default_rng(0))
+    assert out.shape == short.shape
+    assert abs(peak_hz(out) / (1000.0 * ratio) - 1.0) < 0.008  # snapping: < 0.09 semitones
+    # A long clip: one crop (of 2 s here, for a fine modulation frequency), same tempo.
+    out = augment.before_crop(modulated(5 * SR), np.random.default_rng(0), crop_samples=2 * SR)
+    assert out.shape == (2 * SR,)
+    assert abs(peak_hz(out) / (1000.0 * ratio) - 1.0) < 0.006
+    assert modulation_hz(out) == pytest.approx(20.0, abs=0.6)
+    assert abs(level_db(out, modulated(2 * SR))) < 0.5
+
+
+@pytest.mark.parametrize("factor", [0.85, 1.15])
+def test_stretch_changes_the_tempo_not_the_frequency(factor):
+    augment = only(stretch_prob=1.0, stretch_factors=(factor, factor))
+    short = modulated(6000)
+    out = augment.before_crop(short, np.random.default_rng(0))
+    assert abs(out.shape[0] - 6000 / factor) <= 1  # the duration changes before the crop
+    out = augment.before_crop(modulated(5 * SR), np.random.default_rng(0), crop_samples=2 * SR)
+    assert out.shape == (2 * SR,)
+    assert peak_hz(out) == pytest.approx(1000.0, abs=1.0)
+    assert modulation_hz(out) == pytest.approx(20.0 * factor, abs=0.6)  # faster swing: faster
+    assert abs(level_db(out, modulated(2 * SR))) < 0.5
+    # The window's edges are trimmed off: the crop's ends carry a steady tone at full level.
+    out = augment.before_crop(tone(1000.0, 5 * SR), np.random.default_rng(0))
+    assert out.shape == (CROP,)
+    assert float(out[:50].abs().max()) > 0.95 and float(out[-50:].abs().max()) > 0.95
+
+
+def test_phase_vocoder_keeps_the_level_of_a_tone_between_bins():
+    # 1234 Hz lies between two STFT bins: without phase locking their phases drift apart and
+    # the stretched tone loses 14 dB; with it the level stays.
+    wave = tone(1234.0, 8000)
+    for rate in (0.7, 0.85, 1.3):
+        out = time_stretch(wave, rate, round(8000 / rate), 512)
+        assert out.shape == (round(8000 / rate),)
+        assert abs(level_db(out[600:-600], wave)) < 0.2, rate
+        assert peak_hz(out) == pytest.approx(1234.0, abs=3.0)
+
+
+def test_band_limit_passes_the_band_and_attenuates_outside():
+    augment = only(band_prob=1.0, band_low_hz=(300.0, 300.0), band_high_hz=(3400.0, 3400.0))
+    gains = {
+        hz: level_db(
+            augment.after_crop(tone(hz, CROP, 0.5), np.random.default_rng(0)), tone(hz, CROP, 0.5)
+        )
+        for hz in (80.0, 300.0, 1000.0, 3400.0, 7000.0)
+    }
+    assert abs(gains[1000.0]) < 0.1  # in band: kept, not re-levelled
+    assert gains[300.0] == pytest.approx(-3.0, abs=0.5) and gains[3400.0] == pytest.approx(
+        -3.0, abs=0.5
+    )
+    # Order-4 Butterworth edges: -10 log10(1 + (f / fc)^8) dB, 24 dB per octave outside.
+    assert gains[7000.0] == pytest.approx(-10 * np.log10(1 + (7000 / 3400) ** 8), abs=1.0)
+    assert gains[80.0] < -35.0  # -46 dB in theory; the crop's abrupt ends spread a little
+    # Random cut-offs within their ranges: a mid tone always passes, the extremes never do.
+    drawn = only(band_prob=1.0)
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        assert (
+            abs(level_db(drawn.after_crop(tone(1000.0, CROP, 0.5), rng), tone(1000.0, CROP, 0.5)))
+            < 0.3
+        )
+        rng = np.random.default_rng(seed)
+        assert level_db(drawn.after_crop(tone(40.0, CROP, 0.5), rng), tone(40.0, CROP, 0.5)) < -20.0
+
+
+def test_band_cut_offs_that_cross_are_one_clear_error():
+    cfg = AugmentConfig(enabled=True, band_prob=0.5, band_low_hz=(100.0, 3500.0))
+    with pytest.raises(ConfigError, match=r"augment\.band_low_hz"):
+        Augmenter(cfg, FEATURES, CROP)
+    Augmenter(AugmentConfig(enabled=True, band_low_hz=(100.0, 3500.0)), FEATURES, CROP)  # off
+
+
+def noise_crop(seed: int = 0) -> torch.Tensor:
+    wave = 0.2 * np.random.default_rng(seed).standard_normal(CROP)
+    return torch.from_numpy(np.clip(wave, -1, 1).astype(np.float32))
+
+
+def test_mulaw_round_trip_changes_the_crop_and_keeps_its_level():
+    augment, wave = only(codec_prob=1.0, codec_kinds=("mulaw",)), noise_crop()
+    out = augment.after_crop(wave, np.random.default_rng(0))
+    snr = -level_db(out - wave, wave)
+    assert 30.0 < snr < 45.0, snr  # 8-bit mu-law: ~38 dB, not lossless
+    assert abs(level_db(out, wave)) < 0.1
+    quiet = augment.after_crop(wave * 0.01, np.random.default_rng(0))  # relative to the peak
+    assert torch.allclose(quiet, out * 0.01, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [3, 6])
+def test_quantize_round_trip_has_its_levels(bits):
+    augment = only(codec_prob=1.0, codec_kinds=("quantize",), codec_bits=(bits, bits))
+    wave = noise_crop()
+    out = augment.after_crop(wave, np.random.default_rng(0)).numpy()
+    assert len(np.unique(out)) <= 2**bits - 1  # mid-tread: 2^(b-1) - 1 levels a side, and 0
+    assert len(np.unique(out)) > 2 ** (bits - 1)
+    assert abs(level_db(out, wave)) < (1.5 if bits == 3 else 0.1)
+    assert -level_db(out - wave.numpy(), wave) < 6.02 * bits + 6  # coarser than the source
+
+
+def test_resample_round_trip_removes_what_the_lower_rate_cannot_carry():
+    augment = only(codec_prob=1.0, codec_kinds=("resample",), codec_rates=(8000.0, 8000.0))
+    low, high = tone(1000.0, CROP, 0.4), tone(5000.0, CROP, 0.4)
+    assert abs(level_db(augment.after_crop(low, np.random.default_rng(0)), low)) < 0.1
+    assert level_db(augment.after_crop(high, np.random.default_rng(0)), high) < -40.0
+    out = augment.after_crop(low + high, np.random.default_rng(0))
+    assert out.shape == (CROP,) and peak_hz(out) == pytest.approx(1000.0, abs=3.0)
+    assert codec_ratio(11025.0, SR) == codec_ratio(11000.0, SR) == 11 / 16  # few kernels
+    above = only(codec_prob=1.0, codec_kinds=("resample",), codec_rates=(20000.0, 20000.0))
+    assert above.after_crop(low, np.random.default_rng(0)) is low  # nothing above to remove
+
+
+def test_codec_kinds_are_drawn_per_crop():
+    augment, wave = only(codec_prob=1.0), noise_crop()
+    kinds = set()
+    for seed in range(12):
+        out = augment.after_crop(wave, np.random.default_rng(seed)).numpy()
+        kinds.add("quantize" if len(np.unique(out)) <= 2**10 else "other")
+    assert kinds == {"quantize", "other"}
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("augment.pitch_semitones=[2, -2]", "augment.pitch_semitones"),
+        ("augment.stretch_factors=[0.3, 1.0]", "augment.stretch_factors"),
+        ("augment.codec_bits=[1, 8]", "augment.codec_bits"),
+        ("augment.codec_kinds=[mp3]", "augment.codec_kinds"),
+        ("augment.band_prob=2", "augment.band_prob"),
+    ],
+)
+def test_invalid_source_settings_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])

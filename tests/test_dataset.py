@@ -70,6 +70,21 @@ def test_audio_training_items_are_crops(audio_files):
     assert ds[2][0].shape == (2000,)  # 0.1 s clip tiled up to the crop
 
 
+def test_a_key_may_carry_the_crop_length(audio_files, npy_files):
+    audio = AudioDataset(audio_files, LABELS, *audio_cfg(), train=True)
+    assert audio[(0, 42, 3000)][0].shape == (3000,)
+    assert audio[(2, 42, 3000)][0].shape == (3000,)  # a short clip tiled up to it
+    assert torch.equal(audio[(0, 42, None)][0], audio[(0, 42)][0])  # None: clips.crop_seconds
+    npy = AudioDataset(npy_files, LABELS, *npy_cfg(), train=True)
+    assert npy[(0, 7)][0].shape == (51, 16)
+    assert npy[(0, 7, 8000)][0].shape == (101, 16)  # 1 s at hop 80: the frames of 8000 samples
+    x, lengths = audio.placeholder(3000)
+    assert x.shape == (2, 3000) and lengths.tolist() == [3000, 3000]
+    assert audio.placeholder()[0].shape == (2, 2000)
+    assert npy.placeholder(8000)[0].shape == (2, 101, 16)
+    assert npy.placeholder()[0].shape == (2, 51, 16)
+
+
 def test_audio_eval_full_and_centre(audio_files):
     full = AudioDataset(audio_files, LABELS, *audio_cfg(), train=False)
     assert [full[i][0].shape[0] for i in range(3)] == [6000, 4000, 800]  # 1.0 s cut to 0.75 s
@@ -226,3 +241,59 @@ def test_a_worker_builds_padded_batches_in_shared_memory_with_zero_padding():
         for row, length in enumerate(lengths.tolist()):
             assert torch.all(x[row, :length] == labels[row] + 1)
             assert torch.all(x[row, length:] == 0)  # the buffer starts uninitialised
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_final_epochs_crop_reaches_persistent_workers(tmp_path, tiny_demo, workers):
+    # The crop length travels with the batch keys: a persistent worker's dataset is the copy it
+    # got at its start, so a change made to the main process's dataset would never reach it.
+    from audioclf.distributed import DistEnv
+    from audioclf.run_parts import FinalEpochs, build_data, build_train_loader
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(
+        tiny_demo,
+        tmp_path,
+        "cnn",
+        "train.epochs=4",
+        "train.final_epochs=2",
+        "clips.final_crop_seconds=0.75",
+        f"data.num_workers={workers}",
+        "data.persistent_workers=true",
+        "train.limit_batches=2",
+    )
+    loader = build_train_loader(cfg, DistEnv(), build_data(cfg))
+    assert bool(loader.loader.persistent_workers) == (workers > 0)
+    rate = cfg.features.sample_rate
+    lengths = []
+    for epoch in range(4):
+        loader.set_epoch(epoch)
+        lengths.append({int(x.shape[1]) for x, *_ in loader})
+        loader.end_epoch()
+    assert lengths == [{rate // 2}, {rate // 2}, {rate * 3 // 4}, {rate * 3 // 4}]
+    final = FinalEpochs.of(cfg)
+    assert [final.crop_samples(e) for e in range(4)] == [rate // 2] * 2 + [rate * 3 // 4] * 2
+    unchanged = build_train_loader(
+        tiny_config(tiny_demo, tmp_path, "cnn", "train.final_epochs=1"), DistEnv(), build_data(cfg)
+    )
+    assert unchanged.loader.batch_sampler.crop_samples is None  # keys as before: (position, seed)
+
+
+def test_the_augmenter_crops_to_the_key_s_crop_length(audio_files):
+    # Speed perturbation returns one crop of a long clip: of the key's length, not its own.
+    from audioclf.config import AugmentConfig
+    from audioclf.data.augment import Augmenter
+
+    features, clips = audio_cfg(pad_mode="zeros")
+    only_speed = AugmentConfig(
+        enabled=True, speed_factors=(0.9,), reverb_prob=0, eq_prob=0, noise_prob=0, gain_prob=0
+    )
+    augment = Augmenter(only_speed, features, clips.crop_samples(features))
+    ds = AudioDataset(audio_files, LABELS, features, clips, train=True, augment=augment)
+    plain = AudioDataset(audio_files, LABELS, features, clips, train=True)
+    for crop in (None, 2000, 5000):
+        x = ds[(0, 3, crop)][0]
+        assert x.shape == (crop or 2000,)
+        assert x.abs().gt(0).float().mean() > 0.99  # filled with audio, not padded
+        assert not torch.equal(x, plain[(0, 3, crop)][0])  # and perturbed
+    assert torch.equal(ds[(0, 3, 2000)][0], ds[(0, 3)][0])  # its own length: as before

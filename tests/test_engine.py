@@ -293,3 +293,13 @@ def test_a_batch_with_no_readable_item_is_dropped_and_counted():
         placeholder=placeholder,
     )
     assert (result.skipped_batches, result.skipped_items, result.samples) == (0, 3, 21)
+
+
+def test_the_ema_update_reads_nothing_from_the_device():
+    from audioclf.averaging import WeightEMA
+
+    model = WithBatchNorm()
+    ema = WeightEMA(model, decay=0.99)
+    model(torch.randn(8, 4), None)  # BatchNorm statistics and the batch count move
+    assert _count_host_syncs(lambda: [ema.update() for _ in range(10)]) == 0
+    assert torch.equal(ema.state_dict()["bn.num_batches_tracked"], torch.tensor(1))

@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from audioclf.config import Config, ConfigError, LossConfig, ModelConfig, load_config
+from audioclf.config import (
+    Config,
+    ConfigError,
+    LossConfig,
+    ModelConfig,
+    TrainConfig,
+    load_config,
+)
 from audioclf.losses import TripletLoss, build_loss
 from audioclf.models.heads import ClassifierHead
 
@@ -288,6 +295,59 @@ def test_margin_warmup_needs_set_epoch():
     loss_fn = TripletLoss(LossConfig(margin_warmup_epochs=3))
     with pytest.raises(RuntimeError, match="call TripletLoss.set_epoch"):
         loss_fn(embeddings(), LABELS)
+
+
+def final_objective(epochs=6, final_epochs=2, head="arcface", **loss):
+    """build_loss of a run of `epochs` whose last `final_epochs` use the final margins."""
+    return build_loss(
+        Config(
+            model=ModelConfig(head=head),
+            loss=LossConfig(ce_weight=1.0, **loss),
+            train=TrainConfig(epochs=epochs, final_epochs=final_epochs),
+        )
+    )
+
+
+def test_the_final_epochs_use_the_final_margins_after_the_warm_up():
+    loss_fn = final_objective(
+        margin=0.3,
+        head_margin=0.2,
+        margin_warmup_epochs=2,
+        final_margin=0.5,
+        final_head_margin=0.4,
+        miner="semi_hard",
+    )
+    triplet, head = loss_fn.terms["triplet"], loss_fn.terms["ce"]
+    margins = []
+    for epoch in range(6):
+        loss_fn.set_epoch(epoch)
+        margins.append((round(triplet.margin, 6), round(head.margin, 6)))
+        assert triplet.triplet.margin == triplet.miner.margin == triplet.margin
+    assert margins == [
+        (0.1, 0.066667),
+        (0.2, 0.133333),
+        (0.3, 0.2),
+        (0.3, 0.2),
+        (0.5, 0.4),
+        (0.5, 0.4),
+    ]
+    only_triplet = final_objective(final_margin=0.5).terms  # the head keeps its margin
+    for epoch, expected in [(3, (0.2, 0.2)), (4, (0.5, 0.2))]:
+        for term in only_triplet.values():
+            term.set_epoch(epoch)
+        assert (only_triplet["triplet"].margin, only_triplet["ce"].margin) == expected
+    off = final_objective(final_epochs=0, final_margin=0.5).terms["triplet"]
+    off.set_epoch(5)
+    assert off.margin == 0.2  # train.final_epochs=0: loss.final_margin is not used
+    softmax = final_objective(head="softmax", final_head_margin=0.4).terms["ce"]
+    softmax.set_epoch(5)
+    assert softmax.margin == 0.0
+
+
+def test_final_margins_need_set_epoch():
+    loss_fn = final_objective(final_margin=0.5)
+    with pytest.raises(RuntimeError, match="train.final_epochs"):
+        loss_fn(embeddings(), LABELS, torch.zeros(8, 3))
 
 
 def test_softmax_head_has_no_margin_to_warm_up():

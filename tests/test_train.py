@@ -112,11 +112,13 @@ def test_mid_epoch_stop_and_resume_continues_the_same_batches(tmp_path, tiny_dem
     ckpt = checkpoint.load(tmp_path / "b" / "t" / "last.pt")
     assert (ckpt["epoch"], ckpt["position"], ckpt["step"]) == (0, 3, 3)
     assert ckpt["sampler"]["position"] == 3
+    assert "ema" not in ckpt and "averaged" not in ckpt  # EMA and averaging are off by default
     resumed = _fit_single(
         tiny_config(tiny_demo, tmp_path / "b", "cnn", "train.epochs=2", "checkpoint.resume=auto")
     )
     assert resumed["step"] == straight["step"]
     assert resumed["parameters_sha256"] == straight["parameters_sha256"]
+    assert resumed["average"] is None and not (tmp_path / "b" / "t" / checkpoint.AVG).exists()
 
 
 @pytest.mark.slow

@@ -126,8 +126,8 @@ class SpecAugmentConfig:
     freq_mask: int = 8  # widest frequency mask in bins
     time_mask: int = 20  # widest time mask in frames
     num_masks: int = 2  # masks of each kind per example
-    tilt_db: float = 0.0  # per-crop random spectral tilt on the log-mel: up to ± this many dB between the lowest and highest mel bin (0 = off)
-    freq_warp: float = 0.0  # per-crop random warp of the mel axis by a factor in [1 - w, 1 + w] (filterbank jitter; 0 = off)
+    tilt_db: float = 0.0  # per-crop random spectral tilt on the log-mel, before the normalisation: up to ± this many dB between the lowest and highest mel bin (training only; 0 = off; not switched by enabled; no effect with features.norm=utterance_bin)
+    freq_warp: float = 0.0  # per-crop random warp of the mel axis by a factor in [1 - w, 1 + w], before the normalisation: a peak at bin p moves to p · factor (filterbank jitter; training only; 0 = off; not switched by enabled)
 
     def __post_init__(self) -> None:
         for key in ("freq_mask", "time_mask", "num_masks"):
@@ -158,16 +158,16 @@ class AugmentConfig:
     gain_prob: float = 0.5  # share of crops with a random gain
     gain_db: tuple[float, float] = (-6.0, 6.0)  # gain range in dB
     pitch_prob: float = 0.0  # share of clips pitch-shifted without a tempo change (before the crop)
-    pitch_semitones: tuple[float, float] = (-2.0, 2.0)  # pitch shift range in semitones
+    pitch_semitones: tuple[float, float] = (-2.0, 2.0)  # pitch shift range in semitones (each draw snapped to within 0.09 semitones, for small resampling kernels)
     stretch_prob: float = 0.0  # share of clips time-stretched without a pitch change (before the crop)
     stretch_factors: tuple[float, float] = (0.85, 1.15)  # tempo factor range; 1.15 = 15 % faster, same pitch
     band_prob: float = 0.0  # share of crops band-limited (a telephone-like channel)
-    band_low_hz: tuple[float, float] = (100.0, 400.0)  # range of the low cut-off in Hz
-    band_high_hz: tuple[float, float] = (3000.0, 7000.0)  # range of the high cut-off in Hz (kept below sample_rate / 2)
+    band_low_hz: tuple[float, float] = (100.0, 400.0)  # range of the low cut-off in Hz (-3 dB, 24 dB/octave below); its top must lie below band_high_hz's bottom
+    band_high_hz: tuple[float, float] = (3000.0, 7000.0)  # range of the high cut-off in Hz (-3 dB, 24 dB/octave above; capped at sample_rate / 2)
     codec_prob: float = 0.0  # share of crops passed through a codec-like round trip
     codec_kinds: tuple[Literal["resample", "mulaw", "quantize"], ...] = ("resample", "mulaw", "quantize")  # drawn uniformly: down- and upsampling, 8-bit mu-law, or coarse quantisation
-    codec_rates: tuple[float, float] = (6000.0, 11025.0)  # sample-rate range of the resample round trip in Hz
-    codec_bits: tuple[int, int] = (6, 10)  # bit-depth range of the quantisation round trip
+    codec_rates: tuple[float, float] = (6000.0, 11025.0)  # sample-rate range of the resample round trip in Hz (snapped to a ratio of sample_rate with denominator <= 16; a rate >= sample_rate leaves the crop as it is)
+    codec_bits: tuple[int, int] = (6, 10)  # bit-depth range of the quantisation round trip (levels over ± the crop's peak)
 
     def __post_init__(self) -> None:
         for name in ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "noise_file_prob", "gain_prob",

@@ -156,7 +156,7 @@ class TrainConfig:
     consistency_action: Literal["error", "warn"] = "error"  # on drifting parameters
     log_every_steps: int = 50  # steps between host syncs (progress-bar loss, TensorBoard, non-finite check, stop vote); 0 = every step
     ema_decay: float = 0.0  # keep an exponential moving average of the weights (e.g. 0.999 per step), used for validation, best.pt and export; 0 = off
-    final_epochs: int = 0  # the last N epochs train with clips.final_crop_seconds and loss.final_margin / final_head_margin (WeSpeaker's large-margin fine-tuning); 0 = off
+    final_epochs: int = 0  # the last N epochs train with clips.final_crop_seconds and loss.final_margin / final_head_margin where set (WeSpeaker's large-margin fine-tuning; the margin warm-up applies before them); 0 = off
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs", self.epochs, ">= 1")
@@ -199,7 +199,7 @@ class CheckpointConfig:
     resume: str = ""  # "" = fresh start, "auto" = <run dir>/last.pt if present, or a path
     resume_strict: bool = True  # refuse to resume with other model / features settings than the checkpoint's
     restart_epoch: bool = False  # resume a mid-epoch checkpoint from the start of its epoch (e.g. on another world size)
-    average_last: int = 0  # after the last epoch, average the weights of the last N epochs into avg.pt (validated, eligible for best.pt); 0 = off
+    average_last: int = 0  # after the last epoch, average the weights of the last N epochs (the EMA's with train.ema_decay; BatchNorm statistics averaged) into avg.pt, validated and eligible for best.pt; keeps at least N epoch checkpoints whatever keep_last says; 0 = off
     trust: bool = False  # load checkpoint.resume / model.init_from files holding more than tensors and plain data (their Python objects can run code): only files you trust
 
     def __post_init__(self) -> None:

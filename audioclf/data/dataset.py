@@ -1,8 +1,11 @@
 """Map-style dataset of audio clips or precomputed log-mel files, and its padding collate.
 
 Items are read in DataLoader workers; the log-mel front end runs later, batched, on the device.
-A key is a position or `(position, crop_seed)`: the seed fixes the training crop, so crops do
-not depend on which worker reads an item and a resumed run reads exactly the same crops.
+A key is a position, `(position, crop_seed)` or `(position, crop_seed, crop_samples)`: the seed
+fixes the training crop, so crops do not depend on which worker reads an item and a resumed run
+reads exactly the same crops; `crop_samples` (None: clips.crop_seconds) is the epoch's crop
+length (train.final_epochs). It travels with the key because persistent DataLoader workers hold
+the copy of the dataset made when they started.
 """
 
 from __future__ import annotations
@@ -115,29 +118,30 @@ class AudioDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def placeholder(self) -> tuple[Tensor, Tensor]:
-        """(x [2, ...], lengths [2]): two silent training crops, what the loop feeds the model when
-        a batch has no readable item, so every rank still takes part in the step (two rows:
-        BatchNorm refuses a batch of one in training mode)."""
-        cfg, clips = self.cfg, self.clips
+    def placeholder(self, crop_samples: int | None = None) -> tuple[Tensor, Tensor]:
+        """(x [2, ...], lengths [2]): two silent training crops (of `crop_samples`, default
+        clips.crop_seconds), what the loop feeds the model when a batch has no readable item, so
+        every rank still takes part in the step (two rows: BatchNorm refuses a batch of one in
+        training mode)."""
+        cfg = self.cfg
+        samples = self._crop_samples(crop_samples)
         if cfg.kind == "audio":
-            x = torch.zeros(2, clips.crop_samples(cfg))
+            x = torch.zeros(2, samples)
         else:
-            x = torch.zeros(2, clips.crop_frames(cfg), cfg.n_mels)
+            x = torch.zeros(2, cfg.frames(samples), cfg.n_mels)
         return x, torch.full((2,), x.shape[1], dtype=torch.int64)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> Item | None:
-        if isinstance(key, tuple):
-            position, crop_seed = key
-        else:
-            position, crop_seed = key, key
-        position = int(position)
+    def _crop_samples(self, crop_samples: int | None) -> int:
+        return self.clips.crop_samples(self.cfg) if crop_samples is None else int(crop_samples)
+
+    def __getitem__(self, key: int | tuple) -> Item | None:
+        position, crop_seed, crop_samples = _unpack(key)
         if not 0 <= position < len(self.paths):
             raise IndexError(f"position {position} is out of range for {len(self.paths)} items")
         rng = np.random.default_rng(int(crop_seed)) if self.train else None
         path = self.paths[position]
         try:
-            x = self._read(path, rng)
+            x = self._read(path, rng, self._crop_samples(crop_samples))
         except (AudioReadError, FeatureFileError) as exc:
             where = (
                 f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
@@ -152,15 +156,15 @@ class AudioDataset(torch.utils.data.Dataset):
             return None
         return x, int(self.labels[position]), position
 
-    def _read(self, path: str, rng: np.random.Generator | None) -> Tensor:
+    def _read(self, path: str, rng: np.random.Generator | None, crop_samples: int) -> Tensor:
         cfg, clips, augment = self.cfg, self.clips, self.augment
         cropped = self.train or clips.eval_crop == "center"
         if cfg.kind == "audio":
             wave = load_audio(path, cfg.sample_rate)
-            if augment is not None:
-                wave = augment.before_crop(wave, rng)
+            if augment is not None:  # speed / pitch / stretch: one crop of this length
+                wave = augment.before_crop(wave, rng, crop_samples=crop_samples)
             if cropped:
-                crop = crop_or_pad(wave, clips.crop_samples(cfg), rng, clips.pad_mode)
+                crop = crop_or_pad(wave, crop_samples, rng, clips.pad_mode)
                 return crop if augment is None else augment.after_crop(crop, rng)
             max_samples = cfg.samples(clips.eval_max_seconds)
             if wave.shape[0] > max_samples:
@@ -168,7 +172,7 @@ class AudioDataset(torch.utils.data.Dataset):
             return wave
         if cropped:
             feats = read_npy_crop(
-                path, clips.crop_frames(cfg), rng, clips.npy_layout, cfg.n_mels, clips.pad_mode
+                path, cfg.frames(crop_samples), rng, clips.npy_layout, cfg.n_mels, clips.pad_mode
             )
             if augment is not None:
                 feats = augment.log_mel(feats, rng)
@@ -177,6 +181,16 @@ class AudioDataset(torch.utils.data.Dataset):
                 path, clips.eval_max_frames(cfg), None, clips.npy_layout, cfg.n_mels, "none"
             )
         return torch.from_numpy(feats)
+
+
+def _unpack(key: int | tuple) -> tuple[int, int, int | None]:
+    """(position, crop seed, crop samples or None) of a dataset key."""
+    if not isinstance(key, tuple):
+        return int(key), int(key), None
+    if len(key) == 2:
+        return int(key[0]), key[1], None
+    position, crop_seed, crop_samples = key
+    return int(position), crop_seed, crop_samples
 
 
 class PackedStrings:

@@ -2,15 +2,18 @@
 
 Training batches carry a crop seed per sample, derived from (seed, epoch, batch, slot): random
 crops are then the same whatever the number of DataLoader workers, and a resumed run reads the
-very same crops as an uninterrupted one. `TrainLoader` is stateful: it counts the batches it
-has handed out, so a checkpoint resumes at the very next batch (torchtitan's stateful loader).
+very same crops as an uninterrupted one. With a crop schedule (train.final_epochs) the keys also
+carry the epoch's crop length: the batch sampler runs in the main process, while a persistent
+worker's dataset is the copy it was given at its start and never hears of a new epoch.
+`TrainLoader` is stateful: it counts the batches it has handed out, so a checkpoint resumes at
+the very next batch (torchtitan's stateful loader).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,26 +25,30 @@ log = logging.getLogger("audioclf")
 
 
 class SeededBatches:
-    """Wraps a batch sampler; yields [(position, crop_seed), ...] instead of [position, ...].
+    """Wraps a batch sampler; yields [(position, crop_seed), ...] instead of [position, ...],
+    or [(position, crop_seed, crop_samples), ...] with `crop_samples(epoch)` given.
 
     Epoch and resume position are the sampler's own (MPerClassSampler.epoch; a resumed epoch
-    starts at batches_per_epoch - len), so the seeds follow the sampler through a resume.
+    starts at batches_per_epoch - len), so seeds and crop lengths follow the sampler through a
+    resume.
     """
 
-    def __init__(self, batch_sampler, seed: int):
+    def __init__(self, batch_sampler, seed: int, crop_samples: Callable[[int], int] | None = None):
         self.batch_sampler = batch_sampler
         self.seed = seed
+        self.crop_samples = crop_samples
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[list[tuple]]:
         sampler = self.batch_sampler
         epoch, start = sampler.epoch, sampler.batches_per_epoch - len(sampler)
+        crop = () if self.crop_samples is None else (int(self.crop_samples(epoch)),)
         for batch_index, batch in enumerate(sampler, start=start):
             base = (self.seed * 1_000_003 + epoch) * 10_000_019 + batch_index
             yield [
-                (int(p), (base * 1_009 + slot) & 0x7FFF_FFFF_FFFF_FFFF)
+                (int(p), (base * 1_009 + slot) & 0x7FFF_FFFF_FFFF_FFFF, *crop)
                 for slot, p in enumerate(batch)
             ]
 
@@ -80,6 +87,7 @@ class TrainLoader:
     (train.limit_batches). `state_dict()` is the sampler's state at `position`, so the
     checkpointer saves and restores the loader like the model; with `restart_epoch` a state
     saved in the middle of an epoch starts that epoch again (checkpoint.restart_epoch).
+    `crop_samples(epoch)`, when given, is each epoch's crop length, carried by the batch keys.
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class TrainLoader:
         seed: int,
         limit_batches: int = 0,
         restart_epoch: bool = False,
+        crop_samples: Callable[[int], int] | None = None,
         **kwargs,
     ):
         self.sampler = sampler
@@ -100,7 +109,10 @@ class TrainLoader:
         # resumed run would see different SpecAugment masks and dropout than a straight one.
         generator = torch.Generator().manual_seed(seed)
         self.loader = DataLoader(
-            dataset, batch_sampler=SeededBatches(sampler, seed), generator=generator, **kwargs
+            dataset,
+            batch_sampler=SeededBatches(sampler, seed, crop_samples),
+            generator=generator,
+            **kwargs,
         )
 
     def set_epoch(self, epoch: int) -> None:

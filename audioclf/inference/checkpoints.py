@@ -5,7 +5,9 @@ into a new run's model for fine-tuning.
     notes = init_weights(net, "runs/demo/best.pt", classes)   # model.init_from (the trainer)
 
 A state_dict export (`audioclf.export --format state_dict`) is a checkpoint without optimizer
-state, so both read it too.
+state, so both read it too. The weights are the EMA's ("ema") when the run kept one
+(train.ema_decay > 0 in the checkpoint's config) and the entry is there, else "model" (avg.pt
+holds the average there); describe_checkpoint says which.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def load_trained(
         raise CheckpointError(
             f"{path}: its config does not describe a model audioclf can build ({exc})"
         ) from None
-    state = _strip_wrapper_prefixes(ckpt["model"])
+    state = _strip_wrapper_prefixes(ckpt[weights_key(ckpt, cfg)])
     _check_state_dict(net.state_dict(), state, path, cfg)
     net.load_state_dict(state)
     return net.to(device).eval(), cfg, ckpt
@@ -80,7 +82,8 @@ def init_weights(
     """
     path = Path(path)
     ckpt = checkpoint.load(path, map_location="cpu", trust=trust)
-    state = _strip_wrapper_prefixes(ckpt["model"])
+    saved_cfg = checkpoint_config(ckpt, path)
+    state = _strip_wrapper_prefixes(ckpt[weights_key(ckpt, saved_cfg)])
     notes = []
     expected = net.state_dict()
     saved_classes = list(ckpt.get("classes") or [])
@@ -97,7 +100,7 @@ def init_weights(
         )
     _check_init_tensors(expected, state, path)
     net.load_state_dict(state, strict=False)
-    described = describe_checkpoint(ckpt, checkpoint_config(ckpt, path))
+    described = describe_checkpoint(ckpt, saved_cfg)
     notes.insert(0, f"model.init_from: weights of {path} ({described})")
     return notes
 
@@ -134,12 +137,25 @@ def checkpoint_config(ckpt: dict, path: str | Path) -> Config:
         ) from None
 
 
+def weights_key(ckpt: dict[str, Any], cfg: Config) -> str:
+    """The entry holding the weights to use: "ema" when the run kept an EMA of its weights
+    (train.ema_decay > 0) and the checkpoint holds it, else "model"."""
+    return "ema" if cfg.train.ema_decay > 0 and isinstance(ckpt.get("ema"), dict) else "model"
+
+
 def describe_checkpoint(ckpt: dict[str, Any], cfg: Config) -> str:
-    """'cnn, 128-d, epoch 12, step 3400' — for summaries."""
+    """'cnn, 128-d, epoch 12, step 3400, EMA weights' — for summaries."""
     parts = [cfg.model.name, f"{cfg.model.embedding_dim}-d"]
     for key in ("epoch", "step"):
         if ckpt.get(key) is not None:
             parts.append(f"{key} {ckpt[key]}")
+    average = ckpt.get("average_of")
+    if isinstance(average, dict) and average.get("epochs"):
+        epochs = average["epochs"]
+        of_ema = " EMA" if average.get("weights") == "ema" else ""
+        parts.append(f"mean of the{of_ema} weights of epochs {epochs[0]}-{epochs[-1]}")
+    elif weights_key(ckpt, cfg) == "ema":
+        parts.append(f"EMA weights (decay {cfg.train.ema_decay:g})")
     return ", ".join(parts)
 
 

@@ -1,11 +1,14 @@
 """The batched log-mel front end, part of the model (so an export carries it) and run on the
 training device, not in data workers.
 
-    FeatureFrontend = [LogMel] → UtteranceNorm → SpecAugment, with lengths carried along so
-    padding never changes an utterance's statistics (LogMel: audioclf.spectrogram).
+    FeatureFrontend = [LogMel] → SpectralJitter → UtteranceNorm → SpecAugment, with lengths
+    carried along so padding never changes an utterance's statistics (LogMel:
+    audioclf.spectrogram). SpectralJitter and SpecAugment act in training mode only.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torchaudio
@@ -16,6 +19,7 @@ from audioclf.models.pooling import lengths_to_mask
 from audioclf.spectrogram import LogMel
 
 NORM_MODES = choices(FeaturesConfig, "norm")
+DB_TO_LOG_POWER = math.log(10.0) / 10.0  # log-mel is the natural log of power: 1 dB in its units
 
 
 class UtteranceNorm(nn.Module):
@@ -50,6 +54,61 @@ class UtteranceNorm(nn.Module):
         return (feats - mean) / torch.sqrt(var + self.eps) * mask
 
 
+class SpectralJitter(nn.Module):
+    """Per-example random spectral tilt and mel-axis warp of log-mel [B, T, F]; training only.
+
+    warp: bin f of the output reads the input at f / w (linear interpolation between bins, the
+    top bin held past the end), w uniform in [1 - freq_warp, 1 + freq_warp], so a peak at bin
+    p moves to about p · w: another filterbank's, or another vocal tract's, placement of the
+    same spectrum (as VTLP). tilt: t uniform in [-tilt_db, tilt_db] dB added linearly across
+    the bins, -t/2 at the lowest and +t/2 at the highest: another microphone's or channel's
+    slope. One draw of each per example, from torch's generator on the features' device (as
+    SpecAugment), so a seeded run repeats and a resumed run, which restores that generator,
+    repeats bit for bit; a key at 0 draws nothing. Applied before UtteranceNorm: the tilt and
+    warp change the spectrum as a different source or channel would, and the normalisation
+    that follows then treats jittered and clean crops alike (padding still comes out as zeros,
+    masks still write the utterance mean). With features.norm="utterance_bin" the per-bin
+    normalisation removes any tilt again (it removes every stationary per-bin offset), so
+    there tilt does nothing and only the warp acts.
+    """
+
+    def __init__(self, tilt_db: float = 0.0, freq_warp: float = 0.0):
+        super().__init__()
+        self.tilt = float(tilt_db) * DB_TO_LOG_POWER
+        self.freq_warp = float(freq_warp)
+
+    def forward(self, feats: Tensor) -> Tensor:
+        if not self.training or (self.tilt == 0.0 and self.freq_warp == 0.0):
+            return feats
+        feats = feats.float()
+        if self.freq_warp > 0.0:
+            feats = self._warp(feats)
+        if self.tilt > 0.0:
+            feats = self._tilt(feats)
+        return feats
+
+    def _warp(self, feats: Tensor) -> Tensor:
+        batch, frames, bins = feats.shape
+        draw = torch.rand(batch, 1, device=feats.device)
+        factor = 1.0 + self.freq_warp * (2.0 * draw - 1.0)  # [B, 1]
+        source = torch.arange(bins, device=feats.device, dtype=torch.float32) / factor
+        source = source.clamp(max=float(bins - 1))
+        low = source.floor().long()
+        high = (low + 1).clamp(max=bins - 1)
+        weight = (source - low.float()).unsqueeze(1)  # [B, 1, F]
+        low = low.unsqueeze(1).expand(batch, frames, bins)
+        high = high.unsqueeze(1).expand(batch, frames, bins)
+        return torch.lerp(feats.gather(2, low), feats.gather(2, high), weight)
+
+    def _tilt(self, feats: Tensor) -> Tensor:
+        batch, bins = feats.shape[0], feats.shape[2]
+        draw = torch.rand(batch, 1, 1, device=feats.device)
+        slope = self.tilt * (2.0 * draw - 1.0)  # [B, 1, 1], log units from lowest to highest
+        position = torch.arange(bins, device=feats.device, dtype=torch.float32)
+        position = position / float(max(bins - 1, 1)) - 0.5
+        return feats + slope * position
+
+
 class SpecAugment(nn.Module):
     """`num_masks` frequency and time masks per example (independent per example); training only.
 
@@ -82,10 +141,12 @@ class SpecAugment(nn.Module):
 class FeatureFrontend(nn.Module):
     """Batched front end run on the training device, not in data workers.
 
-    kind="audio": waveforms [B, S] + sample lengths → LogMel → UtteranceNorm → SpecAugment.
-    kind="npy":   log-mel [B, T, F] + frame lengths →          UtteranceNorm → SpecAugment.
-    `forward` returns (feats [B, T, n_mels] float32, feat_lengths [B]). SpecAugment masks (in
-    training mode only) come from `spec_augment`; without it there are none.
+    kind="audio": waveforms [B, S] + sample lengths → LogMel → jitter → norm → SpecAugment.
+    kind="npy":   log-mel [B, T, F] + frame lengths →          jitter → norm → SpecAugment.
+    `forward` returns (feats [B, T, n_mels] float32, feat_lengths [B]). SpecAugment masks and
+    the spectral jitter (tilt_db, freq_warp; in training mode only) come from `spec_augment`;
+    without it there are none. `spec_augment.enabled` switches the masks only: the jitter is
+    on whenever its keys are above 0.
     """
 
     def __init__(self, cfg: FeaturesConfig, spec_augment: SpecAugmentConfig | None = None):
@@ -95,6 +156,7 @@ class FeatureFrontend(nn.Module):
         self.log_mel = LogMel(cfg) if cfg.kind == "audio" else None
         self.norm = UtteranceNorm(cfg.norm)
         masks = spec_augment or SpecAugmentConfig(enabled=False)
+        self.jitter = SpectralJitter(masks.tilt_db, masks.freq_warp)
         self.spec_augment = SpecAugment(
             masks.freq_mask, masks.time_mask, masks.num_masks if masks.enabled else 0
         )
@@ -113,5 +175,5 @@ class FeatureFrontend(nn.Module):
                     f"got shape {list(x.shape)}"
                 )
             feats = x
-        feats = self.norm(feats, lengths)
+        feats = self.norm(self.jitter(feats), lengths)
         return self.spec_augment(feats), lengths
