@@ -241,3 +241,24 @@ def test_gather_to_primary_reaches_rank_0_only(tmp_path):
     r0, r1 = run_in_group(_gather_worker, tmp_path, timeout=60)
     assert r0 == [{"rank": 0, "rows": [0]}, {"rank": 1, "rows": [0, 1]}]
     assert r1 is None
+
+
+def test_cpu_ranks_are_pinned_to_their_own_share_of_the_cores(monkeypatch):
+    import os
+
+    from audioclf.distributed.group import pin_to_cores
+
+    pinned = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(list(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert [pin_to_cores(rank) for rank in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert pinned == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # a launcher bound us already: keep it
+    assert pin_to_cores(0) is None
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # more ranks than cores: leave it to the OS
+    assert pin_to_cores(0) is None
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not launched by torchrun
+    assert pin_to_cores(0) is None and len(pinned) == 4

@@ -84,6 +84,8 @@ def setup(
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
+        if world_size > 1:
+            pin_to_cores(local_rank)
 
     chosen_backend = ""
     if strategy == "ddp":
@@ -114,6 +116,31 @@ def setup(
                 dist.init_process_group(backend=chosen_backend, timeout=timeout, **extra)
         rank, world_size = dist.get_rank(), dist.get_world_size()
     return DistEnv(rank, local_rank, world_size, dev, strategy, chosen_backend)
+
+
+def pin_to_cores(local_rank: int) -> list[int] | None:
+    """Keep this rank on its own share of the machine's cores (CPU runs with several ranks per
+    machine). Left to itself, the scheduler often stacks two busy ranks on one core while another
+    idles: embed --index on 2 ranks x 1 thread on 2 cores went from 1.55x to 1.89x one rank's
+    throughput pinned. Nothing is pinned when there are fewer cores than local ranks, when a
+    launcher bound the process already (srun --cpu-bind, taskset: fewer cores allowed than the
+    machine has), or when the affinity cannot be set (not Linux); returns the cores, or None."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    bound = len(cores) < (os.cpu_count() or len(cores))
+    if bound or local_ranks < 2 or len(cores) < local_ranks or local_rank >= local_ranks:
+        return None
+    share = len(cores) // local_ranks
+    mine = cores[local_rank * share : (local_rank + 1) * share]
+    try:
+        os.sched_setaffinity(0, mine)
+    except OSError:
+        return None
+    log.debug("rank with local rank %d pinned to cores %s", local_rank, mine)
+    return mine
 
 
 @contextmanager
