@@ -9,9 +9,9 @@ numbers and strings (the numpy RNG state as a tensor, not an ndarray), and every
 `torch.load(weights_only=True)`, which builds nothing else: a file carrying a pickled object
 (a payload whose unpickling would run code) is refused with one line naming the file and
 the opt-in (`trust=True`: --trust-checkpoint, checkpoint.trust=true) for a file one trusts.
-Checkpoints of audioclf 0.1 hold numpy arrays (RNG states); numpy's array constructors are
-allow-listed for every load (they build arrays, never run code), so those files load as
-they are.
+Checkpoints of audioclf 0.1 hold numpy arrays (RNG states) and torch's TorchVersion string;
+those data-only constructors are allow-listed for every load (they build arrays and strings,
+never run code), so those files load as they are.
 
 `Checkpointer` is built once with the run's stateful parts, by name (torchtitan's
 `states={...}`, timm's `CheckpointSaver(model=..., optimizer=...)`); the loop then only says
@@ -235,9 +235,11 @@ def save_atomic(obj: dict, path: str | Path) -> Path:
     return atomic_write(path, lambda handle: torch.save(obj, handle), sync=True)
 
 
-# Data-only constructors that checkpoints of audioclf 0.1 hold (numpy RNG states): they build
-# arrays and dtypes and cannot run code, so every weights_only load accepts them.
-_NUMPY_ARRAYS = [
+# Data-only constructors that checkpoints of audioclf 0.1 hold (numpy RNG states and scalars,
+# torch's version string): they build arrays, dtypes and a str subclass and cannot run code, so
+# every weights_only load accepts them.
+_EARLIER_RELEASE = [
+    torch.torch_version.TorchVersion,
     np.ndarray,
     np.dtype,
     np.dtypes.UInt32DType,
@@ -265,7 +267,7 @@ def load(
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check the path or the run name")
     try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAYS):
+        with torch.serialization.safe_globals(_EARLIER_RELEASE):
             ckpt = torch.load(path, map_location=map_location, weights_only=not trust)
     except pickle.UnpicklingError as exc:
         if "GLOBAL" not in str(exc):  # not a refused object: a damaged file

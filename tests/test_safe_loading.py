@@ -106,3 +106,40 @@ def test_what_audioclf_writes_loads_as_data(tmp_path, tiny_demo):
     # Plain torch.load(weights_only=True), without audioclf's allow-list for 0.1 files.
     state = torch.load(tmp_path / "runs" / "t" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "rng", "sampler", "scaler", "config", "versions"} <= set(state)
+
+
+RELEASE_0_1 = Path(__file__).parent / "data" / "audioclf-0.1-last.pt"  # written by audioclf 0.1.0
+
+
+def test_a_checkpoint_of_the_previous_release_loads_as_data():
+    """Made with audioclf 0.1.0 (f4ea544): tiny CNN, arcface head, fp16; its RNG states hold
+    numpy arrays and its versions torch's TorchVersion, and its config the 0.1 layout."""
+    from audioclf.inference import load_trained
+
+    ckpt = checkpoint.load(RELEASE_0_1)  # no trust needed
+    assert ckpt["versions"]["audioclf"] == "0.1.0" and ckpt["config"]["loss"]["head"] == "arcface"
+    net, cfg, _ = load_trained(RELEASE_0_1)
+    assert cfg.model.head == "arcface" and net.head is not None and net.head.num_classes == 9
+    assert cfg.clips.crop_seconds == 0.5  # features.crop_seconds of 0.1, read in its new place
+
+
+def test_a_run_of_the_previous_release_resumes(tmp_path, tiny_demo):
+    import shutil
+
+    from audioclf.trainer import fit
+
+    run = tmp_path / "runs" / "t"
+    run.mkdir(parents=True)
+    shutil.copy(RELEASE_0_1, run / "last.pt")
+    cfg = tiny_config(
+        tiny_demo,
+        tmp_path / "runs",
+        "cnn",
+        "train.epochs=2",
+        "model.head=arcface",
+        "train.opt_level=O1",
+        "checkpoint.resume=auto",
+    )
+    summary = fit(cfg)
+    assert summary["step"] == 26 and [row["epoch"] for row in summary["history"]] == [1, 2]
+    assert "resumed from" in (run / "train.log").read_text()
