@@ -73,11 +73,21 @@ class WeightEMA:
         self._live_other = [live[k] for k in others]
         self._averaged_other = [averaged[k] for k in others]
 
+    def decay_at(self, step: int | None) -> float:
+        """The decay of the update after optimizer step `step` (1-based): warmed up as timm's
+        ModelEmaV3 does, min(decay, (1 + step) / (10 + step)), so the average follows the
+        weights early on instead of holding on to the random initialisation for ~1 / (1 - decay)
+        steps (a short CPU run with 0.999 ended near its first epochs' weights, measured)."""
+        if step is None:
+            return self.decay
+        return min(self.decay, (1.0 + step) / (10.0 + step))
+
     @torch.no_grad()
-    def update(self) -> None:
-        """One step of the average (after the optimizer step); no host sync."""
+    def update(self, step: int | None = None) -> None:
+        """One step of the average (after optimizer step `step`; None: the plain decay); no
+        host sync."""
         if self._averaged:
-            torch._foreach_lerp_(self._averaged, self._live, 1.0 - self.decay)
+            torch._foreach_lerp_(self._averaged, self._live, 1.0 - self.decay_at(step))
         if self._averaged_other:
             torch._foreach_copy_(self._averaged_other, self._live_other)
 

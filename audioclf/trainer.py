@@ -322,7 +322,7 @@ class Trainer:
         """After every optimizer step (every rank): the EMA, hooks, and what is due now."""
         cfg, step = self.cfg, self.state.step
         if self.ema is not None:
-            self.ema.update()
+            self.ema.update(step)  # the step is the trainer's: a resume continues the warm-up
         if self.hooks.on_step is not None:
             self.hooks.on_step(self)
         if _due(step, cfg.train.consistency_every_steps):

@@ -11,6 +11,7 @@ import pickle
 import signal
 import socket
 import subprocess
+import time
 import traceback
 from pathlib import Path
 
@@ -234,6 +235,15 @@ def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
         out, _ = proc.communicate()
         return -9, out + f"\n[timed out after {timeout} s]"
     return proc.returncode, out
+
+
+def wait_for_text(path: Path, text: str, seconds: float = 120) -> bool:
+    """Wait until the file at `path` (a train.log) holds `text`, at most `seconds`; whether it
+    does (the caller asserts, with what explains a failure)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and text not in (path.read_text() if path.exists() else ""):
+        time.sleep(0.5)
+    return path.exists() and text in path.read_text()
 
 
 def child_env() -> dict:

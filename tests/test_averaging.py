@@ -100,6 +100,13 @@ def test_the_ema_follows_the_definition_on_every_floating_point_tensor():
     assert not torch.equal(ema.state_dict()["bn.running_mean"], start["bn.running_mean"])
 
 
+def test_the_ema_decay_warms_up_with_the_step():
+    ema = WeightEMA(WithBatchNorm(), decay=0.999)
+    assert ema.decay_at(None) == 0.999
+    assert ema.decay_at(1) == pytest.approx(2 / 11) and ema.decay_at(90) == pytest.approx(0.91)
+    assert ema.decay_at(10**6) == 0.999  # the configured decay once warmed up
+
+
 def test_the_ema_checkpoint_entry_round_trips_and_restarts_without_one():
     net = WithBatchNorm()
     ema = WeightEMA(net, decay=0.5)

@@ -14,7 +14,7 @@ import pytest
 
 from audioclf import checkpoint
 from audioclf.config import save_config
-from tests.helpers import tiny_config
+from tests.helpers import tiny_config, wait_for_text
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -59,12 +59,7 @@ def test_background_run_and_stop(tmp_path, tiny_demo):
     pid = int((run_dir / "pid").read_text())
     try:
         log = run_dir / "train.log"
-        deadline = time.time() + 120
-        while time.time() < deadline and "epoch 2/500" not in (
-            log.read_text() if log.exists() else ""
-        ):
-            time.sleep(0.5)
-        assert "epoch 2/500" in log.read_text(), (run_dir / "nohup.log").read_text()[-3000:]
+        assert wait_for_text(log, "epoch 2/500"), (run_dir / "nohup.log").read_text()[-3000:]
         stopped = run_sh("stop", "bg", env={"RUNS_DIR": str(runs)})
         assert stopped.returncode == 0 and "stopped bg" in stopped.stdout, stopped.stderr
     finally:
@@ -122,12 +117,7 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_dem
     )
     log = runs / "fg" / "train.log"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and "epoch 1/500" not in (
-            log.read_text() if log.exists() else ""
-        ):
-            time.sleep(0.5)
-        assert "epoch 1/500" in log.read_text()
+        assert wait_for_text(log, "epoch 1/500")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,15 @@ import torch
 
 from audioclf import checkpoint
 from audioclf.config import Config
-from tests.helpers import child_env, cli_args, free_port, run_group, run_in_group, tiny_config
+from tests.helpers import (
+    child_env,
+    cli_args,
+    free_port,
+    run_group,
+    run_in_group,
+    tiny_config,
+    wait_for_text,
+)
 from tests.train_hooks import digest_hooks, stop_at
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,12 +140,7 @@ def test_sigterm_finishes_the_step_and_leaves_a_loadable_checkpoint(tmp_path, ti
     )
     log = tmp_path / "runs" / "t" / "train.log"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and "epoch 1/100" not in (
-            log.read_text() if log.exists() else ""
-        ):
-            time.sleep(0.5)
-        assert "epoch 1/100" in log.read_text()
+        assert wait_for_text(log, "epoch 1/100")
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -160,20 +162,13 @@ def _start_training(cfg: Config) -> subprocess.Popen:
     )
 
 
-def _wait_for(log: Path, text: str, seconds: float = 120) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline and text not in (log.read_text() if log.exists() else ""):
-        time.sleep(0.5)
-    assert text in log.read_text()
-
-
 @pytest.mark.slow
 def test_a_second_run_into_a_live_run_folder_stops_before_writing(tmp_path, tiny_demo):
     cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
     first = _start_training(cfg)
     run_dir = tmp_path / "runs" / "t"
     try:
-        _wait_for(run_dir / "train.log", "epoch 1/100")
+        assert wait_for_text(run_dir / "train.log", "epoch 1/100")
         for extra in ([], ["checkpoint.resume=auto"]):
             second = subprocess.run(
                 [sys.executable, "-m", "audioclf.train", *cli_args(cfg), *extra],
@@ -203,7 +198,7 @@ def test_ctrl_c_is_a_clean_stop_with_status_130(tmp_path, tiny_demo):
     proc = _start_training(cfg)
     run_dir = tmp_path / "runs" / "t"
     try:
-        _wait_for(run_dir / "train.log", "epoch 1/100")
+        assert wait_for_text(run_dir / "train.log", "epoch 1/100")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
