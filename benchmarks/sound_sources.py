@@ -81,7 +81,7 @@ from scipy.signal import resample_poly
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tts_words, when run from anywhere
 
-from tts_words import SAMPLE_RATE, trim_silence  # noqa: E402
+from tts_words import SAMPLE_RATE, stable_int, trim_silence  # noqa: E402
 
 VERSION = 1  # bump when the generated audio changes, so old folders are not reused
 RENDER_RATE = 44100
@@ -318,7 +318,7 @@ def plan(seed: int, instrument: str, source: str) -> list[Note]:
     drawn per item, so two banks never play one instrument's exact same notes (a model that
     matched the key and the note length would otherwise find the other bank's clip)."""
     program, low, high = INSTRUMENTS[instrument]
-    rng = np.random.default_rng([seed, _stable_int(instrument), _stable_int(source)])
+    rng = np.random.default_rng([seed, stable_int(instrument), stable_int(source)])
     centres = np.linspace(low, high, PITCHES_PER_ITEM)
     moved = np.round(centres + rng.uniform(-1.0, 1.0, PITCHES_PER_ITEM))
     keys = np.clip(moved, low, high).astype(int)
@@ -331,10 +331,6 @@ def plan(seed: int, instrument: str, source: str) -> list[Note]:
                 Note(instrument, source, pitch_index, variant, int(key), velocity, duration)
             )
     return notes
-
-
-def _stable_int(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
 # --------------------------------------------------------------------------------------------

@@ -225,7 +225,7 @@ def plan(seed: int) -> dict[str, list[tuple[Clip, str]]]:
         for word in words:
             for voice in voices:
                 # One generator per (word, voice): adding a word or voice changes no other clip.
-                rng = np.random.default_rng([seed, _stable_int(word), _stable_int(voice)])
+                rng = np.random.default_rng([seed, stable_int(word), stable_int(voice)])
                 for variant in range(VARIANTS_PER_VOICE):
                     speed = int(rng.integers(SPEED_RANGE[0], SPEED_RANGE[1] + 1))
                     pitch = int(rng.integers(PITCH_RANGE[0], PITCH_RANGE[1] + 1))
@@ -237,7 +237,7 @@ def plan(seed: int) -> dict[str, list[tuple[Clip, str]]]:
     flite = []
     for word in HELD_OUT_WORDS:
         for voice in FLITE_VOICES:
-            rng = np.random.default_rng([seed, _stable_int(word), _stable_int("flite:" + voice)])
+            rng = np.random.default_rng([seed, stable_int(word), stable_int("flite:" + voice)])
             for variant in range(VARIANTS_PER_VOICE):
                 stretch = round(float(rng.uniform(*FLITE_STRETCH_RANGE)), 3)
                 flite.append((Clip("flite", word, voice, variant, stretch, 0), "test"))
@@ -253,7 +253,8 @@ def plan(seed: int) -> dict[str, list[tuple[Clip, str]]]:
     }
 
 
-def _stable_int(text: str) -> int:
+def stable_int(text: str) -> int:
+    """A seed from a name that is the same in every process (str hash() is salted)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
