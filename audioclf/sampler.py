@@ -62,7 +62,8 @@ class MPerClassSampler:
         split: "classes" gives each rank a disjoint share of the classes per epoch; "batches"
             deals one global stream of batches over all classes round-robin to the ranks.
         small_classes: for classes with fewer than `m` items, "replace" takes each of their
-            items once and draws the rest with replacement; "skip" leaves them out of sampling altogether.
+            items once and draws the rest with replacement; "skip" leaves them out of sampling
+            altogether.
 
     Length rule (identical on every rank, computed without any collective):
         - split="classes": each epoch the classes are shuffled with a generator seeded by
