@@ -61,9 +61,8 @@ class MPerClassSampler:
         seed: base seed; the stream depends only on (seed, epoch, rank, world_size).
         split: "classes" gives each rank a disjoint share of the classes per epoch; "batches"
             deals one global stream of batches over all classes round-robin to the ranks.
-        small_classes: for classes with fewer than `m` items, "replace" takes each of their
-            items once and draws the rest with replacement; "skip" leaves them out of sampling
-            altogether.
+        small_classes: for classes with fewer than `m` items, "replace" draws their items with
+            replacement and "skip" leaves them out of sampling altogether.
 
     Length rule (identical on every rank, computed without any collective):
         - split="classes": each epoch the classes are shuffled with a generator seeded by
@@ -357,10 +356,7 @@ def _cycle_classes(
 
 
 def _choose_items(uniform: np.ndarray, items_available: np.ndarray) -> np.ndarray:
-    """Per row, m item indices in [0, n): distinct when n >= m (Floyd); when n < m every one of
-    the n items once (in a random order), the other m - n slots drawn with replacement, so a
-    class of 2 items in slots of m = 4 always pairs clips of both items (drawing all 4 with
-    replacement left one class in 8 without any cross-item positive).
+    """Per row, m item indices in [0, n): distinct when n >= m (Floyd), with replacement otherwise.
 
     `uniform` holds one U[0, 1) draw per pick, shape (rows, m).
     """
@@ -373,11 +369,10 @@ def _choose_items(uniform: np.ndarray, items_available: np.ndarray) -> np.ndarra
         pick = np.minimum((uniform[:, k] * (top + 1)).astype(np.int64), top)
         taken = (chosen[:, :k] == pick[:, None]).any(axis=1)
         chosen[:, k] = np.where(taken, top, pick)
-    for n in np.unique(items_available[items_available < m]):
-        rows = np.flatnonzero(items_available == n)
-        draws = uniform[rows]
-        chosen[rows, :n] = np.argsort(draws[:, :n], axis=1)  # a random order of all n items
-        chosen[rows, n:] = np.minimum((draws[:, n:] * n).astype(np.int64), n - 1)
+    small = items_available < m
+    if small.any():
+        n = items_available[small, None]
+        chosen[small] = np.minimum((uniform[small] * n).astype(np.int64), n - 1)
     return chosen
 
 

@@ -319,26 +319,6 @@ def test_small_classes_replace_draws_with_replacement_and_skip_excludes():
     assert not any(set(batch) & solo_rows for epoch in range(5) for batch in _epoch(skip, epoch))
 
 
-def test_a_class_with_fewer_items_than_m_shows_every_item_in_each_of_its_slots():
-    # "duo" has 2 items (3 rows each), m=4: every slot of it holds both items, 2 rows each on
-    # average, never 4 rows of one item (no cross-item positive).
-    classes = ["duo"] * 6 + [f"c{c}" for c in range(6) for _ in range(8)]
-    items = ["a", "a", "a", "b", "b", "b"] + [
-        f"r{r}" for _ in range(6) for r in range(4) for _ in range(2)
-    ]
-    sampler = MPerClassSampler(classes, items, batch_size=8, m=4)
-    slots = [
-        batch[i : i + 4]
-        for epoch in range(20)
-        for batch in _epoch(sampler, epoch)
-        for i in range(0, 8, 4)
-        if set(batch[i : i + 4]) <= set(range(6))
-    ]
-    assert len(slots) > 10
-    for slot in slots:
-        assert {row // 3 for row in slot} == {0, 1}
-
-
 def test_ids_are_uniform_within_an_item():
     # One class, items of 1, 2 and 5 rows; m=3 picks every item in every batch.
     classes = ["a"] * 8 + ["b"] * 8
