@@ -114,6 +114,7 @@ cmd_train() {
     IFS=$'\t' read -r name run_dir < <(run_location "$config" "$@") || exit 2
     if [[ $bg -eq 0 ]]; then
         run_foreground "$run_dir" "${launch[@]}"
+        exit 0
     fi
     mkdir -p "$run_dir"
     if [[ -f "$run_dir/pid" ]] && alive "$(cat "$run_dir/pid")"; then
@@ -132,6 +133,7 @@ run_foreground() {
     # does not reach it (it would die with a SignalException traceback and tear the workers
     # down). Ctrl-C here sends its workers SIGTERM, as ./run.sh stop does: they finish the
     # step, save last.pt and exit; then this exits 130. A second Ctrl-C kills the run at once.
+    # Without a Ctrl-C it returns the command's status, so the demo goes on to its next stage.
     local run_dir="$1"; shift
     local interrupts=0 status=0 pid log_start
     log_start="$(stat -c %s "$run_dir/train.log" 2>/dev/null || echo 0)"
@@ -143,7 +145,7 @@ run_foreground() {
         alive "$pid" || break
     done
     trap - INT TERM
-    [[ $interrupts -eq 0 ]] && exit "$status"
+    [[ $interrupts -eq 0 ]] && return "$status"  # a failure ends the script (set -e)
     if [[ $interrupts -ge 2 ]]; then
         echo "run.sh: stopped at once by a second Ctrl-C; last.pt is the last one saved; resume" \
              "with checkpoint.resume=auto" >&2

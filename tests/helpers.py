@@ -246,6 +246,14 @@ def wait_for_text(path: Path, text: str, seconds: float = 120) -> bool:
     return path.exists() and text in path.read_text()
 
 
+def as_a_terminal_starts_it() -> None:
+    """preexec_fn for a child that stands for a terminal's foreground job: Ctrl-C and Ctrl-\\
+    at their defaults. A runner that starts pytest from a shell without job control (`cmd &`,
+    nohup) passes SIGINT down ignored, and bash cannot trap a signal it inherited ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def child_env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 

@@ -14,7 +14,7 @@ import pytest
 
 from audioclf import checkpoint
 from audioclf.config import save_config
-from tests.helpers import tiny_config, wait_for_text
+from tests.helpers import as_a_terminal_starts_it, tiny_config, wait_for_text
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -114,6 +114,7 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_dem
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=as_a_terminal_starts_it,
     )
     log = runs / "fg" / "train.log"
     try:
@@ -130,3 +131,30 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_dem
         f"run.sh: stopped at epoch {ckpt['epoch'] + 1}, step {ckpt['step']}; last.pt saved; "
         "resume with checkpoint.resume=auto"
     )
+
+
+def test_demo_runs_every_stage(tmp_path):
+    # The README's main command, all five stages, in a copy of the checkout whose demo config
+    # trains one short epoch: a stage that ends the script early (as a foreground run once did
+    # after training) leaves the later stages' outputs missing.
+    repo = tmp_path / "repo"
+    (repo / "configs").mkdir(parents=True)
+    for name in ("audioclf", ".venv"):
+        (repo / name).symlink_to(ROOT / name)
+    for name in ("run.sh", "requirements.txt", "requirements-dev.txt"):
+        (repo / name).write_bytes((ROOT / name).read_bytes())
+    (repo / "run.sh").chmod(0o755)
+    demo = (ROOT / "configs" / "demo_cnn.yaml").read_text()
+    demo = demo.replace("epochs: 15", "epochs: 1\n  limit_batches: 2")
+    assert "limit_batches: 2" in demo
+    (repo / "configs" / "demo_cnn.yaml").write_text(demo)
+    out = subprocess.run(
+        ["./run.sh", "demo"], cwd=repo, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for stage in range(1, 6):
+        assert f"== stage {stage}:" in out.stdout
+    run = repo / "runs" / "demo_cnn"
+    assert (run / "eval").is_dir() and any((run / "eval").iterdir())
+    assert (run / "export" / "model.pt").is_file()
+    assert "c00" in out.stdout.split("== stage 5:")[1]
