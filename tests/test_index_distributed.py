@@ -63,17 +63,21 @@ def _rank_main(rank: int, port: int, sheet: str, out_dir: str) -> None:
 
 
 def run_ranks(sheet: Path, out_dir: Path) -> None:
-    """Start both ranks and join them, failing if they are not done within JOIN_SECONDS."""
+    """Start both ranks and join them, failing if they are not done within JOIN_SECONDS. The
+    ranks are judged by the files they write (see run_in_group in tests/helpers.py)."""
     out_dir.mkdir()
-    context = mp.spawn(
-        _rank_main, args=(_free_port(), str(sheet), str(out_dir)), nprocs=WORLD_SIZE, join=False
-    )
+    ctx = mp.get_context("spawn")
+    args = (_free_port(), str(sheet), str(out_dir))
+    procs = [ctx.Process(target=_rank_main, args=(rank, *args)) for rank in range(WORLD_SIZE)]
+    for proc in procs:
+        proc.start()
     deadline = time.monotonic() + JOIN_SECONDS
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError(f"ranks still running after {JOIN_SECONDS} s (a hang)")
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0.1))
+    alive = [proc for proc in procs if proc.is_alive()]
+    for proc in alive:
+        proc.kill()
+    assert not alive, f"ranks still running after {JOIN_SECONDS} s (a hang)"
 
 
 def test_rank0_builds_the_cache_and_rank1_reads_it(tmp_path):
