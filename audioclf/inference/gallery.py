@@ -149,6 +149,28 @@ def embed_readable(
     return kept, np.concatenate(rows), skipped
 
 
+def embed_inputs(
+    model: LoadedEmbedder,
+    inputs: list[str | Path],
+    what: str,
+    *,
+    batch_size: int,
+    progress: bool,
+    num_workers: int = 0,
+) -> tuple[list[Path], np.ndarray, list[tuple[Path, str]]]:
+    """embed_readable over the files of `inputs` (files, folders searched recursively), whose
+    embeddings must be finite (ValueError naming them as `what`, e.g. "the files")."""
+    files, embeddings, skipped = embed_readable(
+        model,
+        find_files(inputs, model.features),
+        batch_size=batch_size,
+        progress=progress,
+        num_workers=num_workers,
+    )
+    check_finite(embeddings, [str(f) for f in files], what)
+    return files, embeddings, skipped
+
+
 # ---------------------------------------------------------------------------------------------
 # The gallery
 
@@ -338,9 +360,10 @@ def rank_files(
     """Embed the files of `inputs` (files, folders searched recursively) and the gallery sheet
     (cached), and rank the gallery's classes for each file: its `top` best (default
     DEFAULT_TOP). ValueError when no file is found or readable, or an embedding is not finite."""
-    files, embeddings, skipped = embed_readable(
+    files, embeddings, skipped = embed_inputs(
         model,
-        find_files(inputs, model.features),
+        inputs,
+        "the files",
         batch_size=batch_size,
         progress=progress,
         num_workers=num_workers,
@@ -354,7 +377,6 @@ def rank_files(
         progress=progress,
         num_workers=num_workers,
     )
-    check_finite(embeddings, [str(f) for f in files], "the files")
     check_finite(gallery_emb, [str(c) for c in gallery_classes], f"the gallery {gallery}")
     names, scores = class_scores(embeddings, gallery_emb, gallery_classes)
     order = top_classes(scores, min(DEFAULT_TOP if top is None else top, len(names)))

@@ -23,8 +23,7 @@ import pandas as pd
 
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.extract import check_finite
-from audioclf.inference.gallery import embed_readable, find_files
+from audioclf.inference.gallery import embed_inputs
 from audioclf.search.base import SearchIndex
 from audioclf.search.collection import Collection
 
@@ -56,14 +55,14 @@ def audio_queries(
 ) -> Queries:
     """The audio files of `inputs` (folders searched recursively) embedded by `model`; files
     that cannot be read are listed in `skipped` (ValueError when none can be)."""
-    files, embeddings, skipped = embed_readable(
+    files, embeddings, skipped = embed_inputs(
         model,
-        find_files(inputs, model.features),
+        inputs,
+        "the query files",
         batch_size=batch_size,
         progress=progress,
         num_workers=num_workers,
     )
-    check_finite(embeddings, [str(f) for f in files], "the query files")
     labels = pd.DataFrame({"query": [str(f) for f in files]})
     return Queries(embeddings, labels, f"{len(files)} audio file(s)", skipped)
 
