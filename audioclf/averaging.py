@@ -28,7 +28,6 @@ bit for bit.
 from __future__ import annotations
 
 import copy
-import csv
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +38,6 @@ from torch import Tensor, nn
 
 from audioclf import checkpoint, distributed
 from audioclf.config import Config
-from audioclf.fileio import DiskWriteError, write_failure_message
-from audioclf.logs import METRIC_COLUMNS
 from audioclf.validation import Validator
 
 log = logging.getLogger("audioclf")
@@ -281,24 +278,8 @@ class LastEpochsAverage:
             shown,
             " (new best: best.pt is avg.pt)" if best else "",
         )
-        if self.metrics.enabled:
-            append_average_row(self.metrics.csv_path, result.epochs, step, metrics)
+        # metrics.csv: a row marked "avg_<first>-<last>" in its epoch column
+        epochs = f"avg_{result.epochs[0]}-{result.epochs[-1]}"
+        self.metrics.append_row({"epoch": epochs, "step": step, **metrics})
         for key, value in metrics.items():
             self.metrics.scalar(f"average/{key}", value, step)
-
-
-def append_average_row(csv_path: Path, epochs: list[int], step: int, metrics: dict) -> None:
-    """metrics.csv gets a row marked "avg_<first>-<last>" in its epoch column (rank 0)."""
-    row = {"epoch": f"avg_{epochs[0]}-{epochs[-1]}", "step": step, **metrics}
-    cells = [_cell(row.get(column, "")) for column in METRIC_COLUMNS]
-    try:
-        with open(csv_path, "a", newline="") as handle:
-            csv.writer(handle).writerow(cells)
-    except OSError as exc:
-        raise DiskWriteError(
-            exc.errno, write_failure_message(csv_path, exc.strerror or str(exc))
-        ) from exc
-
-
-def _cell(value) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -132,8 +132,8 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.add_scalar(name, value, step)
 
-    def epoch_row(self, row: dict) -> None:
-        """An EpochRow.as_dict(): appended to metrics.csv, its numbers to TensorBoard."""
+    def append_row(self, row: dict) -> None:
+        """One row of metrics.csv: `row`'s values under METRIC_COLUMNS (missing ones empty)."""
         if not self.enabled:
             return
         try:
@@ -143,6 +143,12 @@ class MetricsWriter:
             raise DiskWriteError(
                 exc.errno, write_failure_message(self.csv_path, exc.strerror or str(exc))
             ) from exc
+
+    def epoch_row(self, row: dict) -> None:
+        """An EpochRow.as_dict(): appended to metrics.csv, its numbers to TensorBoard."""
+        if not self.enabled:
+            return
+        self.append_row(row)
         for key, value in row.items():
             if key not in ("epoch", "step") and isinstance(value, (int, float)):
                 self.scalar(f"epoch/{key}", value, row["epoch"])
