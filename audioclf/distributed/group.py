@@ -121,10 +121,11 @@ def setup(
 def pin_to_cores(local_rank: int) -> list[int] | None:
     """Keep this rank on its own share of the machine's cores (CPU runs with several ranks per
     machine). Left to itself, the scheduler often stacks two busy ranks on one core while another
-    idles: embed --index on 2 ranks x 1 thread on 2 cores went from 1.55x to 1.89x one rank's
-    throughput pinned. Nothing is pinned when there are fewer cores than local ranks, when a
-    launcher bound the process already (srun --cpu-bind, taskset: fewer cores allowed than the
-    machine has), or when the affinity cannot be set (not Linux); returns the cores, or None."""
+    idles: embed --index on 2 ranks x 1 thread on 2 cores went from 1.55x to 1.82x one rank's
+    throughput pinned (benchmarks/embed_index.py, best of 3). Nothing is pinned when there are
+    fewer cores than local ranks, when a launcher bound the process already (srun --cpu-bind,
+    taskset: fewer cores allowed than the machine has), or when the affinity cannot be set (not
+    Linux); returns the cores, or None."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     try:
         cores = sorted(os.sched_getaffinity(0))
@@ -150,11 +151,12 @@ def process_group(
     """The launcher's process group around a tool's work: under torchrun or srun one rank per
     process (each on its own GPU), under plain python one process on `device` (which may name a
     GPU, cuda:N). Torn down after the block."""
-    device = torch.device(device) if not isinstance(device, str) or device != "auto" else device
-    kind = device if isinstance(device, str) else device.type
-    env = setup(device=kind, timeout_minutes=timeout_minutes)
-    if env.world_size == 1 and not isinstance(device, str):
-        env.device = device
+    explicit = None if isinstance(device, str) and device == "auto" else torch.device(device)
+    env = setup(
+        device="auto" if explicit is None else explicit.type, timeout_minutes=timeout_minutes
+    )
+    if env.world_size == 1 and explicit is not None:
+        env.device = explicit
     try:
         yield env
     finally:
