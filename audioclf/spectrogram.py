@@ -6,6 +6,7 @@ A layer below both data/ and models/, so either may use it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from audioclf.config import FeaturesConfig
 
 LOG_OFFSET = 1e-6  # added to mel power before the log, so silence gives log(1e-6), not -inf
+DB_TO_LOG_POWER = math.log(10.0) / 10.0  # log-mel is the natural log of power: 1 dB in its units
 
 
 class LogMel(nn.Module):

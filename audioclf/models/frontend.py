@@ -8,18 +8,15 @@ training device, not in data workers.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torchaudio
 from torch import Tensor, nn
 
 from audioclf.config import FeaturesConfig, SpecAugmentConfig, choices
 from audioclf.models.pooling import lengths_to_mask
-from audioclf.spectrogram import LogMel
+from audioclf.spectrogram import DB_TO_LOG_POWER, LogMel
 
 NORM_MODES = choices(FeaturesConfig, "norm")
-DB_TO_LOG_POWER = math.log(10.0) / 10.0  # log-mel is the natural log of power: 1 dB in its units
 
 
 class UtteranceNorm(nn.Module):

@@ -89,7 +89,6 @@ from audioclf.data.augment.channel import (
     resample_round_trip,
 )
 from audioclf.data.augment.common import (
-    DB_TO_LOG_POWER,
     chance,
     fft_length,
     match_level,
@@ -105,6 +104,7 @@ from audioclf.data.augment.pitch import (
 )
 from audioclf.data.augment.room import room_impulse_response
 from audioclf.data.readers import load_audio
+from audioclf.spectrogram import DB_TO_LOG_POWER
 
 __all__ = [
     "Augmenter",

@@ -9,8 +9,6 @@ import math
 
 import numpy as np
 
-DB_TO_LOG_POWER = math.log(10.0) / 10.0  # a power gain of 1 dB in natural-log units
-
 
 def chance(rng: np.random.Generator, probability: float) -> bool:
     """True with `probability`; draws nothing when it is 0, so a piece that is off leaves the
