@@ -109,6 +109,10 @@ def _nccl_collectives(rank, world):
     shared = distributed.broadcast_object("from 0" if rank == 0 else None)
     first = distributed.primary_first(lambda: "built")
     stop = bool(distributed.all_reduce_max(torch.zeros(1, device=device)).item() > 0)
+    # Host tensors, as embed --index's failure vote and resumed count are: NCCL reduces CUDA
+    # tensors only, so the collectives move them to the group's device (and the flag back).
+    host_flag = distributed.all_reduce_max(torch.ones(1))
+    host_sum = distributed.all_reduce_sum([3.0])
     x = torch.randn(4, 3, device=device, requires_grad=True)
     everything = distributed.all_gather_with_grad(x)
     everything.sum().backward()
@@ -130,12 +134,14 @@ def _nccl_collectives(rank, world):
         nograd.tolist(),
         synced,
         drift,
+        (host_flag.device.type, host_flag.item(), host_sum.device.type, host_sum.item()),
     )
 
 
 def test_nccl_collectives_and_syncbn_at_world_size_1(tmp_path):
     (result,) = run_in_group(_nccl_collectives, tmp_path, world_size=1, backend="nccl")
-    total, gathered, shared, first, stop, shape, grad_sum, nograd, synced, drift = result
+    total, gathered, shared, first, stop, shape, grad_sum, nograd, synced, drift, host = result
+    assert host == ("cpu", 1.0, "cuda", 3.0)
     assert total == [1.0, 2.0] and gathered == [{"rank": 0}] and shared == "from 0"
     assert first == "built" and stop is False
     assert shape == (4, 3) and grad_sum == pytest.approx(12.0)

@@ -9,20 +9,34 @@ import torch.distributed as dist
 from audioclf.distributed.group import is_initialized
 
 
+def group_device() -> torch.device:
+    """Where a collective's tensors must live: this rank's GPU under NCCL (which reduces CUDA
+    tensors only), else the CPU."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(
     values: list[float] | torch.Tensor, device: torch.device | None = None
 ) -> torch.Tensor:
-    """Sum a small vector across ranks (float64, on the process group's device)."""
-    t = torch.as_tensor(values, dtype=torch.float64, device=device)
+    """Sum a small vector across ranks (float64, on `device`; by default the process group's
+    device)."""
+    t = torch.as_tensor(values, dtype=torch.float64, device=device or group_device())
     if is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    """Element-wise maximum of a small tensor over ranks, in place (identity without a group)."""
+    """Element-wise maximum of a small tensor over ranks, in place (identity without a group).
+    A tensor on another device than the group's (a CPU flag under NCCL) is reduced there and
+    copied back."""
     if is_initialized():
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        shared = values.to(group_device())
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        if shared is not values:
+            values.copy_(shared)
     return values
 
 
