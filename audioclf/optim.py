@@ -91,12 +91,13 @@ class OptimizerState:
 
     def load_state_dict(self, state: dict) -> None:
         state = _convert_step_counts(state, per_parameter=not _is_apex(self.optimizer))
-        kept = [
-            {k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in self.optimizer.param_groups
-        ]
+        # torch places each restored tensor by the *saved* groups' flags (a fused or capturable
+        # group keeps `step` on the parameter's device, others on the CPU), so the saved groups
+        # take this optimizer's implementation first: a state from a non-fused AdamW or apex
+        # restored into the CUDA fused AdamW would otherwise hand its kernel CPU step counts.
+        for saved, current in zip(state["param_groups"], self.optimizer.param_groups):
+            saved.update({k: current[k] for k in _IMPLEMENTATION_KEYS if k in current})
         self.optimizer.load_state_dict(state)
-        for group, implementation in zip(self.optimizer.param_groups, kept, strict=True):
-            group.update(implementation)
 
 
 def _is_apex(optimizer: torch.optim.Optimizer) -> bool:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -105,3 +106,18 @@ def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
+
+
+@contextmanager
+def exact_arithmetic() -> Iterator[None]:
+    """Inside: fp32 matmuls and convolutions without TF32, and no cuDNN autotuning; the
+    previous settings after. Embedding extraction runs so (validation, evaluate, embed): its
+    clips vary in length, so autotuning would re-tune per batch, and validation's metrics (which
+    pick best.pt) then equal evaluate's. Mixed precision still applies where asked for."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark
+    matmul.allow_tf32 = cudnn.allow_tf32 = cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark = saved

@@ -22,7 +22,9 @@ the device: fused optimizers (torch's Adam / AdamW / SGD, the default) take a `f
 as GradScaler hands them; other optimizers (e.g. apex's FusedAdam) cost one sync per step.
 
 A skipped step changes nothing: parameters and optimizer state stay (found_inf), BatchNorm
-running statistics and the fp16 loss scale are put back to what they were before the step.
+running statistics and the fp16 loss scale are put back to what they were before the step. A
+step is bad on every rank when it is bad on one (a vote in `update`), so the ranks skip alike
+and keep one loss scale.
 
 An empty batch (every file unreadable, data.skip_bad_files) still runs the model on a
 placeholder input with a zero loss, so every rank takes part in the step's collectives; it
@@ -62,6 +64,7 @@ class NonFiniteGuard:
         self._counts: Tensor | None = None  # [consecutive, total, overflow] on the device
 
     def counts(self, device: torch.device) -> Tensor:
+        device = placed(device)  # "cuda" and "cuda:0" are one device: keep the counts
         if self._counts is None or self._counts.device != device:
             self._counts = torch.tensor(
                 [self.consecutive, self.total, self.overflow], dtype=torch.float64, device=device
@@ -130,7 +133,7 @@ class TrainStep:
         self.objective, self.guard, self.accumulate = objective, guard, accumulate
         self.max_grad_norm = max_grad_norm if max_grad_norm > 0 else math.inf
         self.batch_size, self.placeholder = batch_size, placeholder
-        self.device = precision.device
+        self.device = placed(precision.device)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._batchnorm = _batchnorm_buffers(model)
         self._on_device_skip = supports_found_inf(optimizer) and not precision.scaler.is_enabled()
@@ -205,20 +208,26 @@ class TrainStep:
     # ----------------------------------------------------------------------------- update
 
     def update(self) -> None:
-        """Unscale, clip, step (skipped on the device when the step is bad), restore what a
-        skipped step must not change, zero the gradients. No host sync with fused optimizers."""
+        """Unscale, clip, step (skipped on the device when the step is bad on any rank),
+        restore what a skipped step must not change, zero the gradients. Collective under DDP
+        (every rank calls it: one 1-element all-reduce, the bad-step vote); no host sync with
+        fused optimizers."""
         if self._saved_batchnorm is None:
             raise RuntimeError("TrainStep.update() needs a micro_batch() first")
         scaler = self.precision.scaler
+        # A non-finite loss on one rank must make the step bad on every rank: the ranks then
+        # skip alike and keep one loss scale (a loss can be inf with finite gradients, and in
+        # fp16 the all-reduced NaN gradients alone would read as a routine overflow elsewhere).
+        step_bad = distributed.all_reduce_max(self._step_bad.to(torch.float32)) > 0
         scaler.unscale_(self.optimizer)
         # The norm comes from all-reduced gradients, so every rank takes the same decision.
         norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
         grads_bad = ~torch.isfinite(norm)
-        overflow = (
-            grads_bad & ~self._step_bad if scaler.is_enabled() else torch.zeros_like(grads_bad)
-        )
-        bad = self._step_bad | (grads_bad & ~overflow)
+        overflow = grads_bad & ~step_bad if scaler.is_enabled() else torch.zeros_like(grads_bad)
+        bad = step_bad | (grads_bad & ~overflow)
         scale_before = [s.clone() for s in _scale_tensors(scaler)]
+        if scaler.is_enabled():  # GradScaler skips only on overflow: a bad loss must skip too
+            _mark_found_inf(scaler, self.optimizer, bad)
         self._optimizer_step(skip=bad | grads_bad)
         scaler.update()
         _restore_where(bad, _scale_tensors(scaler), scale_before)
@@ -270,6 +279,12 @@ class TrainStep:
         )
 
 
+def placed(device: torch.device | str) -> torch.device:
+    """The device as its tensors report it: "cuda" is the current GPU with its index, "cpu:0"
+    is "cpu"."""
+    return torch.empty(0, device=device).device
+
+
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether optimizer.step() skips itself on the device given `optimizer.found_inf`."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
@@ -296,6 +311,13 @@ def _empty_output(output):
     attached = sum(p.sum() for p in parts if p is not None) * 0.0
     cut = tuple(None if p is None else p[:0] + attached for p in parts)
     return cut if isinstance(output, tuple) else cut[0]
+
+
+def _mark_found_inf(scaler: torch.amp.GradScaler, optimizer, bad: Tensor) -> None:
+    """Make GradScaler's step (after unscale_) skip when `bad`, on the device: its per-device
+    overflow flags are what scaler.step hands the optimizer (found_inf) and scaler.update reads."""
+    for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        found.copy_(torch.maximum(found, bad.to(found.dtype)))
 
 
 def _scale_tensors(scaler: torch.amp.GradScaler) -> list[Tensor]:

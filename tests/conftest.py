@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 # Keep each test process (and the processes it spawns) on one thread: the machines have 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -17,3 +18,15 @@ def tiny_demo(tmp_path_factory) -> Path:
     from audioclf.data.demo import generate_demo
 
     return generate_demo(tmp_path_factory.mktemp("demo"), classes=12, items=3, ids=4, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def cpu_suite_on_the_cpu(request, monkeypatch):
+    """Every test not marked `cuda` runs on the CPU, also on a GPU machine: this process sees no
+    CUDA device (so `auto` devices resolve to the CPU) and neither do the processes it starts
+    (CUDA_VISIBLE_DEVICES is empty for them): the 2-rank tests would otherwise ask for a second
+    GPU on a one-GPU box ("invalid device ordinal"). The `cuda` tests keep the GPUs."""
+    if request.node.get_closest_marker("cuda"):
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -114,6 +114,7 @@ def tiny_config(index: Path, runs_dir: Path, model: str = "cnn", *extra: str) ->
             "optim.lr=0.003",
             "optim.warmup_steps=0",
             f"train.runs_dir={runs_dir}",
+            "train.device=cpu",  # also on a GPU machine (the cuda tests ask for cuda)
             "train.name=t",
             "train.epochs=2",
             "train.log_every_steps=0",
@@ -255,7 +256,9 @@ def as_a_terminal_starts_it() -> None:
 
 
 def child_env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    """The environment of a launched tool: the checkout importable, one thread, and no GPU
+    (the CPU suite stays on the CPU on a GPU machine)."""
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,12 @@ pytestmark = [
 CUDA = torch.device("cuda", 0)
 
 
+def needs(precision: str) -> None:
+    """Skip a bf16 case on a GPU without native bfloat16 (compute capability below 8.0)."""
+    if precision == "bf16" and torch.cuda.get_device_capability(CUDA) < (8, 0):
+        pytest.skip(f"{torch.cuda.get_device_name(CUDA)} has no native bfloat16")
+
+
 def tiny_net_config(model: str, *extra: str):
     return load_config(
         None,
@@ -61,6 +67,7 @@ def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
     from audioclf.optim import build_optimizer
     from audioclf.precision import resolve_precision
 
+    needs(precision)
     cfg = tiny_net_config(model, f"train.precision={precision}", "loss.miner=all")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     torch.manual_seed(0)
@@ -69,10 +76,13 @@ def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
     optimizer = build_optimizer(net.parameters(), cfg.optim, CUDA)
     assert optimizer.param_groups[0]["fused"] is True
     loss_core = build_loss(cfg)
-    seen = []
+    seen, outputs = [], []
+    # The embedding layer's output: the model's own output is fp32 (F.normalize runs in fp32
+    # under autocast), the matmuls before it run in the reduced dtype.
+    net.embedder.embedding.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
 
     def loss_fn(output, labels):
-        seen.append(output[0].dtype)
+        outputs.append(output[0].dtype)
         return loss_core(output[0], labels, output[1])
 
     from audioclf.step import NonFiniteGuard
@@ -93,6 +103,63 @@ def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
     assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
     assert all(p.isfinite().all() for p in net.parameters())
     assert set(seen) == {dtype}  # the embedding layer ran in reduced precision
+    assert set(outputs) == {torch.float32}  # normalised in fp32 for the loss
+
+
+@pytest.mark.parametrize("source", ["adamw", "apex"])
+def test_a_non_fused_state_resumes_into_the_fused_adamw(source, monkeypatch):
+    # A non-fused, non-capturable AdamW keeps `step` on the CPU even for CUDA parameters, and
+    # apex keeps it per group; torch's load_state_dict places `step` by the saved groups'
+    # flags, so without OptimizerState the fused CUDA kernel got CPU step counts.
+    from audioclf.config import OptimConfig, TrainConfig
+    from audioclf.optim import OptimizerState, build_optimizer
+    from audioclf.precision import resolve_precision
+    from tests.helpers import Linear, mse, random_batches, run_epoch
+
+    batches = [tuple(t.to(CUDA) for t in b) for b in random_batches(3, 8)]
+    fp32 = resolve_precision(TrainConfig(precision="fp32"), CUDA)
+    first = Linear().to(CUDA)
+    plain = torch.optim.AdamW(first.parameters(), lr=1e-3, fused=False)
+    run_epoch(first, batches, mse, plain, fp32)
+    state = plain.state_dict()
+    assert state["state"][0]["step"].device.type == "cpu"
+    if source == "apex":  # apex FusedAdam's layout: one step count per group
+        state["param_groups"][0]["step"] = 3
+        for per_param in state["state"].values():
+            del per_param["step"]
+    model = Linear().to(CUDA)
+    model.load_state_dict(first.state_dict())
+    fused = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CUDA)
+    OptimizerState(fused).load_state_dict(state)
+    step = fused.state[model.fc.weight]["step"]
+    assert step.device == model.fc.weight.device and step.dtype == torch.float32
+    for precision in ("fp32", "fp16"):
+        _, steps = run_epoch(
+            model, batches, mse, fused, resolve_precision(TrainConfig(precision=precision), CUDA)
+        )
+        assert steps == 3
+    torch.cuda.synchronize()
+    assert int(fused.state[model.fc.weight]["step"]) == 9
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_the_guard_counts_on_an_index_less_cuda_device():
+    # "cuda" and "cuda:0" are one device: the guard's counts must survive the sync.
+    from audioclf.config import OptimConfig, TrainConfig
+    from audioclf.optim import build_optimizer
+    from audioclf.precision import resolve_precision
+    from audioclf.step import NonFiniteGuard
+    from tests.helpers import Linear, mse, random_batches, run_epoch
+
+    x, lengths, labels, positions = random_batches(1, 8)[0]
+    x[0, 0] = float("nan")
+    model = Linear().to(CUDA)
+    optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CUDA)
+    guard = NonFiniteGuard(patience=10)
+    bad = [(x, lengths, labels, positions)] * 2
+    precision = resolve_precision(TrainConfig(), torch.device("cuda"))
+    run_epoch(model, bad, mse, optimizer, precision, guard=guard, sync_every=2)
+    assert guard.total == 2
 
 
 def _nccl_collectives(rank, world):
@@ -149,6 +216,7 @@ def test_nccl_collectives_and_syncbn_at_world_size_1(tmp_path):
 
 
 def test_gpu_checkpoint_resumes_on_cpu_and_exports(tmp_path, tiny_demo):
+    needs("bf16")
     from audioclf.export import export_model
     from audioclf.trainer import fit
 
@@ -184,6 +252,7 @@ def test_gpu_checkpoint_resumes_on_cpu_and_exports(tmp_path, tiny_demo):
 
 
 def test_data_parallel_runs_bf16_inside_the_replicas():
+    needs("bf16")
     from audioclf.models import build_net
 
     cfg = tiny_net_config("conformer")

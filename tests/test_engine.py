@@ -175,8 +175,13 @@ def _state_of(model, optimizer, scaler):
     return tensors
 
 
+def infinite_mse(output, labels):
+    return mse(output, labels) + math.inf  # an infinite loss with finite gradients
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_a_nonfinite_step_changes_no_state(precision):
+@pytest.mark.parametrize("bad", ["nan input", "inf loss"])
+def test_a_nonfinite_step_changes_no_state(precision, bad):
     model = WithBatchNorm()
     optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
     settings = resolve_precision(TrainConfig(precision=precision), CPU)
@@ -184,10 +189,12 @@ def test_a_nonfinite_step_changes_no_state(precision):
     run_epoch(model, good, mse, optimizer, settings)  # optimizer state and scale exist
     before = _state_of(model, optimizer, settings.scaler)
     x, lengths, labels, positions = random_batches(1, 8, seed=5)[0]
-    x[3, 1] = float("nan")  # one NaN sample, as a corrupt file would give
+    if bad == "nan input":
+        x[3, 1] = float("nan")  # one NaN sample, as a corrupt file would give
+    objective = infinite_mse if bad == "inf loss" else mse
     guard = NonFiniteGuard(patience=5)
     result, steps = run_epoch(
-        model, [(x, lengths, labels, positions)], mse, optimizer, settings, guard=guard
+        model, [(x, lengths, labels, positions)], objective, optimizer, settings, guard=guard
     )
     assert steps == 1 and guard.total == 1 and guard.consecutive == 1
     after = _state_of(model, optimizer, settings.scaler)
@@ -303,3 +310,17 @@ def test_the_ema_update_reads_nothing_from_the_device():
     model(torch.randn(8, 4), None)  # BatchNorm statistics and the batch count move
     assert _count_host_syncs(lambda: [ema.update() for _ in range(10)]) == 0
     assert torch.equal(ema.state_dict()["bn.num_batches_tracked"], torch.tensor(1))
+
+
+def test_the_guard_keeps_its_counts_on_a_device_named_with_its_index():
+    # A device given as "cuda" (or "cpu:0") is the one its tensors report as "cuda:0" ("cpu"):
+    # the counts recorded between two syncs were dropped when the names differed.
+    x, lengths, labels, positions = random_batches(1, 8)[0]
+    x[0, 0] = float("nan")
+    model = Linear()
+    optimizer = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
+    guard = NonFiniteGuard(patience=10)
+    indexed = resolve_precision(TrainConfig(), torch.device("cpu", 0))
+    bad = [(x, lengths, labels, positions)] * 2
+    run_epoch(model, bad, mse, optimizer, indexed, guard=guard, sync_every=2)
+    assert guard.total == 2 and guard.consecutive == 2

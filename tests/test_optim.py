@@ -149,3 +149,31 @@ def test_adam_state_moves_between_apex_and_torch(apex_stub):
     back = build_optimizer(back_model.parameters(), OptimConfig(name="fused_adam"), CPU)
     OptimizerState(back).load_state_dict(adamw.state_dict())
     assert back.param_groups[0]["step"] == 6
+
+
+@pytest.mark.parametrize("source", ["adamw", "apex"])
+def test_a_non_fused_state_continues_in_the_fused_adamw_as_it_would_have(source, apex_stub):
+    # The CPU twin of test_cuda's resume into the fused CUDA AdamW (there a non-fused state
+    # handed the kernel CPU step counts; on the CPU every tensor is on one device): the steps
+    # after the resume equal those of a run that never stopped, to the fused kernel's rounding.
+    reference_model = Linear()
+    reference = build_optimizer(reference_model.parameters(), OptimConfig(name="adamw"), CPU)
+    fp32 = resolve_precision(TrainConfig(), CPU)
+    run_epoch(reference_model, _step_batches() * 2, mse, reference, fp32)
+    first = Linear()
+    if source == "apex":
+        plain = build_optimizer(first.parameters(), OptimConfig(name="fused_adam"), CPU)
+    else:
+        cfg = OptimConfig(name="adamw")
+        plain = torch.optim.AdamW(first.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    run_epoch(first, _step_batches(), mse, plain, fp32)
+    model = Linear()
+    model.load_state_dict(first.state_dict())
+    fused = build_optimizer(model.parameters(), OptimConfig(name="adamw"), CPU)
+    OptimizerState(fused).load_state_dict(plain.state_dict())
+    step = fused.state[model.fc.weight]["step"]
+    assert step.dtype == torch.float32 and step.device == model.fc.weight.device
+    assert fused.param_groups[0]["fused"] is True
+    run_epoch(model, _step_batches(), mse, fused, fp32)
+    for a, b in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

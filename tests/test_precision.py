@@ -113,3 +113,43 @@ def test_the_gpu_recipes_choose_fp32_on_a_cpu():
         cfg = load_config(root / "configs" / f"{recipe}.yaml")
         assert cfg.train.precision == "auto"
         assert resolve_precision(cfg.train, CPU).name == "fp32"
+
+
+def test_embedding_extraction_runs_without_tf32_or_autotuning():
+    # Validation clips vary in length (autotuning would re-tune per batch), and validation's
+    # numbers pick best.pt: they must be evaluate's, computed without TF32. Settings return.
+    from audioclf.inference import extract_embeddings
+
+    seen = []
+
+    def embed(x, lengths):
+        backends = torch.backends
+        seen.append(
+            (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark)
+        )
+        return x.mean(dim=1)
+
+    items = [(torch.randn(5, 3), 0, i) for i in range(4)]
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        configure_backends(TrainConfig(tf32=True, cudnn_benchmark=True), CPU)  # CPU: a no-op
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True  # as configure_backends leaves a CUDA run
+        emb, _, _ = extract_embeddings(embed, items, batch_size=2)
+        after = (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        )
+    finally:
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = saved
+    assert emb.shape == (4, 3) and seen == [(False, False, False)] * 2
+    assert after == (True, True, True)

@@ -52,6 +52,12 @@ def wrap(
 ) -> nn.Module:
     """Move to the device and wrap for the strategy; SyncBN only where torch supports it (CUDA,
     DDP). `autocast_dtype` is the run's mixed-precision dtype (needed by DataParallel)."""
+    if env.strategy == "ddp" and sync_bn and env.device.type == "cuda" and env.backend != "nccl":
+        raise ValueError(
+            f"model.sync_bn=true on CUDA needs dist.backend=nccl (this run uses {env.backend}): "
+            "SyncBatchNorm's GPU kernels exchange statistics through NCCL; set "
+            "dist.backend=nccl (or auto), or model.sync_bn=false"
+        )
     model = model.to(env.device)
     if env.strategy == "ddp":
         if sync_bn and env.device.type == "cuda":

@@ -24,7 +24,7 @@ from audioclf.config import Config, FeaturesConfig
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.loader import build_eval_loader, loader_kwargs
 from audioclf.data.readers import AudioReadError, FeatureFileError
-from audioclf.precision import Precision, full_precision
+from audioclf.precision import Precision, exact_arithmetic, full_precision
 from audioclf.spectrogram import log_mel
 
 # What a model takes as input: waveforms [B, samples] or log-mel features [B, frames, n_mels].
@@ -78,20 +78,26 @@ def extract_embeddings(
     if net is not None:
         net.eval()
     chunks, labels_out, positions_out = [], [], []
+    batches = tqdm(
+        loader,
+        total=len(loader),
+        desc=description,
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=False,
+    )
     try:
-        for x, lengths, labels, batch_positions in tqdm(
-            loader,
-            total=len(loader),
-            desc=description,
-            disable=not progress,
-            dynamic_ncols=True,
-            leave=False,
-        ):
-            with precision.autocast():
-                emb = embed(x.to(device, non_blocking=True), lengths.to(device, non_blocking=True))
-            chunks.append(emb.float().cpu().numpy())
-            labels_out.append(labels.numpy())
-            positions_out.append(batch_positions.numpy())
+        with exact_arithmetic():  # the same numbers in validation, evaluate and embed
+            for x, lengths, labels, batch_positions in batches:
+                with precision.autocast():
+                    x, lengths = (
+                        x.to(device, non_blocking=True),
+                        lengths.to(device, non_blocking=True),
+                    )
+                    emb = embed(x, lengths)
+                chunks.append(emb.float().cpu().numpy())
+                labels_out.append(labels.numpy())
+                positions_out.append(batch_positions.numpy())
     finally:
         if was_training:
             net.train()
