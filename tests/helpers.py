@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import pickle
 import signal
@@ -124,6 +125,117 @@ def tiny_config(index: Path, runs_dir: Path, model: str = "cnn", *extra: str) ->
             *extra,
         ],
     )
+
+
+def tiny_net_config(model: str, *extra: str) -> Config:
+    """A tiny net over 32-bin precomputed features, batch 16 = 4 classes x 4."""
+    return load_config(
+        None,
+        [
+            "features.kind=npy",
+            "features.n_mels=32",
+            "model.embedding_dim=16",
+            "sampler.batch_size=16",
+            "sampler.m=4",
+            *TINY[model],
+            *extra,
+        ],
+    )
+
+
+def feature_batches(steps: int) -> list:
+    """`steps` batches of 16 log-mel crops (120 frames x 32, lengths 60-120), 4 classes x 4."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(4).repeat_interleave(4)
+    return [
+        (
+            torch.randn(16, 120, 32, generator=g),
+            torch.randint(60, 121, (16,), generator=g),
+            labels,
+            torch.arange(16),
+        )
+        for _ in range(steps)
+    ]
+
+
+def mixed_precision_steps(model: str, precision: str, device: torch.device) -> dict:
+    """Six training steps of a tiny `model` in `precision` on `device` through TrainStep with the
+    fused AdamW; what they did (the CUDA test and its CPU twin assert on it)."""
+    from audioclf.losses import build_loss
+    from audioclf.models import build_net
+    from audioclf.optim import build_optimizer
+    from audioclf.precision import resolve_precision
+
+    cfg = tiny_net_config(model, f"train.precision={precision}", "loss.miner=all")
+    torch.manual_seed(0)
+    net = build_net(cfg, 0).to(device)
+    before = [p.detach().clone() for p in net.parameters()]
+    optimizer = build_optimizer(net.parameters(), cfg.optim, device)
+    loss_core = build_loss(cfg)
+    layer, outputs = set(), set()
+    net.embedder.embedding.register_forward_hook(lambda m, i, o: layer.add(o.dtype))
+
+    def objective(output, labels):
+        outputs.add(output[0].dtype)
+        return loss_core(output[0], labels, output[1])
+
+    guard = NonFiniteGuard(5)
+    result, steps = run_epoch(
+        net,
+        feature_batches(6),
+        objective,
+        optimizer,
+        resolve_precision(cfg.train, device),
+        guard=guard,
+        sync_every=3,
+    )
+    return {
+        "steps": steps,
+        "loss_finite": math.isfinite(result.loss),
+        "consecutive_bad": guard.consecutive,
+        "learned": any(not torch.equal(a, b) for a, b in zip(before, net.parameters())),
+        "weights_finite": all(bool(p.isfinite().all()) for p in net.parameters()),
+        "fused": optimizer.param_groups[0]["fused"] is True,
+        "embedding_layer_dtypes": layer,
+        "output_dtypes": outputs,
+    }
+
+
+def train_resume_export(index: Path, tmp_path: Path, device: str, precision: str) -> dict:
+    """One epoch on `device` in `precision`, resumed for a second epoch on the CPU in fp32, then
+    exported to TorchScript and ONNX; what happened (the CUDA test and its CPU twin assert)."""
+    from audioclf import checkpoint
+    from audioclf.export import export_model
+
+    runs = tmp_path / "runs"
+    first = fit(
+        tiny_config(
+            index,
+            runs,
+            "cnn",
+            "train.epochs=1",
+            f"train.device={device}",
+            f"train.precision={precision}",
+        )
+    )
+    saved = checkpoint.load(Path(first["run_dir"]) / "last.pt")
+    resumed = fit(
+        tiny_config(
+            index, runs, "cnn", "train.epochs=2", "train.precision=fp32", "checkpoint.resume=auto"
+        )
+    )
+    parity = {
+        fmt: export_model(Path(resumed["run_dir"]) / "best.pt", fmt, tmp_path / name).parity[
+            "max_abs_diff"
+        ]
+        for fmt, name in (("torchscript", "model.pt"), ("onnx", "model.onnx"))
+    }
+    return {
+        "fused": saved["optimizer"]["param_groups"][0]["fused"] is True,
+        "first_steps": first["step"],
+        "steps": resumed["step"],
+        "parity": parity,
+    }
 
 
 def fit(cfg: Config, hooks=None) -> dict:

@@ -7,15 +7,12 @@ resumed on the CPU and exported, and DataParallel under bf16 autocast.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-from audioclf import checkpoint, distributed
-from audioclf.config import load_config
-from tests.helpers import TINY, run_in_group, tiny_config
+from audioclf import distributed
+from tests.helpers import mixed_precision_steps, run_in_group, tiny_net_config, train_resume_export
 
 pytestmark = [
     pytest.mark.cuda,
@@ -30,80 +27,16 @@ def needs(precision: str) -> None:
         pytest.skip(f"{torch.cuda.get_device_name(CUDA)} has no native bfloat16")
 
 
-def tiny_net_config(model: str, *extra: str):
-    return load_config(
-        None,
-        [
-            "features.kind=npy",
-            "features.n_mels=32",
-            "model.embedding_dim=16",
-            "sampler.batch_size=16",
-            "sampler.m=4",
-            *TINY[model],
-            *extra,
-        ],
-    )
-
-
-def feature_batches(cfg, steps: int):
-    g = torch.Generator().manual_seed(0)
-    labels = torch.arange(4).repeat_interleave(4)
-    return [
-        (
-            torch.randn(16, 120, 32, generator=g),
-            torch.randint(60, 121, (16,), generator=g),
-            labels,
-            torch.arange(16),
-        )
-        for _ in range(steps)
-    ]
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("model", ["cnn", "conformer"])
 def test_mixed_precision_steps_learn_on_the_gpu(model, precision):
-    from audioclf.losses import build_loss
-    from audioclf.models import build_net
-    from audioclf.optim import build_optimizer
-    from audioclf.precision import resolve_precision
-
     needs(precision)
-    cfg = tiny_net_config(model, f"train.precision={precision}", "loss.miner=all")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    torch.manual_seed(0)
-    net = build_net(cfg, 0).to(CUDA)
-    before = [p.detach().clone() for p in net.parameters()]
-    optimizer = build_optimizer(net.parameters(), cfg.optim, CUDA)
-    assert optimizer.param_groups[0]["fused"] is True
-    loss_core = build_loss(cfg)
-    seen, outputs = [], []
-    # The embedding layer's output: the model's own output is fp32 (F.normalize runs in fp32
-    # under autocast), the matmuls before it run in the reduced dtype.
-    net.embedder.embedding.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-
-    def loss_fn(output, labels):
-        outputs.append(output[0].dtype)
-        return loss_core(output[0], labels, output[1])
-
-    from audioclf.step import NonFiniteGuard
-    from tests.helpers import run_epoch
-
-    guard = NonFiniteGuard(5)
-    result, steps = run_epoch(
-        net,
-        feature_batches(cfg, 6),
-        loss_fn,
-        optimizer,
-        resolve_precision(cfg.train, CUDA),
-        guard=guard,
-        sync_every=3,
-    )
-    assert steps == 6 and torch.isfinite(torch.tensor(result.loss))
-    assert guard.consecutive == 0
-    assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
-    assert all(p.isfinite().all() for p in net.parameters())
-    assert set(seen) == {dtype}  # the embedding layer ran in reduced precision
-    assert set(outputs) == {torch.float32}  # normalised in fp32 for the loss
+    run = mixed_precision_steps(model, precision, CUDA)
+    assert run["steps"] == 6 and run["loss_finite"] and run["consecutive_bad"] == 0
+    assert run["learned"] and run["weights_finite"] and run["fused"]
+    assert run["embedding_layer_dtypes"] == {dtype}  # the matmuls ran in reduced precision
+    assert run["output_dtypes"] == {torch.float32}  # F.normalize runs in fp32 under autocast
 
 
 @pytest.mark.parametrize("source", ["adamw", "apex"])
@@ -217,38 +150,9 @@ def test_nccl_collectives_and_syncbn_at_world_size_1(tmp_path):
 
 def test_gpu_checkpoint_resumes_on_cpu_and_exports(tmp_path, tiny_demo):
     needs("bf16")
-    from audioclf.export import export_model
-    from audioclf.trainer import fit
-
-    runs = tmp_path / "runs"
-    gpu = fit(
-        tiny_config(
-            tiny_demo,
-            runs,
-            "cnn",
-            "train.epochs=1",
-            "train.device=cuda",
-            "train.precision=bf16",
-            "eval.every=1",
-        )
-    )
-    ckpt = checkpoint.load(Path(gpu["run_dir"]) / "last.pt")
-    assert ckpt["optimizer"]["param_groups"][0]["fused"] is True
-    cpu = fit(
-        tiny_config(
-            tiny_demo,
-            runs,
-            "cnn",
-            "train.epochs=2",
-            "train.device=cpu",
-            "train.precision=fp32",
-            "checkpoint.resume=auto",
-        )
-    )
-    assert cpu["step"] == 2 * gpu["step"]
-    for fmt, name in (("torchscript", "model.pt"), ("onnx", "model.onnx")):
-        meta = export_model(Path(cpu["run_dir"]) / "best.pt", fmt, tmp_path / name)
-        assert meta.parity["max_abs_diff"] <= 1e-4
+    run = train_resume_export(tiny_demo, tmp_path, "cuda", "bf16")
+    assert run["fused"] and run["steps"] == (2 * run["first_steps"])
+    assert max(run["parity"].values()) <= 1e-4
 
 
 def test_data_parallel_runs_bf16_inside_the_replicas():

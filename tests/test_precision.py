@@ -6,6 +6,7 @@ from torch import nn
 
 from audioclf.config import TrainConfig
 from audioclf.precision import configure_backends, resolve_precision
+from tests.helpers import mixed_precision_steps, train_resume_export
 
 CPU = torch.device("cpu")
 
@@ -153,3 +154,27 @@ def test_embedding_extraction_runs_without_tf32_or_autotuning():
         ) = saved
     assert emb.shape == (4, 3) and seen == [(False, False, False)] * 2
     assert after == (True, True, True)
+
+
+@pytest.mark.slow  # reduced precision is emulated on the CPU: seconds per case
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("model", ["cnn", "conformer"])
+def test_mixed_precision_steps_learn_on_the_cpu(model, precision):
+    # The CPU twin of test_cuda's test (fp16 autocast and GradScaler exist on the CPU too).
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    run = mixed_precision_steps(model, precision, CPU)
+    assert run["steps"] == 6 and run["loss_finite"] and run["consecutive_bad"] == 0
+    assert run["learned"] and run["weights_finite"] and run["fused"]
+    assert run["embedding_layer_dtypes"] == {dtype}
+    # CPU autocast keeps F.normalize in the reduced dtype (CUDA's runs it in fp32); the losses
+    # compute in fp32 either way.
+    assert run["output_dtypes"] == {dtype}
+
+
+@pytest.mark.slow  # two trainings and two exports
+def test_an_fp16_checkpoint_resumes_in_fp32_and_exports(tmp_path, tiny_demo):
+    # The CPU twin of test_cuda's GPU checkpoint test: GradScaler state and the fused AdamW
+    # written in fp16, resumed in fp32, exported with parity.
+    run = train_resume_export(tiny_demo, tmp_path, "cpu", "fp16")
+    assert run["fused"] and run["steps"] == 2 * run["first_steps"]
+    assert max(run["parity"].values()) <= 1e-4
