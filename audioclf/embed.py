@@ -49,11 +49,12 @@ import time
 from pathlib import Path
 
 from audioclf import distributed
-from audioclf.cli import add_trust_flag, resolve_device, run_cli
+from audioclf.cli import add_trust_flag, resolve_device
+from audioclf.embedding.gallery import check_ranking_request, rank_files
+from audioclf.embedding.index import check_index_request, embed_sheet
+from audioclf.errors import run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder
 from audioclf.inference.extract import check_loader_options
-from audioclf.inference.gallery import check_ranking_request, rank_files
-from audioclf.inference.index_embedding import check_index_request, embed_sheet
 
 PROG = "python -m audioclf.embed"
 SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them

@@ -49,12 +49,13 @@ import sys
 import time
 from pathlib import Path
 
-from audioclf.cli import add_trust_flag, resolve_device, run_cli
+from audioclf.cli import add_trust_flag, resolve_device
 from audioclf.config import ModelConfig, choices
-from audioclf.inference import describe_checkpoint, load_trained
+from audioclf.errors import run_cli
+from audioclf.evaluation.metrics import SEARCH_METHODS
 
 # compute_metrics and embed_index are re-exported: tests/test_train.py imports them from here.
-from audioclf.inference.evaluation import (  # noqa: F401
+from audioclf.evaluation.run import (  # noqa: F401
     check_evaluation_options,
     compute_metrics,
     embed_index,
@@ -64,7 +65,7 @@ from audioclf.inference.evaluation import (  # noqa: F401
     summary_lines,
     write_evaluation,
 )
-from audioclf.inference.evaluation_metrics import SEARCH_METHODS
+from audioclf.inference import describe_checkpoint, load_trained
 
 PROG = "python -m audioclf.evaluate"
 SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them

@@ -39,8 +39,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from audioclf.cli import UsageError, add_trust_flag, run_cli
+from audioclf.cli import add_trust_flag
 from audioclf.config import ModelConfig, choices
+from audioclf.errors import UsageError, run_cli
 from audioclf.inference.exporting import (
     DEFAULT_OPSET,
     DEFAULT_TOLERANCE,

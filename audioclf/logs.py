@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from audioclf.cli import one_line  # a worker's error carries its whole traceback as text
 from audioclf.data.index import stratified_subset
+from audioclf.errors import one_line  # a worker's error carries its whole traceback as text
 from audioclf.fileio import DiskWriteError, atomic_write_bytes, tsv_cell, write_failure_message
 from audioclf.metrics import RETRIEVAL_KEYS
 

@@ -255,6 +255,11 @@ class WeightedLosses(nn.Module):
     def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
         return self.with_stats(embeddings, labels, logits, stats=False)[0]
 
+    def objective(self, output: tuple[Tensor, Tensor | None], labels: Tensor) -> Tensor:
+        """The loss of an EmbeddingNet's output (embeddings, logits): what TrainStep calls."""
+        embeddings, logits = output
+        return self(embeddings, labels, logits)
+
     def with_stats(
         self,
         embeddings: Tensor,

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from audioclf.config import differences
 from audioclf.fileio import atomic_write_bytes
-
-SKIPPED_COLUMNS = ("row", "id", "path", "reason")
 
 
 class ManifestMismatch(ValueError):
@@ -43,23 +42,10 @@ def check_manifest(path: Path, wanted: dict) -> bool:
         raise ManifestMismatch(path, sorted(wanted), None, f"unreadable ({exc})") from None
     if not isinstance(earlier, dict):
         raise ManifestMismatch(path, sorted(wanted), None, "not a JSON object")
-    changed = changed_keys(earlier, wanted)
+    changed = list(differences(earlier, wanted))
     if changed:
         raise ManifestMismatch(path, changed, earlier)
     return True
-
-
-def changed_keys(earlier: Mapping, wanted: Mapping, prefix: str = "") -> list[str]:
-    """Sorted keys whose values differ (or that one side lacks); nested dicts are compared key
-    by key, so the names say which setting changed."""
-    changed = []
-    for key in sorted(set(earlier) | set(wanted), key=str):
-        before, now = earlier.get(key), wanted.get(key)
-        if isinstance(before, Mapping) and isinstance(now, Mapping):
-            changed += changed_keys(before, now, f"{prefix}{key}.")
-        elif before != now or (key in earlier) != (key in wanted):
-            changed.append(f"{prefix}{key}")
-    return changed
 
 
 def write_manifest(path: Path, manifest: dict) -> Path:

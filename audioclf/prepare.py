@@ -59,8 +59,8 @@ import os
 import sys
 from pathlib import Path
 
-from audioclf.cli import UsageError, run_cli
 from audioclf.config import load_config
+from audioclf.errors import UsageError, run_cli
 from audioclf.precompute import Shard, Summary, prepare, train_command
 
 PROG = "python -m audioclf.prepare"

@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 
-from audioclf.cli import run_cli
 from audioclf.config import load_config
+from audioclf.errors import run_cli
 
 PROG = "python -m audioclf.train"
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
 
 def run(args: argparse.Namespace, hooks=None) -> int:
     cfg = load_config(args.config, args.overrides)
-    from audioclf.trainer import fit  # noqa: PLC0415 - torch etc. once the config is valid
+    from audioclf.training.trainer import fit  # noqa: PLC0415 - torch etc. once the config is valid
 
     summary = fit(cfg, hooks=hooks, local_rank_arg=args.local_rank)
     # Ctrl-C exits 130, as shells expect; under torchrun a worker exits 0 (torchrun would

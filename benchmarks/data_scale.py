@@ -15,7 +15,7 @@ What is on disk (generated once into --workdir, reused by later runs):
 Measured, in this order (the configuration is the trainer's: features.kind=npy, n_mels=--bins,
 crop_seconds=3 -> 301 frames, sampler.batch_size=128, m=4, one rank, the default split):
   index       load_index first read (cache removed) and cached, split_index, the sampler, the
-              train AudioDataset as the trainer builds it, and audioclf.trainer.build_data whole;
+              train AudioDataset as the trainer builds it, and audioclf.training.trainer.build_data whole;
   ceiling     read_npy_crop in a loop in this process on the very (path, crop seed) pairs the
               loader reads: the fastest one process can go (warm and cold);
   loader      MPerClassSampler + TrainLoader (SeededBatches) + collate_padded with 0 (in
@@ -68,7 +68,7 @@ from audioclf.data.dataset import AudioDataset, collate_padded  # noqa: E402
 from audioclf.data.index import load_index, split_index  # noqa: E402
 from audioclf.data.loader import SeededBatches, TrainLoader, loader_kwargs  # noqa: E402
 from audioclf.data.readers import read_npy_crop  # noqa: E402
-from audioclf.sampler import MPerClassSampler  # noqa: E402
+from audioclf.data.sampler import MPerClassSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from feature_read import drop_from_page_cache  # noqa: E402

@@ -1704,7 +1704,7 @@ def worker_main(argv: list[str]) -> int:
 
     from audioclf import checkpoint
     from audioclf.train import main as train_main
-    from audioclf.trainer import TrainHooks
+    from audioclf.training.trainer import TrainHooks
 
     cut = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="faults.py --worker")

@@ -27,7 +27,7 @@ import pandas as pd
 # Run as a script from anywhere: make the repository's package importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from audioclf.sampler import MPerClassSampler  # noqa: E402
+from audioclf.data.sampler import MPerClassSampler  # noqa: E402
 
 WORLD_SIZE, BATCH_SIZE, M = 2, 32, 4
 TARGET_EPOCH_S, TARGET_PANDAS_RATIO = 0.1, 150.0

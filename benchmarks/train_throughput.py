@@ -28,7 +28,7 @@ from audioclf.losses import build_loss  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
 from audioclf.optim import LRSchedule, build_optimizer  # noqa: E402
 from audioclf.precision import resolve_precision  # noqa: E402
-from audioclf.step import NonFiniteGuard, TrainStep  # noqa: E402
+from audioclf.training.step import NonFiniteGuard, TrainStep  # noqa: E402
 
 
 def make_config(model: str):

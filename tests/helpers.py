@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from audioclf.config import Config, config_from_dict, load_config, to_dict
-from audioclf.step import NonFiniteGuard, TrainStep
+from audioclf.training.step import NonFiniteGuard, TrainStep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,9 +238,23 @@ def train_resume_export(index: Path, tmp_path: Path, device: str, precision: str
     }
 
 
+def run_datasets(cfg: Config) -> tuple:
+    """(train index, train dataset, validation dataset) of a run, built in the Trainer's order
+    (after its seeds: the augmenter draws nothing at construction)."""
+    from audioclf.data.augment import Augmenter
+    from audioclf.data.dataset import AudioDataset
+    from audioclf.data.index import load_index, split_index
+
+    splits = split_index(load_index(cfg.data), cfg.data)
+    train, val = splits["train"], splits[cfg.eval.split]
+    augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
+    train_set = AudioDataset.from_index(train, cfg, train=True, augment=augment)
+    return train, train_set, AudioDataset.from_index(val, cfg, train=False)
+
+
 def fit(cfg: Config, hooks=None) -> dict:
-    """audioclf.trainer.fit in this process."""
-    from audioclf.trainer import fit as train  # noqa: PLC0415 - the trainer's stack only when a test trains
+    """audioclf.training.trainer.fit in this process."""
+    from audioclf.training.trainer import fit as train  # noqa: PLC0415 - the trainer's stack only when a test trains
 
     return train(cfg, hooks=hooks)
 

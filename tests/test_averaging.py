@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from audioclf import checkpoint
-from audioclf.averaging import WeightEMA, average_checkpoints, average_state_dicts
 from audioclf.checkpoint import Checkpointer, CheckpointError, CheckpointSaver
 from audioclf.config import config_from_dict
 from audioclf.inference import describe_checkpoint, init_weights, load_trained
 from audioclf.models import build_net
+from audioclf.training.averaging import WeightEMA, average_checkpoints, average_state_dicts
 from tests.helpers import make_checkpoint
 
 

@@ -11,8 +11,43 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "audioclf"
 MAX_FUNCTION_LINES = 80
-MAX_MODULE_LINES = 450
 MAX_CLI_LINES = 200  # tool entry points: parse, call the library, print
+# A module's length follows its job (STYLE.md, habit 3), not a cap: most hold a small job and
+# stay under the default; a larger job is named here with its reason, so growing past it is a
+# decision made in this file rather than a split made to fit.
+DEFAULT_MODULE_LINES = 400
+MODULE_BUDGETS = {
+    "audioclf.training.trainer": (
+        650,
+        "the Trainer's set-up and loop in one file (torchtitan's trainer.py): the parts are "
+        "built by their owners, wired here",
+    ),
+    "audioclf.data.sampler": (
+        450,
+        "the m-per-class sampler: classes dealt to ranks, items per class, small classes, state",
+    ),
+    "audioclf.embedding.index": (
+        450,
+        "embed --index: the rank protocol (chunks dealt, a failure vote per round, rank 0 "
+        "assembles) reads top-down in one module",
+    ),
+    "audioclf.data.demo": (430, "the generated demo dataset: procedural sources, items, sheet"),
+}
+# Packages by job: their lines together, each with its reason.
+PACKAGE_BUDGETS = {
+    "audioclf.training": (1700, "trainer, step, validation, averaging, the run folder"),
+    "audioclf.data": (3650, "index sheets, readers, datasets, loaders, sampler, augmentation"),
+    "audioclf.evaluation": (1400, "evaluate's selection, metrics assembly and report folder"),
+    "audioclf.embedding": (950, "embed --index across ranks and gallery ranking"),
+    "audioclf.inference": (1350, "loading artefacts, extraction, the export formats"),
+    "audioclf.search": (1600, "exact and faiss indexes, the search tool"),
+    "audioclf.metrics": (650, "the metric definitions"),
+    "audioclf.models": (800, "front end, embedders, heads"),
+    "audioclf.config": (950, "the typed config, its loading and generated reference"),
+    "audioclf.distributed": (800, "the only talker to torch.distributed"),
+    "audioclf.precompute": (650, "python -m audioclf.prepare's feature writing"),
+}
+MAX_ROOT_MODULES = 17  # tools and the parts every job shares; a job's internals live in its package
 TOOLS = ("evaluate", "export", "embed", "prepare", "train")
 # Tools whose library is a package of the same name (`audioclf/search/`): their CLI is
 # <tool>/cli.py, run by <tool>/__main__.py, and held to the CLI limit like the others.
@@ -21,15 +56,19 @@ CLI_MODULES = (
     *(f"audioclf.{tool}" for tool in TOOLS),
     *(f"audioclf.{tool}.{part}" for tool in PACKAGE_TOOLS for part in ("cli", "__main__")),
 )
-# Layers that never import upward: data/ and the run logs/report know nothing of models or tools.
-LOWER = ("data", "logs", "report", "spectrogram", "config", "fileio", "sampler")
+# Layers that never import upward: data/ and the run logs know nothing of models or tools.
+LOWER = ("data", "logs", "spectrogram", "config", "fileio", "errors")
 HIGHER = (
     "audioclf.models",
-    "audioclf.trainer",
+    "audioclf.training",
     "audioclf.inference",
-    "audioclf.step",
+    "audioclf.evaluation",
+    "audioclf.embedding",
     *(f"audioclf.{tool}" for tool in (*TOOLS, *PACKAGE_TOOLS)),
 )
+# Using a model and scoring embeddings sit below search: search uses them, never the reverse
+# (evaluation, above both, injects the chosen search into the metrics).
+BELOW_SEARCH = ("inference", "metrics")
 
 
 def modules() -> list[Path]:
@@ -64,11 +103,44 @@ def test_functions_fit_in_a_screen(path):
 
 
 @pytest.mark.parametrize("path", modules(), ids=name_of)
-def test_modules_hold_one_job(path):
+def test_modules_keep_to_their_budget(path):
     lines = len(path.read_text().splitlines())
-    tool = name_of(path) in CLI_MODULES
-    limit = MAX_CLI_LINES if tool else MAX_MODULE_LINES
-    assert lines <= limit, f"{path.name}: {lines} lines (at most {limit})"
+    name = name_of(path)
+    limit = (
+        MAX_CLI_LINES
+        if name in CLI_MODULES
+        else MODULE_BUDGETS.get(name, (DEFAULT_MODULE_LINES,))[0]
+    )
+    assert lines <= limit, f"{path.name}: {lines} lines (budget {limit}: see MODULE_BUDGETS)"
+
+
+def test_every_budget_names_a_module_that_exists():
+    names = {name_of(p) for p in modules()}
+    assert set(MODULE_BUDGETS) <= names and set(PACKAGE_BUDGETS) <= names
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_BUDGETS))
+def test_packages_keep_to_their_budget(package):
+    folder = PACKAGE / package.removeprefix("audioclf.").replace(".", "/")
+    lines = sum(len(p.read_text().splitlines()) for p in folder.rglob("*.py"))
+    limit, why = PACKAGE_BUDGETS[package]
+    assert lines <= limit, f"{package}: {lines} lines (budget {limit}: {why})"
+
+
+def test_the_root_holds_tools_and_shared_parts_only():
+    root = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in modules() if name_of(p).split(".")[1:2] in [[b] for b in BELOW_SEARCH]],
+    ids=name_of,
+)
+def test_inference_and_metrics_never_import_search(path):
+    assert not [
+        n for n in imports(path) if n == "audioclf.search" or n.startswith("audioclf.search.")
+    ]
 
 
 @pytest.mark.parametrize(

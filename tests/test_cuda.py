@@ -81,7 +81,7 @@ def test_the_guard_counts_on_an_index_less_cuda_device():
     from audioclf.config import OptimConfig, TrainConfig
     from audioclf.optim import build_optimizer
     from audioclf.precision import resolve_precision
-    from audioclf.step import NonFiniteGuard
+    from audioclf.training.step import NonFiniteGuard
     from tests.helpers import Linear, mse, random_batches, run_epoch
 
     x, lengths, labels, positions = random_batches(1, 8)[0]

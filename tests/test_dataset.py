@@ -247,9 +247,18 @@ def test_a_worker_builds_padded_batches_in_shared_memory_with_zero_padding():
 def test_the_final_epochs_crop_reaches_persistent_workers(tmp_path, tiny_demo, workers):
     # The crop length travels with the batch keys: a persistent worker's dataset is the copy it
     # got at its start, so a change made to the main process's dataset would never reach it.
-    from audioclf.distributed import DistEnv
-    from audioclf.run_parts import FinalEpochs, build_data, build_train_loader
-    from tests.helpers import tiny_config
+    from audioclf.data.loader import TrainLoader, loader_options
+    from audioclf.training.trainer import FinalEpochs
+    from tests.helpers import run_datasets, tiny_config
+
+    def train_loader(cfg):
+        train, train_set, _ = run_datasets(cfg)
+        final = FinalEpochs.of(cfg)
+        crops = final.crop_samples if final.changes_crop else None
+        options = loader_options(cfg, torch.device("cpu"))
+        return TrainLoader.for_run(
+            cfg, train, train_set, rank=0, world_size=1, options=options, crop_samples=crops
+        )
 
     cfg = tiny_config(
         tiny_demo,
@@ -262,7 +271,7 @@ def test_the_final_epochs_crop_reaches_persistent_workers(tmp_path, tiny_demo, w
         "data.persistent_workers=true",
         "train.limit_batches=2",
     )
-    loader = build_train_loader(cfg, DistEnv(), build_data(cfg))
+    loader = train_loader(cfg)
     assert bool(loader.loader.persistent_workers) == (workers > 0)
     rate = cfg.features.sample_rate
     lengths = []
@@ -273,9 +282,7 @@ def test_the_final_epochs_crop_reaches_persistent_workers(tmp_path, tiny_demo, w
     assert lengths == [{rate // 2}, {rate // 2}, {rate * 3 // 4}, {rate * 3 // 4}]
     final = FinalEpochs.of(cfg)
     assert [final.crop_samples(e) for e in range(4)] == [rate // 2] * 2 + [rate * 3 // 4] * 2
-    unchanged = build_train_loader(
-        tiny_config(tiny_demo, tmp_path, "cnn", "train.final_epochs=1"), DistEnv(), build_data(cfg)
-    )
+    unchanged = train_loader(tiny_config(tiny_demo, tmp_path, "cnn", "train.final_epochs=1"))
     assert unchanged.loader.batch_sampler.crop_samples is None  # keys as before: (position, seed)
 
 

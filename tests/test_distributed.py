@@ -270,7 +270,7 @@ def _nonfinite_on_one_rank_worker(rank, world, precision, kind):
     from audioclf.config import OptimConfig, TrainConfig
     from audioclf.optim import build_optimizer
     from audioclf.precision import resolve_precision
-    from audioclf.step import NonFiniteGuard
+    from audioclf.training.step import NonFiniteGuard
     from tests.helpers import Linear, mse, random_batches, run_epoch
 
     cpu = torch.device("cpu")

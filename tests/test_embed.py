@@ -10,9 +10,10 @@ import pandas as pd
 import pytest
 
 from audioclf.embed import main
+from audioclf.embedding import gallery
+from audioclf.embedding import index as index_embedding
 from audioclf.export import export_model
-from audioclf.inference import gallery, index_embedding
-from audioclf.inference.gallery import find_files
+from audioclf.inference.inputs import find_files
 from tests.helpers import make_checkpoint
 
 CLASSES = ("c00", "c01", "c02", "c03")
@@ -136,7 +137,7 @@ def test_gallery_embeddings_are_cached_per_sheet_content(setup, capsys):
     assert "cached" not in third.splitlines()[0]
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit is deprecated
+@pytest.mark.filterwarnings("ignore:`torch.jit")  # deprecated: Future- or DeprecationWarning (2.11)
 def test_exports_rank_like_the_checkpoint(setup, capsys, tmp_path):
     # One file per batch: in a padded batch a clip's last log-mel frames see the batch's zero
     # padding (a lone clip sees a reflection), which would blur the comparison of a model

@@ -34,8 +34,8 @@ def _embed(rank, world, model_path, sheet, prefix, bad_rows=()):
     """write_index_embeddings as embed --index runs it, on this rank's CPU (one thread)."""
     import torch
 
+    from audioclf.embedding.index import select_rows, write_index_embeddings
     from audioclf.inference import load_embedder
-    from audioclf.inference.index_embedding import select_rows, write_index_embeddings
 
     torch.set_num_threads(1)
     model = load_embedder(model_path, torch.device("cpu"))
@@ -75,7 +75,7 @@ def test_two_ranks_write_the_bytes_of_one_process(tmp_path, inputs):
 def test_a_rerun_with_another_number_of_ranks_takes_every_finished_chunk(
     tmp_path, inputs, monkeypatch
 ):
-    from audioclf.inference import index_embedding
+    from audioclf.embedding import index as index_embedding
 
     real_write, written = index_embedding.write_part, []
 

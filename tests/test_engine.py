@@ -1,4 +1,4 @@
-"""The training step (audioclf.step): accumulation, exact loss, non-finite steps, host syncs,
+"""The training step (audioclf.training.step): accumulation, exact loss, non-finite steps, host syncs,
 dropped batches; and the train loader's position and limit."""
 
 import math
@@ -10,7 +10,7 @@ from torch import nn
 from audioclf.config import OptimConfig, TrainConfig
 from audioclf.optim import build_optimizer
 from audioclf.precision import resolve_precision
-from audioclf.step import NonFiniteGuard, NonFiniteLossError, TrainStep
+from audioclf.training.step import NonFiniteGuard, NonFiniteLossError, TrainStep
 from tests.helpers import Linear, mse, random_batches, run_epoch
 
 CPU = torch.device("cpu")
@@ -223,7 +223,9 @@ def _count_host_syncs(run) -> int:
     (lr, found_inf) on the host, where there is no device to stall; the CUDA kernels read them on
     the GPU.
     """
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    # acc_events: one cycle here, so nothing to accumulate; torch 2.11 warns without it
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, acc_events=True) as prof:
         run()
 
     def in_optimizer_step(event) -> bool:
@@ -303,7 +305,7 @@ def test_a_batch_with_no_readable_item_is_dropped_and_counted():
 
 
 def test_the_ema_update_reads_nothing_from_the_device():
-    from audioclf.averaging import WeightEMA
+    from audioclf.training.averaging import WeightEMA
 
     model = WithBatchNorm()
     ema = WeightEMA(model, decay=0.99)

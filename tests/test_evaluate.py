@@ -16,10 +16,10 @@ import torch
 from audioclf.checkpoint import CheckpointError
 from audioclf.data.index import load_index
 from audioclf.evaluate import main
+from audioclf.evaluation.metrics import enrollment_split
+from audioclf.evaluation.report import REPORT_FILES
+from audioclf.evaluation.run import SUMMARY_METRICS, select_data
 from audioclf.inference import embed_files, load_trained
-from audioclf.inference.evaluation import SUMMARY_METRICS, select_data
-from audioclf.inference.evaluation_metrics import enrollment_split
-from audioclf.report import REPORT_FILES
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ METRICS = (
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, tiny_demo):
     """A checkpoint written by the real trainer (1 short epoch of the tiny CNN)."""
-    from audioclf.trainer import fit
+    from audioclf.training.trainer import fit
 
     runs = tmp_path_factory.mktemp("runs")
     cfg = tiny_config(
@@ -368,7 +368,7 @@ def test_help_runs_as_a_module():
 
 
 def test_exact_search_equals_the_full_scan_to_the_last_bit():
-    from audioclf.inference.evaluation_metrics import compute_metrics
+    from audioclf.evaluation.metrics import compute_metrics
     from audioclf.metrics import retrieval_metrics
 
     rng = np.random.default_rng(0)
@@ -392,7 +392,7 @@ def test_exact_search_equals_the_full_scan_to_the_last_bit():
 
 
 def test_auto_search_is_exact_on_small_sets_and_gpus(monkeypatch):
-    from audioclf.inference import evaluation_metrics
+    from audioclf.evaluation import metrics as evaluation_metrics
 
     choose = evaluation_metrics.choose_search
     assert choose("auto", 49_999, "cpu") == ("exact", None)
@@ -443,7 +443,7 @@ def test_default_search_is_auto_and_exact_on_the_tiny_set(trained, tmp_path, cap
 
 
 def test_search_without_faiss_is_one_line_before_any_work(trained, tmp_path, capsys, monkeypatch):
-    from audioclf.inference import evaluation_metrics
+    from audioclf.evaluation import metrics as evaluation_metrics
 
     monkeypatch.setattr(evaluation_metrics, "faiss_available", lambda: False)
     out = tmp_path / "eval"

@@ -74,7 +74,7 @@ def leftovers(folder: Path) -> list[Path]:
     return [p for p in folder.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.load is deprecated
+@pytest.mark.filterwarnings("ignore:`torch.jit")  # deprecated: Future- or DeprecationWarning (2.11)
 @pytest.mark.parametrize("frontend", [True, False], ids=["waveform", "log_mel"])
 @pytest.mark.parametrize("name", ["cnn", "conformer"])
 def test_torchscript_round_trip(tmp_path, capsys, name, frontend):
@@ -114,7 +114,7 @@ def test_torchscript_round_trip(tmp_path, capsys, name, frontend):
     assert leftovers(out.parent) == []
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit")
 def test_a_classifier_head_adds_logits_and_the_class_names(tmp_path, capsys):
     ckpt = make_checkpoint(tmp_path / "best.pt", "cnn", classes=("bird", "car", "dog"))
     out = tmp_path / "model.pt"

@@ -174,7 +174,7 @@ def test_jitter_is_seeded_by_torch_and_differs_across_seeds():
     assert not torch.equal(first, after_first)
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script is deprecated
+@pytest.mark.filterwarnings("ignore:`torch.jit")  # deprecated: Future- or DeprecationWarning (2.11)
 def test_frontend_jitter_before_the_norm_and_only_in_training():
     cfg = FeaturesConfig(n_mels=32)
     plain = FeatureFrontend(cfg).eval()

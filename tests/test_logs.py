@@ -115,7 +115,7 @@ def test_a_resumed_run_keeps_the_earlier_projector_entries(tmp_path):
 
 def test_training_sends_validation_embeddings_to_the_projector(tmp_path, tiny_demo):
     from audioclf.data.index import load_index, split_index
-    from audioclf.trainer import fit
+    from audioclf.training.trainer import fit
     from tests.helpers import tiny_config
 
     cfg = tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=1", "train.limit_batches=2")

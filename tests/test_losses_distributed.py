@@ -148,7 +148,9 @@ def _margin_head_steps(rank, world_size, heads):
 def _steps_with(head, rank):
     from torch.nn.parallel import DistributedDataParallel
 
-    from audioclf.step import _empty_output  # the training step's cut for a batch with no rows
+    from audioclf.training.step import (
+        _empty_output,  # the training step's cut for a batch with no rows
+    )
 
     net, cfg = _margin_net(head)
     model = DistributedDataParallel(net)

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
+from audioclf.evaluation.report import write_report
 from audioclf.metrics import knn_accuracy, retrieval_metrics, verification_metrics
-from audioclf.report import write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from audioclf.config import Config
-from audioclf.rundir import LOCK_FILE, RunFolderBusy, RunLock, check_free, prepare_run_dir
+from audioclf.training.rundir import LOCK_FILE, RunFolderBusy, RunLock, check_free, prepare_run_dir
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLD = (
-    "import sys, time\nfrom pathlib import Path\nfrom audioclf.rundir import RunLock\n"
+    "import sys, time\nfrom pathlib import Path\nfrom audioclf.training.rundir import RunLock\n"
     "lock = RunLock(Path(sys.argv[1]))\nlock.acquire()\nprint('held', flush=True)\n"
     "time.sleep(60)\n"
 )

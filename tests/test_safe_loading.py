@@ -74,7 +74,7 @@ def test_each_tool_refuses_a_payload_without_running_it(tmp_path, capsys, tool):
 
 @pytest.mark.parametrize("how", ["init_from", "resume"])
 def test_training_refuses_a_payload_without_running_it(tmp_path, tiny_demo, how):
-    from audioclf.trainer import fit
+    from audioclf.training.trainer import fit
 
     path, marker = crafted(tmp_path)
     key = "model.init_from" if how == "init_from" else "checkpoint.resume"
@@ -91,7 +91,7 @@ def test_the_opt_in_loads_a_trusted_file(tmp_path):
 
 
 def test_what_audioclf_writes_loads_as_data(tmp_path, tiny_demo):
-    from audioclf.trainer import fit
+    from audioclf.training.trainer import fit
 
     fit(
         tiny_config(
@@ -126,7 +126,7 @@ def test_a_checkpoint_of_the_previous_release_loads_as_data():
 def test_a_run_of_the_previous_release_resumes(tmp_path, tiny_demo):
     import shutil
 
-    from audioclf.trainer import fit
+    from audioclf.training.trainer import fit
 
     run = tmp_path / "runs" / "t"
     run.mkdir(parents=True)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from audioclf.sampler import MPerClassSampler
+from audioclf.data.sampler import MPerClassSampler
 
 REPO = Path(__file__).resolve().parents[1]
 PROPERTY_SETTINGS = settings(
@@ -346,7 +346,7 @@ def test_dataloader_yields_the_sampler_batches(index):
 def test_output_does_not_depend_on_python_hash_seed():
     script = (
         "import json\n"
-        "from audioclf.sampler import MPerClassSampler\n"
+        "from audioclf.data.sampler import MPerClassSampler\n"
         "names = ['kick', 'snare', 'hat', 'tom', 'clap', 'ride', 'crash', 'cowbell']\n"
         "classes = [n for n in names for _ in range(12)]\n"
         "items = [f'take{i % 4}' for i in range(len(classes))]\n"

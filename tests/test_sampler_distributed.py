@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from audioclf.sampler import MPerClassSampler
+from audioclf.data.sampler import MPerClassSampler
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

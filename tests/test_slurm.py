@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from audioclf import checkpoint
-from audioclf.launch import _first_host, env_ranks
+from audioclf.distributed.launch import _first_host, env_ranks
 from tests.helpers import cli_args, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fit_worker(rank, world, cfg: Config):
-    from audioclf.trainer import fit
+    from audioclf.training.trainer import fit
 
     return fit(cfg, hooks=digest_hooks())
 
@@ -37,12 +37,13 @@ def untrained_metrics(cfg: Config) -> dict:
     from audioclf.inference import extract_embeddings
     from audioclf.metrics import retrieval_summary
     from audioclf.models import build_net
-    from audioclf.run_parts import build_data, seed_everything
+    from audioclf.training.trainer import seed_everything
+    from tests.helpers import run_datasets
 
     seed_everything(cfg.train.seed, False)
-    data = build_data(cfg)
-    net = build_net(cfg, len(data.train.classes))
-    emb, labels, _ = extract_embeddings(net, data.val_set, batch_size=cfg.eval.batch_size)
+    train, _, val_set = run_datasets(cfg)
+    net = build_net(cfg, len(train.classes))
+    emb, labels, _ = extract_embeddings(net, val_set, batch_size=cfg.eval.batch_size)
     return retrieval_summary(emb, labels)
 
 
@@ -83,7 +84,7 @@ def test_ddp_training_learns_and_ranks_stay_identical(tmp_path, tiny_demo, model
 
 
 def _fit_single(cfg: Config, hooks=None) -> dict:
-    from audioclf.trainer import fit
+    from audioclf.training.trainer import fit
 
     return fit(cfg, hooks=hooks or digest_hooks())
 

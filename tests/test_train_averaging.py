@@ -10,7 +10,7 @@ import torch
 
 from audioclf import checkpoint, distributed
 from audioclf.inference import load_trained
-from audioclf.validation import Validator
+from audioclf.training.validation import Validator
 from tests.helpers import fit, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
 
@@ -110,8 +110,8 @@ def test_best_pt_sees_the_ema_and_the_average(tmp_path, tiny_demo, monkeypatch, 
 
 
 def _fit_worker(rank, world, cfg):
-    from audioclf.trainer import TrainHooks
-    from audioclf.trainer import fit as train
+    from audioclf.training.trainer import TrainHooks
+    from audioclf.training.trainer import fit as train
     from tests.train_hooks import parameters_digest
 
     def on_end(trainer, summary):

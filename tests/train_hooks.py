@@ -15,7 +15,7 @@ import sys
 import torch
 
 from audioclf import distributed
-from audioclf.trainer import Trainer, TrainHooks
+from audioclf.training.trainer import Trainer, TrainHooks
 
 log = logging.getLogger("audioclf")
 
@@ -43,7 +43,7 @@ def stop_at(step: int) -> TrainHooks:
 
     def on_step(trainer: Trainer) -> None:
         if trainer.state.step == step:
-            trainer.request_stop()
+            trainer.stop.flag = True  # what StopRequested's SIGTERM handler sets
 
     return digest_hooks(on_step=on_step)
 

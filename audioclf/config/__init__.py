@@ -11,7 +11,7 @@ sections: model, loss, optimizer, train, dist, eval, checkpoint and Config; load
 overrides, coercion, earlier layouts; reference: the generated reference.
 """
 
-from audioclf.config.base import ConfigError, choices
+from audioclf.config.base import ConfigError, choices, differences
 from audioclf.config.inputs import (
     AugmentConfig,
     ClipsConfig,
@@ -53,6 +53,7 @@ from audioclf.config.sections import (
 )
 
 __all__ = [
+    "differences",
     "MOVED_KEYS",
     "README_END",
     "README_START",

@@ -19,7 +19,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from audioclf.data.dataset import collate_padded
+from audioclf.config import Config
+from audioclf.data.dataset import AudioDataset, collate_padded
+from audioclf.data.index import Index
+from audioclf.data.sampler import MPerClassSampler
 
 log = logging.getLogger("audioclf")
 
@@ -79,6 +82,17 @@ def loader_kwargs(
     return kwargs
 
 
+def loader_options(cfg: Config, device: torch.device) -> dict:
+    """The run's DataLoader settings (data.*), for its train and validation loaders."""
+    return loader_kwargs(
+        cfg.data.num_workers,
+        cfg.data.pin_memory,
+        cfg.data.persistent_workers,
+        cfg.data.prefetch_factor,
+        device,
+    )
+
+
 class TrainLoader:
     """One rank's training batches, and how far the current epoch has been consumed.
 
@@ -113,6 +127,41 @@ class TrainLoader:
             batch_sampler=SeededBatches(sampler, seed, crop_samples),
             generator=generator,
             **kwargs,
+        )
+
+    @classmethod
+    def for_run(
+        cls,
+        cfg: Config,
+        train: Index,
+        dataset: AudioDataset,
+        *,
+        rank: int,
+        world_size: int,
+        options: dict,
+        crop_samples: Callable[[int], int] | None = None,
+    ) -> TrainLoader:
+        """This rank's loader of a run: the m-per-class sampler over the train split (sampler.*,
+        the classes dealt to `world_size` ranks), with the run's loader `options`."""
+        sampler = MPerClassSampler(
+            train.codes.class_codes,
+            train.codes.item_codes,
+            batch_size=cfg.sampler.batch_size,
+            m=cfg.sampler.m,
+            rank=rank,
+            world_size=world_size,
+            seed=cfg.train.seed,
+            split=cfg.sampler.split,
+            small_classes=cfg.sampler.small_classes,
+        )
+        return cls(
+            dataset,
+            sampler,
+            seed=cfg.train.seed,
+            limit_batches=cfg.train.limit_batches,
+            restart_epoch=cfg.checkpoint.restart_epoch,
+            crop_samples=crop_samples,
+            **options,
         )
 
     def set_epoch(self, epoch: int) -> None:

@@ -1,6 +1,6 @@
 """Everything that talks to torch.distributed or unwraps `.module` lives in this package.
 
-group: process-group set-up and teardown (the launcher's ranks come from audioclf.launch);
+group: process-group set-up and teardown (the launcher's ranks come from audioclf.distributed.launch);
 wrapping: DDP / DataParallel / SyncBN; collectives: gathers that keep gradients, reductions,
 rank 0 first; failures: the failure protocol between ranks; consistency: the parameter check.
 Every function here that runs a collective says so: every rank must call it.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from audioclf import launch
+from audioclf.distributed import launch
 
 log = logging.getLogger("audioclf")
 

@@ -7,17 +7,14 @@
 Modules:
     checkpoints         load_trained, init_weights (fine-tuning; the trainer calls it)
     extract             extract_embeddings (training's validation runs it too), embed_files
+    inputs              the files a user names, found and embedded (embed, search)
     formats             TorchScript / ONNX artefacts: each format's writer and loader
     sidecar             the export sidecar <artefact>.json
     artefacts           load_embedder: checkpoint, state_dict, TorchScript, ONNX → LoadedEmbedder
     exporting           export_model: the exported module, the parity check, the sidecar
-    evaluation          evaluate's data selection, embedding, report folder and printed summary
-    evaluation_metrics  every metric of one evaluated set (retrieval, classification, ...)
-    gallery             embed's class ranking of files against a gallery sheet (cached)
-    index_embedding     embed --index: every row of a sheet into resumable part files
-    index_parts         the files of an --index run: PREFIX.* names, the part files, their manifest
 
-Nothing here imports the trainer or a CLI module; the names below are what training, tests and
+Evaluation (audioclf.evaluation) and embedding a collection (audioclf.embedding) build on it.
+Nothing here imports the trainer, search or a CLI module; the names below are what training, tests and
 benchmarks import from `audioclf.inference`.
 """
 

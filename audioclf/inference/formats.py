@@ -52,7 +52,9 @@ def write_torchscript(module: nn.Module, path: Path, *, what: str | None = None)
 
 def load_torchscript(path: Path, device: str | torch.device = "cpu") -> LoadedArtefact:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.load is deprecated too
+        # torch.jit.load is deprecated too: a FutureWarning in torch 2.14, a DeprecationWarning
+        # in torch 2.11, so matched by its message
+        warnings.filterwarnings("ignore", message="`torch.jit.load` is")
         scripted = torch.jit.load(str(path), map_location=device)
     scripted.eval()
     return lambda x, lengths: as_tuple(scripted(x, lengths))

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from audioclf.cli import UsageError, add_trust_flag, resolve_device, run_cli
+from audioclf.cli import add_trust_flag, resolve_device
+from audioclf.errors import UsageError, run_cli
 from audioclf.inference import load_embedder
 from audioclf.search.collection import (
     Collection,

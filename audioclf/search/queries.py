@@ -5,7 +5,7 @@
     table = search_neighbours(index, collection, queries, k=10, exclude_same_item=False)
     print("\n".join(table_lines(table)))      # or write_csv(table, path) / write_json(...)
 
-Audio files are found and embedded as `audioclf.embed` does (audioclf.inference.gallery:
+Audio files are found and embedded as `audioclf.embed` does (audioclf.embedding.gallery:
 folders searched recursively, unreadable files named and left out). The neighbour table has one
 row per (query, rank): the query's columns, then rank, score and the index row's class, item,
 id and path.
@@ -23,7 +23,7 @@ import pandas as pd
 
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.gallery import embed_inputs
+from audioclf.inference.inputs import embed_inputs
 from audioclf.search.base import SearchIndex
 from audioclf.search.collection import Collection
 

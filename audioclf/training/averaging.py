@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from audioclf import checkpoint, distributed
 from audioclf.config import Config
-from audioclf.validation import Validator
+from audioclf.training.validation import Validator
 
 log = logging.getLogger("audioclf")
 
@@ -109,6 +109,18 @@ class WeightEMA:
             self.reset()
             return
         self.module.load_state_dict(state)
+
+
+def build_ema(cfg: Config, model: nn.Module) -> WeightEMA | None:
+    """The EMA of the (wrapped, on its device) model's weights, or None (train.ema_decay=0)."""
+    if not cfg.train.ema_decay:
+        return None
+    log.info(
+        'train.ema_decay=%g: an EMA of the weights is kept (checkpoint entry "ema"); '
+        "validation, best.pt and the model artefacts use it",
+        cfg.train.ema_decay,
+    )
+    return WeightEMA(distributed.unwrap(model), cfg.train.ema_decay)
 
 
 def average_state_dicts(states: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:

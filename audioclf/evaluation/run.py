@@ -25,9 +25,9 @@ from audioclf.config import Config, DataConfig
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index, split_index
 from audioclf.data.loader import loader_kwargs
-from audioclf.inference.evaluation_metrics import Evaluation, check_search, compute_metrics
+from audioclf.evaluation.metrics import Evaluation, check_search, compute_metrics
+from audioclf.evaluation.report import REPORT_FILES, write_report
 from audioclf.inference.extract import extract_embeddings
-from audioclf.report import REPORT_FILES, write_report
 
 SHEET_SUFFIXES = (".xlsx", ".xlsm", ".csv", ".parquet")
 # The metrics of the printed summary, in its order (report.md and report.json hold them all).

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from sklearn.decomposition import PCA
 
 from audioclf.data.index.splits import stratified_subset
+from audioclf.evaluation.plots import class_colours
 from audioclf.fileio import atomic_write, tsv_cell
-from audioclf.report.plots import class_colours
 
 # Most points in embeddings.tsv / metadata.tsv (the projector's PCA and t-SNE stay responsive;
 # ~10 bytes per value: 25 MB at D = 128) and in embeddings.html (an SVG circle each).

@@ -1,6 +1,6 @@
 """write_report: report.json, report.md, the plots and the embedding files of one evaluation.
 
-See the package docstring (audioclf.report) for what each file holds.
+See the package docstring (audioclf.evaluation) for what each file holds.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-from audioclf.fileio import atomic_write
-from audioclf.metrics import check_embeddings, retrieval_metrics
-from audioclf.report.embedding_files import (
+from audioclf.evaluation.embedding_files import (
     EMBEDDING_FILES,
     MAX_HTML_POINTS,
     MAX_TSV_POINTS,
     write_embedding_files,
 )
-from audioclf.report.markdown import markdown
-from audioclf.report.plots import plot_confusion, plot_det, plot_per_class, plot_projection
+from audioclf.evaluation.markdown import markdown
+from audioclf.evaluation.plots import plot_confusion, plot_det, plot_per_class, plot_projection
+from audioclf.fileio import atomic_write
+from audioclf.metrics import check_embeddings, retrieval_metrics
 
 PROJECTIONS = ("pca", "tsne")
 PLOT_FILES = ("det.png", "per_class_p1.png", "projection.png", "confusion.png")

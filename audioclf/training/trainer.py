@@ -16,36 +16,41 @@ one call each.
 from __future__ import annotations
 
 import logging
+import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from audioclf import averaging, checkpoint, distributed
-from audioclf.config import Config
+from audioclf import checkpoint, distributed
+from audioclf.config import Config, to_dict
+from audioclf.data.augment import Augmenter
+from audioclf.data.dataset import AudioDataset
+from audioclf.data.index import load_index, split_index
+from audioclf.data.loader import TrainLoader, loader_options
 from audioclf.fileio import atomic_copy
 from audioclf.inference import init_weights
 from audioclf.logs import EpochRow, MetricsWriter, setup_logging
-from audioclf.models import build_net
+from audioclf.losses import build_loss, final_epochs_start
+from audioclf.models import build_net, count_parameters
+from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer, param_groups
 from audioclf.precision import configure_backends, resolve_precision
-from audioclf.resume import resume_point
-from audioclf.run_parts import (
-    FinalEpochs,
-    build_checkpointer,
-    build_data,
-    build_train_loader,
-    build_training,
-    describe_final_epochs,
-    loader_options,
-    seed_everything,
+from audioclf.training import averaging
+from audioclf.training.rundir import (
+    RunLock,
+    StopRequested,
+    check_free,
+    prepare_run_dir,
+    reported,
+    resume_point,
 )
-from audioclf.rundir import RunLock, check_free, prepare_run_dir
-from audioclf.step import EpochResult
-from audioclf.stopping import StopRequested, reported
-from audioclf.validation import Validator
+from audioclf.training.step import EpochResult, NonFiniteGuard, TrainStep
+from audioclf.training.validation import Validator
 
 log = logging.getLogger("audioclf")
 
@@ -83,6 +88,69 @@ class TrainState:
         self.history = list(state.get("metrics", []))
         self.last_metrics = dict(state.get("last_metrics", {}))
         self.averaged = dict(state.get("averaged", {}))
+
+
+@dataclass(frozen=True)
+class FinalEpochs:
+    """train.final_epochs (WeSpeaker's large-margin fine-tuning): from epoch `start` (0-based) on,
+    training crops of `final_crop` samples (clips.final_crop_seconds) and the final margins
+    (losses.build_loss). `start` is train.epochs when it is off."""
+
+    start: int
+    crop: int  # samples of a training crop before (clips.crop_seconds)
+    final_crop: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> FinalEpochs:
+        crop = cfg.clips.crop_samples(cfg.features)
+        final = cfg.clips.final_crop_seconds
+        start = final_epochs_start(cfg)
+        return cls(
+            cfg.train.epochs if start is None else start,
+            crop,
+            crop if final is None or start is None else cfg.features.samples(final),
+        )
+
+    @property
+    def changes_crop(self) -> bool:
+        return self.final_crop != self.crop
+
+    def crop_samples(self, epoch: int) -> int:
+        return self.final_crop if epoch >= self.start else self.crop
+
+
+def describe_final_epochs(cfg: Config) -> str:
+    """What changes at the start of the final epochs, for train.log."""
+    loss, clips, epochs = cfg.loss, cfg.clips, cfg.train.epochs
+    changes = []
+    if clips.final_crop_seconds is not None:
+        changes.append(
+            f"training crops of {clips.final_crop_seconds:g} s (clips.final_crop_seconds; "
+            f"{clips.crop_seconds:g} s before)"
+        )
+    if loss.final_margin is not None:
+        changes.append(f"triplet margin {loss.final_margin:g} (loss.final_margin; {loss.margin:g})")
+    if loss.final_head_margin is not None and cfg.model.head not in ("none", "softmax"):
+        changes.append(
+            f"head margin {loss.final_head_margin:g} rad (loss.final_head_margin; "
+            f"{loss.head_margin:g})"
+        )
+    final = cfg.train.final_epochs
+    span = f"epoch {epochs}" if final == 1 else f"epochs {epochs - final + 1}-{epochs}"
+    what = "; ".join(changes) or (
+        "nothing changes: set clips.final_crop_seconds, loss.final_margin or loss.final_head_margin"
+    )
+    return f"train.final_epochs={final} ({span} of {epochs}): {what}"
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
 
 
 def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | None = None) -> dict:
@@ -126,15 +194,24 @@ class Trainer:
         resume_path, ckpt, resume_notes = resume_point(cfg, self.run_dir)
         seed_everything(cfg.train.seed + env.rank, cfg.train.deterministic)
         # Everything that can refuse the input comes before anything is written.
-        self.data = build_data(cfg)
-        self.train_loader = build_train_loader(cfg, env, self.data)
+        self._load_data()
+        self.final = FinalEpochs.of(cfg)
         self.loader_options = loader_options(cfg, env.device)
+        self.train_loader = TrainLoader.for_run(
+            cfg,
+            self.train,
+            self.train_set,
+            rank=env.rank,
+            world_size=env.world_size,
+            options=self.loader_options,
+            crop_samples=self.final.crop_samples if self.final.changes_crop else None,
+        )
         self.precision = resolve_precision(cfg.train, env.device)
-        net = build_net(cfg, len(self.data.train.classes))
+        net = build_net(cfg, len(self.train.classes))
         init_notes = []
         if cfg.model.init_from and ckpt is None:  # a resume continues its own weights
             init_notes = init_weights(
-                net, cfg.model.init_from, self.data.train.classes, trust=cfg.checkpoint.trust
+                net, cfg.model.init_from, self.train.classes, trust=cfg.checkpoint.trust
             )
 
         self._prepare_run_dir()
@@ -152,32 +229,19 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self._log_data()
         configure_backends(cfg.train, env.device)
-        training = build_training(cfg, env, net, self.precision, self.data)
-        self.model, self.loss_fn, self.step = training.model, training.loss_fn, training.step
-        self.optimizer, self.schedule = training.optimizer, training.schedule
-        self.guard = training.guard
-        self.ema, self.final = training.ema, FinalEpochs.of(cfg)
+        self._build_training(net)
         self.state = TrainState()
         self.metrics = MetricsWriter(self.run_dir, enabled=env.is_primary)
         self.validator = Validator(
             cfg,
             env,
-            self.data.val,
-            self.data.val_set,
+            self.val,
+            self.val_set,
             precision=self.precision,
             loader_options=self.loader_options,
             metrics=self.metrics,
         )
-        self.checkpointer = build_checkpointer(
-            cfg,
-            env,
-            self.run_dir,
-            training,
-            self.precision,
-            self.train_loader,
-            self.state,
-            classes=self.data.train.classes,
-        )
+        self.checkpointer = self._checkpointer()
         self.average = averaging.LastEpochsAverage(cfg, env, self.checkpointer, self.validator)
         if ckpt is not None:
             self.checkpointer.restore(ckpt)
@@ -189,10 +253,111 @@ class Trainer:
                 self.state.step,
             )
 
+    def _load_data(self) -> None:
+        """The index (rank 0 reads it first and builds its cache; the others then read the
+        cache), its train / validation split and their datasets. Collective when distributed."""
+        cfg = self.cfg
+        index = distributed.primary_first(load_index, cfg.data)
+        splits = split_index(index, cfg.data)
+        self.train, self.val = splits["train"], splits.get(cfg.eval.split)
+        if len(self.train) == 0:
+            raise ValueError(
+                f"{index.source}: the train split is empty; check data.split_column / "
+                "data.val_ratio"
+            )
+        augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
+        self.train_set = AudioDataset.from_index(self.train, cfg, train=True, augment=augment)
+        if self.val is not None and len(self.val) < 2:
+            self.val = None
+        self.val_set = (
+            None if self.val is None else AudioDataset.from_index(self.val, cfg, train=False)
+        )
+
+    def _build_training(self, net: torch.nn.Module) -> None:
+        """The wrapped model, the loss, optimizer, schedule, the step that uses them, the EMA."""
+        cfg, env = self.cfg, self.env
+        log.info("model %s: %s trainable parameters", cfg.model.name, f"{count_parameters(net):,}")
+        self.model = distributed.wrap(
+            net,
+            env,
+            sync_bn=cfg.model.sync_bn,
+            find_unused_parameters=cfg.dist.find_unused_parameters,
+            autocast_dtype=self.precision.dtype,
+        )
+        self.loss_fn = build_loss(cfg)
+        self.optimizer = build_optimizer(param_groups(net, cfg.optim), cfg.optim, env.device)
+        self.schedule = LRSchedule(
+            self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size), cfg.train.epochs
+        )
+        log.info(
+            "effective lr %.4g = optim.lr %.4g × %.4g (%s scaling, %d ranks, reference %d); "
+            "precision %s%s",
+            self.schedule.base,
+            cfg.optim.lr,
+            self.schedule.base / cfg.optim.lr,
+            cfg.optim.lr_scaling,
+            env.world_size,
+            cfg.optim.ref_world_size,
+            self.precision.name,
+            f" ({self.precision.reason})" if self.precision.reason else "",
+        )
+        self.guard = NonFiniteGuard(cfg.train.nonfinite_patience)
+        self.step = TrainStep(
+            self.model,
+            self.optimizer,
+            self.precision,
+            self.loss_fn.objective,
+            guard=self.guard,
+            accumulate=cfg.train.accumulate,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            batch_size=cfg.sampler.batch_size,
+            placeholder=self.train_set.placeholder(),
+        )
+        self.ema = averaging.build_ema(cfg, self.model)
+
+    def _checkpointer(self) -> checkpoint.Checkpointer:
+        """The run's stateful parts, by name, in one Checkpointer (with "ema" when kept)."""
+        cfg, env = self.cfg, self.env
+        keep, average = cfg.checkpoint.keep_last, cfg.checkpoint.average_last
+        saver = checkpoint.CheckpointSaver(self.run_dir, keep_last=keep, average_last=average)
+        if average > keep:
+            log.info(
+                "checkpoint.average_last=%d: the last %d epoch checkpoints are kept "
+                "(checkpoint.keep_last=%d)",
+                average,
+                average,
+                keep,
+            )
+        states = {
+            "model": distributed.unwrap(self.model),
+            "optimizer": OptimizerState(self.optimizer),
+            "lr_schedule": self.schedule,
+            "scaler": checkpoint.ScalerState(self.precision.scaler),
+            "sampler": self.train_loader,  # the sampler's state at the loader's position
+            "rng": checkpoint.RankRNG(env.rank, env.world_size, env.device),
+        }
+        if self.ema is not None:  # after "model": a checkpoint without one starts from it
+            states["ema"] = self.ema
+        classes, loader = self.train.classes, self.train_loader
+        return checkpoint.Checkpointer(
+            saver,
+            states=states,
+            optional=("ema",),
+            flat=[self.state, saver],
+            meta=lambda: {
+                "config": to_dict(cfg),
+                "classes": classes,
+                "position": loader.position,
+                "world_size": env.world_size,
+                "versions": checkpoint.library_versions(),
+            },
+            primary=env.is_primary,
+        )
+
     # ----------------------------------------------------------------------------- set-up
 
     def _log_data(self) -> None:
-        train, val = self.data.train, self.data.val
+        train, val = self.train, self.val
         log.info(
             "data: %d train samples in %d classes, %d validation samples; %d batches/epoch/rank",
             len(train),
@@ -289,7 +454,7 @@ class Trainer:
     def _start_epoch(self, epoch: int) -> None:
         self.train_loader.set_epoch(epoch)
         self.loss_fn.set_epoch(epoch)
-        self.step.start_epoch(self.data.train_set.placeholder(self.final.crop_samples(epoch)))
+        self.step.start_epoch(self.train_set.placeholder(self.final.crop_samples(epoch)))
         if epoch == self.final.start:
             log.info(describe_final_epochs(self.cfg))
         if epoch < self.cfg.optim.freeze_epochs:
@@ -331,10 +496,6 @@ class Trainer:
             )
         if _due(step, cfg.checkpoint.every_steps):
             self.save_mid_epoch()
-
-    def request_stop(self) -> None:
-        """Finish the current step, save last.pt and end fit() (as SIGTERM does)."""
-        self.stop.flag = True
 
     def end_epoch(self, epoch: int, result: EpochResult) -> None:
         """Consistency check, validation, schedule, metrics row, checkpoints (every rank)."""

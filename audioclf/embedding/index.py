@@ -28,14 +28,11 @@ import torch
 from tqdm import tqdm
 
 from audioclf import distributed
-from audioclf.cli import one_line
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, IndexValidationError, load_index, split_index
 from audioclf.data.loader import loader_kwargs
 from audioclf.data.readers import AudioReadError, FeatureFileError
-from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.extract import check_finite, extract_embeddings, model_input
-from audioclf.inference.index_parts import (
+from audioclf.embedding.parts import (
     IndexOutputs,
     assemble,
     open_parts,
@@ -44,6 +41,9 @@ from audioclf.inference.index_parts import (
     rows_digest,
     write_part,
 )
+from audioclf.errors import one_line
+from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.extract import check_finite, extract_embeddings, model_input
 
 log = logging.getLogger("audioclf")
 

@@ -1,0 +1,255 @@
+"""The run folder and a run's life in it: the lock (one live run per folder), the resume
+point (which checkpoint a run starts from, and whether it fits), and how a run stops (on
+request, on failure).
+
+The lock is `fcntl.flock` on <run dir>/run.lock, held by the rank that writes the folder (rank
+0) for the run: the kernel releases it when the process dies, however it dies, so a killed run
+never leaves a stale lock (the file stays, naming the last holder; the next run takes it over).
+A second run into a held folder (a fresh start, a resume, `./run.sh --bg` twice) stops before
+writing anything, with one line naming the holder (pid, host, start time) and the fix. On
+Linux NFS (v4, or v3 with lockd) flock is a lock the server sees, so runs on two machines
+sharing the folder exclude each other; file systems without locks (some FUSE mounts) make flock
+fail, and the run then goes on unlocked with a warning.
+
+Resuming: the architecture (config.architecture: the model with its head, and the features)
+must be the checkpoint's: a difference is refused with the keys named, unless
+checkpoint.resume_strict=false, which takes the checkpoint's. Everything else (crops, evaluation
+clips, augmentation, the loss weights, the schedule) may change between the runs of one model.
+
+Stopping: SIGTERM / SIGINT finish the step, save last.pt and exit (`StopRequested`); on failure
+each rank logs once and its console shows one line (`reported`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from audioclf import checkpoint, distributed
+from audioclf.config import Config, architecture, config_from_dict, differences, save_config
+from audioclf.errors import AlreadyReported, is_user_error, one_line
+from audioclf.fileio import DiskWriteError, remove_stale_temps, write_failure_message
+from audioclf.logs import log_failure_to_file
+
+log = logging.getLogger("audioclf")
+
+LOCK_FILE = "run.lock"
+
+
+def prepare_run_dir(run_dir: Path, cfg) -> tuple[RunLock, list[Path]]:
+    """Create the folder, take its lock, remove what a killed write left, write config.yaml.
+    Returns (the lock, the stale temporary files removed). Rank 0 only."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DiskWriteError(
+            exc.errno, write_failure_message(run_dir, exc.strerror or str(exc))
+        ) from exc
+    lock = RunLock(run_dir)
+    lock.acquire()  # before anything is written: a held folder stays as its run left it
+    stale = remove_stale_temps(run_dir)  # left by a process killed mid-write
+    save_config(cfg, run_dir / "config.yaml")
+    return lock, stale
+
+
+class RunFolderBusy(ValueError):
+    """Another live run holds the run folder; the message names it and the fix."""
+
+
+def check_free(run_dir: Path) -> None:
+    """Raise RunFolderBusy when a live run holds `run_dir`; creates nothing."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - closed below; flock works on read-only files
+    except OSError:
+        return  # no lock file: nobody holds the folder
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunFolderBusy(_busy_message(run_dir, handle.read())) from None
+    except OSError:
+        return  # a file system without locks: RunLock.acquire says so
+    finally:
+        handle.close()
+
+
+class RunLock:
+    """The run's hold on its folder (rank 0); `acquire` once the input is known to be valid."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self._handle = None
+
+    def acquire(self) -> None:
+        """Take the lock and write who holds it; RunFolderBusy when another run has it."""
+        path = self.run_dir / LOCK_FILE
+        try:
+            handle = open(path, "a+b")  # noqa: SIM115 - held for the run
+        except OSError as exc:  # a read-only or full runs folder: say so as every write does
+            raise DiskWriteError(
+                exc.errno, write_failure_message(path, exc.strerror or str(exc))
+            ) from exc
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            message = _busy_message(self.run_dir, handle.read())
+            handle.close()
+            raise RunFolderBusy(message) from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                handle.close()
+                raise
+            log.warning(
+                "cannot lock %s (%s): this file system has no locks, so a second run "
+                "into this folder would not be refused",
+                self.run_dir,
+                exc.strerror,
+            )
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(_holder()).encode() + b"\n")
+        handle.flush()
+        self._handle = handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing the file releases the lock
+            self._handle = None
+
+
+def _holder() -> dict:
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": started,
+        "command": " ".join(sys.argv),
+    }
+
+
+def _busy_message(run_dir: Path, content: bytes) -> str:
+    try:
+        holder = json.loads(content.decode() or "{}")
+    except ValueError:
+        holder = {}
+    who = (
+        f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
+        f"{holder.get('started', '?')}"
+    )
+    return (
+        f"run folder {run_dir} is in use by another run ({who}); start this one with "
+        f"another train.name, or stop that run first (./run.sh stop {Path(run_dir).name})"
+    )
+
+
+# ------------------------------------------------------------------------------ resume point
+
+
+def resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict | None, list[str]]:
+    """(checkpoint path, its dict, notes for train.log), or (None, None, []) for a fresh start.
+
+    A fresh start into a folder that holds a run is refused. With resume_strict=false the
+    checkpoint's architecture replaces cfg's (cfg.model, cfg.features are set in place).
+    """
+    path = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    if path is None and (run_dir / checkpoint.LAST).exists():
+        raise ValueError(
+            f"{run_dir} already holds a run ({checkpoint.LAST}); continue it with "
+            "checkpoint.resume=auto, or start a new one with another train.name (or delete "
+            "the folder)"
+        )
+    if path is None:
+        return None, None, []
+    ckpt = checkpoint.load(path, trust=cfg.checkpoint.trust)
+    saved = config_from_dict(ckpt["config"])
+    changed = [
+        f"{key} {old!r} (now {new!r})"
+        for key, (old, new) in differences(architecture(saved), architecture(cfg)).items()
+    ]
+    notes = []
+    if changed and cfg.checkpoint.resume_strict:
+        raise checkpoint.CheckpointError(
+            f"{path} was trained with other settings: {'; '.join(changed[:6])}"
+            f"{' and more' if len(changed) > 6 else ''}. Resume with the run's own settings, "
+            "start a new run (another train.name), or set checkpoint.resume_strict=false to "
+            "continue with the checkpoint's"
+        )
+    if changed:
+        notes.append(
+            f"resuming {path} with its own settings, not the requested "
+            f"({'; '.join(changed)}): checkpoint.resume_strict=false"
+        )
+    cfg.model, cfg.features = saved.model, saved.features  # the architecture
+    return path, ckpt, notes
+
+
+# ---------------------------------------------------------------------------------- stopping
+
+
+class StopRequested:
+    """SIGTERM / SIGINT set a flag; the loop finishes the step, saves last.pt and exits (0 after
+    SIGTERM, 130 after Ctrl-C). A second Ctrl-C stops the process at once: last.pt stays the
+    last one written (checkpoint writes are atomic, so it is whole)."""
+
+    def __init__(self):
+        self.flag = False
+        self.signal: str | None = None  # the signal that asked to stop, e.g. "SIGINT"
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a test thread)
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.flag and signum == signal.SIGINT:
+            log.error("second Ctrl-C: stopping at once; last.pt is the last one saved")
+            os._exit(130)
+        if not self.flag:
+            log.warning(
+                "received %s: stopping at the next step boundary all ranks agree on, "
+                "then saving last.pt%s",
+                name,
+                " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "",
+            )
+        self.flag = True
+        self.signal = self.signal or name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def reported(
+    exc: Exception, env: distributed.DistEnv, *, setting_up: bool, stopping: bool
+) -> Exception:
+    """Log a rank's failure once and decide what its console shows.
+
+    The rank that failed says why (and leaves its reason for the others, whose train.log lines
+    name it); the ranks that lost it say nothing more, unless it vanished without a word (rank
+    0 then says so). Set-up errors are the same on every rank (same config, same sheet): rank 0
+    alone prints them.
+    """
+    if distributed.is_peer_failure(exc):
+        exc = distributed.peer_failure(exc)
+    else:
+        distributed.announce_failure(one_line(exc))
+    log_failure_to_file(exc, env.rank, traceback=not is_user_error(exc))
+    if stopping:
+        log.error("last.pt was not updated by the stop request: %s", one_line(exc))
+    peer = isinstance(exc, distributed.PeerFailure)
+    quiet = (peer and exc.reported) or (not env.is_primary and (setting_up or peer))
+    return AlreadyReported() if quiet else exc
