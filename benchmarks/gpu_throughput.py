@@ -1,28 +1,44 @@
 """GPU throughput of the shipped GPU recipes: samples/s per precision, with and without the
 data loader, and peak GPU memory.
 
-    .venv/bin/python benchmarks/gpu_throughput.py                 # on a CUDA machine
-    .venv/bin/python benchmarks/gpu_throughput.py --device cpu --steps 3 --models cnn   # smoke run
+    python benchmarks/gpu_throughput.py              # on a CUDA machine: about 2 minutes on one H200
+    python benchmarks/gpu_throughput.py --device cpu --steps 1 --files 256 \\
+        --set sampler.batch_size=8 sampler.m=2 data.num_workers=0 model.cnn.width=8 \\
+        model.conformer.num_layers=1 model.conformer.d_model=32 model.conformer.ffn_dim=64
+                                                     # every cell, tiny: under a minute on 2 cores
 
-For configs/cnn.yaml and configs/conformer.yaml (model, batch size, crop and features as
-shipped) and each precision (fp32, bf16, fp16):
-  - synthetic: training steps (audioclf's TrainStep: forward, triplet loss, backward,
-    clip, optimizer) on batches already on the device — the model's own speed;
-  - loader: the same steps fed by the real pipeline (npy crops read by the shipped number of
-    DataLoader workers through the m-per-class sampler, pinned memory), over a generated
-    feature set on local disk — the GPU is busy `synthetic time / loader time` of the time.
+For configs/cnn.yaml and configs/conformer.yaml (model, head, batch size, crop, features, loader
+settings as shipped; --set changes them for every cell) and each precision (fp32, bf16, fp16),
+a one-process run's parts are built as the Trainer builds them (the augmented dataset and its
+loader, the net with its head over the data's classes, configure_backends for TF32 and cuDNN, the
+wrapped model, the loss's objective, optimizer, schedule and TrainStep), over a generated set of
+random log-mel .npy files in 64 classes on local disk:
+  - synthetic: training steps on batches already on the device (the model's own speed);
+  - loader: the same steps fed by the real pipeline (memory-mapped .npy crops, augmentation,
+    the shipped number of DataLoader workers, the m-per-class sampler, pinned memory), at the
+    precision train.precision=auto picks (bf16 on Ampere and newer, fp16 before, fp32 on a CPU).
+    The files fit one epoch and sit in the page cache: this measures the workers, not the disk.
+    The GPU is busy `synthetic time / loader time` of the time.
+Each measurement times --steps steps after 3 warm-up steps (cuDNN autotuning, worker start-up).
 Peak memory is torch.cuda.max_memory_allocated over the synthetic run.
 
-Targets (PASS/FAIL lines): bf16 ≥ 1.8× fp32 samples/s on the Conformer recipe; the loader keeps
-the GPU ≥ 90 % busy (bf16, each model). Exit status 1 when a target fails.
+Prints a line per cell, the table, then one `PASS|FAIL|SKIP <name>: <detail>` line per target
+(conformer bf16 >= 1.8x fp32 samples/s; the loader keeps the GPU >= 90 % busy, each model) and per
+cell that could not run: bf16 on a GPU without native bfloat16 is SKIP, an error is FAIL. On a CPU
+the targets are SKIP (a smoke run). Exit status 1 when a line is FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import sys
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -32,88 +48,174 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from audioclf.config import load_config  # noqa: E402
+from audioclf import distributed  # noqa: E402
+from audioclf.config import Config, load_config  # noqa: E402
+from audioclf.data.augment import Augmenter  # noqa: E402
 from audioclf.data.dataset import AudioDataset  # noqa: E402
-from audioclf.data.loader import TrainLoader, loader_kwargs  # noqa: E402
-from audioclf.losses import build_loss  # noqa: E402
+from audioclf.data.index import load_index, split_index  # noqa: E402
+from audioclf.data.loader import TrainLoader, loader_options  # noqa: E402
+from audioclf.losses import WeightedLosses, build_loss  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
-from audioclf.optim import build_optimizer  # noqa: E402
-from audioclf.precision import resolve_precision  # noqa: E402
-from audioclf.sampler import MPerClassSampler  # noqa: E402
-from audioclf.step import NonFiniteGuard, TrainStep  # noqa: E402
+from audioclf.optim import LRSchedule, base_lr, build_optimizer, param_groups  # noqa: E402
+from audioclf.precision import auto_precision, configure_backends, resolve_precision  # noqa: E402
+from audioclf.training.step import NonFiniteGuard, TrainStep  # noqa: E402
+from audioclf.training.trainer import seed_everything  # noqa: E402
 
+MODELS = ("cnn", "conformer")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BF16_TARGET = 1.8
 BUSY_TARGET = 0.90
+WARMUP_STEPS = 3
+CLASSES = 64  # of the generated feature set (more when a batch needs more)
+ITEMS = 8  # per class
 
 
-def recipe(model: str, precision: str, device: torch.device, overrides: list[str]):
-    cfg = load_config(
+def recipe(model: str, precision: str, device: torch.device, index: Path, overrides) -> Config:
+    return load_config(
         ROOT / f"configs/{model}.yaml",
-        [f"train.precision={precision}", f"train.device={device.type}", *overrides],
+        [
+            f"data.index={index}",
+            "data.val_ratio=0",
+            f"train.precision={precision}",
+            f"train.device={device.type}",
+            *overrides,
+        ],
     )
-    return cfg
 
 
-def synthetic_batches(cfg, steps: int, device: torch.device, seed: int = 0):
-    """Log-mel batches of the recipe's shape on the device (npy recipes take features)."""
-    g = torch.Generator().manual_seed(seed)
-    frames = cfg.clips.crop_frames(cfg.features)
-    classes = cfg.sampler.batch_size // cfg.sampler.m
-    labels = torch.arange(classes).repeat_interleave(cfg.sampler.m)
-    out = []
-    for _ in range(steps):
-        x = torch.randn(cfg.sampler.batch_size, frames, cfg.features.n_mels, generator=g)
-        out.append(
-            (
-                x.to(device),
-                torch.full((len(x),), frames, device=device),
-                labels.to(device),
-                torch.arange(len(x), device=device),
-            )
-        )
-    return out
+def write_feature_set(cfg: Config, folder: Path, files: int) -> Path:
+    """`files` random log-mel .npy files (frames x n_mels float32, a crop plus 1 s) and their
+    index.csv: `classes` classes x ITEMS items, ids spread over them; returns the index."""
+    classes = max(CLASSES, cfg.sampler.batch_size // cfg.sampler.m)
+    frames = cfg.features.frames(cfg.features.samples(cfg.clips.crop_seconds + 1.0))
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(files):
+        path = folder / f"f{i:05d}.npy"
+        np.save(path, rng.standard_normal((frames, cfg.features.n_mels), dtype=np.float32))
+        rows.append((f"c{i % classes}", f"i{(i // classes) % ITEMS}", f"f{i:05d}", path.name))
+    index = folder / "index.csv"
+    pd.DataFrame(rows, columns=["a_cls", "a_item", "a_id", "path"]).to_csv(index, index=False)
+    return index
 
 
-def train_steps(cfg, device: torch.device, batches) -> tuple[float, int]:
-    """(seconds for the steps after 3 warm-up steps, samples in them)."""
-    torch.manual_seed(0)
-    net = build_net(cfg, 0).to(device)
-    optimizer = build_optimizer(net.parameters(), cfg.optim, device)
+def feature_files(cfg: Config, steps: int, files: int) -> int:
+    """--files, or enough for one epoch of the warm-up and timed steps (no epoch boundary in
+    the loader run), a whole number of files per class."""
+    classes = max(CLASSES, cfg.sampler.batch_size // cfg.sampler.m)
+    wanted = files or (steps + WARMUP_STEPS + 1) * cfg.sampler.batch_size
+    return classes * math.ceil(wanted / classes)
+
+
+@dataclass
+class Cell:
+    """One process's training parts, built as the Trainer builds them."""
+
+    step: TrainStep
+    loss_fn: WeightedLosses
+    schedule: LRSchedule
+    loader: TrainLoader
+
+
+def build_cell(cfg: Config, device: torch.device) -> Cell:
+    """The parts of a one-process run on `device`, in the order and with the calls of
+    audioclf.training.trainer (Trainer.__init__, _load_data, _build_run, _build_training; keep
+    them in step): the seeds, the train split's augmented dataset and loader, the precision, the
+    net with a head over the split's classes, TF32 / cuDNN settings, the wrapped model, the
+    loss, optimizer, schedule and the TrainStep of the loss's objective."""
+    env = distributed.DistEnv(device=device)
+    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    train = split_index(load_index(cfg.data), cfg.data)["train"]
+    augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
+    dataset = AudioDataset.from_index(train, cfg, train=True, augment=augment)
+    options = loader_options(cfg, device)
+    loader = TrainLoader.for_run(cfg, train, dataset, rank=0, world_size=1, options=options)
     precision = resolve_precision(cfg.train, device)
-    loss_core = build_loss(cfg)
-
-    def loss_fn(output, labels):
-        return loss_core(output[0], labels, output[1])
-
-    step = TrainStep(
+    net = build_net(cfg, len(train.classes))
+    configure_backends(cfg.train, device)
+    model = distributed.wrap(
         net,
+        env,
+        sync_bn=cfg.model.sync_bn,
+        find_unused_parameters=cfg.dist.find_unused_parameters,
+        autocast_dtype=precision.dtype,
+    )
+    loss_fn = build_loss(cfg)
+    optimizer = build_optimizer(param_groups(net, cfg.optim), cfg.optim, device)
+    schedule = LRSchedule(optimizer, cfg.optim, base_lr(cfg.optim, 1), cfg.train.epochs)
+    step = TrainStep(
+        model,
         optimizer,
         precision,
-        loss_fn,
-        guard=NonFiniteGuard(10),
+        loss_fn.objective,
+        guard=NonFiniteGuard(cfg.train.nonfinite_patience),
+        accumulate=cfg.train.accumulate,
         max_grad_norm=cfg.optim.max_grad_norm,
+        batch_size=cfg.sampler.batch_size,
+        placeholder=dataset.placeholder(),
     )
-    warm = iter(batches)
-    run_steps(step, [next(warm) for _ in range(3)], cfg.train.log_every_steps)
+    return Cell(step, loss_fn, schedule, loader)
+
+
+def synthetic_batches(cfg: Config, count: int, device: torch.device) -> list:
+    """`count` (x, lengths, labels, positions) batches of the recipe's shape on the device
+    (batch_size / m classes x m items, full-length crops): two distinct ones in turn, so the
+    peak memory holds about what a run keeps on the device."""
+    g = torch.Generator().manual_seed(0)
+    frames = cfg.clips.crop_frames(cfg.features)
+    batch, m = cfg.sampler.batch_size, cfg.sampler.m
+    labels = torch.arange(batch // m).repeat_interleave(m).to(device)
+    lengths = torch.full((batch,), frames, device=device)
+    positions = torch.arange(batch, device=device)
+    pool = [
+        (torch.randn(batch, frames, cfg.features.n_mels, generator=g).to(device), lengths)
+        for _ in range(min(2, count))
+    ]
+    return [(*pool[i % len(pool)], labels, positions) for i in range(count)]
+
+
+def loader_batches(loader):
+    """The train loader's batches, epoch after epoch."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        loader.end_epoch()
+        epoch += 1
+
+
+def run_steps(cell: Cell, batches, cfg: Config) -> int:
+    """The Trainer's epoch loop over `batches`: micro-batches, the schedule, an update per
+    train.accumulate of them, a host sync every train.log_every_steps updates; the samples."""
+    step, accumulate = cell.step, cfg.train.accumulate
+    sync_every = max(1, cfg.train.log_every_steps)
+    cell.loss_fn.set_epoch(0)
+    step.start_epoch()
+    updates = 0
+    for count, batch in enumerate(batches, start=1):
+        closes_group = count % accumulate == 0
+        step.micro_batch(batch, sync_grads=closes_group)
+        if not closes_group:
+            continue
+        cell.schedule.apply(updates, 0)
+        step.update()
+        updates += 1
+        if updates % sync_every == 0:
+            step.sync(False, updates)
+    step.sync(False, updates)
+    return step.end_epoch(0.0, stopped=False).samples
+
+
+def timed_steps(cell: Cell, batches, cfg: Config, steps: int, device) -> float:
+    """Samples/s of `steps` steps from `batches`, after WARMUP_STEPS untimed ones."""
+    batches = iter(batches)
+    run_steps(cell, islice(batches, WARMUP_STEPS), cfg)
     _synchronize(device)
     start = time.perf_counter()
-    result = run_steps(step, batches, cfg.train.log_every_steps)
+    samples = run_steps(cell, islice(batches, steps), cfg)
     _synchronize(device)
-    return time.perf_counter() - start, result.samples
-
-
-def run_steps(step: TrainStep, batches, sync_every: int):
-    """The Trainer's loop without a loader: an update per batch, a sync every `sync_every`."""
-    step.start_epoch()
-    count = 0
-    for count, batch in enumerate(batches, start=1):
-        step.micro_batch(batch)
-        step.update()
-        if count % max(1, sync_every) == 0:
-            step.sync(False, count)
-    step.sync(False, count)
-    return step.end_epoch(0.0, stopped=False)
+    return samples / (time.perf_counter() - start)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -121,52 +223,76 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def feature_set(
-    cfg, folder: Path, files: int, seconds: float
-) -> tuple[np.ndarray, np.ndarray, list]:
-    """`files` random log-mel .npy files (frames x n_mels float32) in 64 classes x 8 items."""
-    rng = np.random.default_rng(0)
-    frames = int(seconds * cfg.features.sample_rate / cfg.features.hop_length)
-    paths, classes, items = [], [], []
-    for i in range(files):
-        path = folder / f"f{i:05d}.npy"
-        if not path.exists():
-            np.save(path, rng.standard_normal((frames, cfg.features.n_mels)).astype(np.float32))
-        paths.append(str(path))
-        classes.append(i % 64)
-        items.append((i // 64) % 8)
-    return np.array(classes), np.array(items), paths
+def bf16_refused(cfg: Config, device: torch.device) -> str:
+    """Why this GPU cannot run a bf16 cell (resolve_precision refuses it), or ""."""
+    if cfg.train.precision != "bf16" or device.type != "cuda":
+        return ""
+    try:
+        resolve_precision(cfg.train, device)
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
-def loader_batches(cfg, device: torch.device, classes, items, paths, steps: int):
-    """The real input pipeline as the trainer builds it, cut to `steps` batches."""
-    dataset = AudioDataset(paths, classes, cfg.features, cfg.clips, train=True)
-    sampler = MPerClassSampler(
-        classes,
-        items,
-        batch_size=cfg.sampler.batch_size,
-        m=cfg.sampler.m,
-        seed=0,
-        split=cfg.sampler.split,
+def measure(cfg: Config, device: torch.device, steps: int, with_loader: bool) -> dict:
+    """synthetic_sps, peak_gib and (with_loader) loader_sps, busy of one cell."""
+    cell = build_cell(cfg, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    batches = synthetic_batches(cfg, WARMUP_STEPS + steps, device)
+    synthetic = timed_steps(cell, batches, cfg, steps, device)
+    row = {
+        "synthetic_sps": synthetic,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else math.nan,
+    }
+    del batches
+    if with_loader:
+        loaded = timed_steps(cell, loader_batches(cell.loader), cfg, steps, device)
+        row.update(loader_sps=loaded, busy=min(1.0, loaded / synthetic))
+    return row
+
+
+def describe(row: dict) -> str:
+    """The progress line of a measured cell."""
+    line = (
+        f"{row['model']:9s} {row['precision']:4s} synthetic {row['synthetic_sps']:9.1f} samples/s"
     )
-    options = loader_kwargs(
-        cfg.data.num_workers,
-        cfg.data.pin_memory,
-        cfg.data.persistent_workers,
-        cfg.data.prefetch_factor,
-        device,
-    )
-    loader = TrainLoader(dataset, sampler, seed=0, **options)
-    served, epoch = 0, 0
-    while True:
-        loader.set_epoch(epoch)
-        for batch in loader:
-            yield batch
-            served += 1
-            if served == steps:
-                return
-        loader.end_epoch()
-        epoch += 1
+    if not math.isnan(row["peak_gib"]):
+        line += f"  peak {row['peak_gib']:6.2f} GiB"
+    if not math.isnan(row["loader_sps"]):
+        line += f"  loader {row['loader_sps']:9.1f} samples/s  GPU busy {100 * row['busy']:.0f} %"
+    return line
+
+
+def verdicts(rows: list[dict], device: torch.device) -> list[str]:
+    """The targets' PASS|FAIL lines (SKIP on a CPU, or without the cells they compare)."""
+    on_gpu = device.type == "cuda"
+    smoke = "" if on_gpu else "; --device cpu is a smoke run: targets are for a GPU"
+    by = {(r["model"], r["precision"]): r for r in rows}
+    lines = []
+    if ("conformer", "fp32") in by or ("conformer", "bf16") in by:
+        fp32, bf16 = (
+            by.get(("conformer", p), {}).get("synthetic_sps", math.nan) for p in PRECISIONS[:2]
+        )
+        ratio = bf16 / fp32
+        if math.isnan(ratio):
+            status, detail = "SKIP", "no measured conformer fp32 and bf16 cells to compare"
+        else:
+            status = ("PASS" if ratio >= BF16_TARGET else "FAIL") if on_gpu else "SKIP"
+            detail = f"{ratio:.2f}x fp32 samples/s (target >= {BF16_TARGET}x){smoke}"
+        lines.append(f"{status} conformer bf16 speed-up: {detail}")
+    for row in rows:
+        if math.isnan(row["busy"]):
+            continue
+        ok = row["busy"] >= BUSY_TARGET
+        status = ("PASS" if ok else "FAIL") if on_gpu else "SKIP"
+        lines.append(
+            f"{status} {row['model']} loader: keeps the GPU {100 * row['busy']:.0f} % busy at "
+            f"{row['precision']} (target >= {100 * BUSY_TARGET:.0f} %){smoke}"
+        )
+    return lines
 
 
 def main() -> int:
@@ -174,87 +300,72 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
-    parser.add_argument("--models", nargs="+", default=["cnn", "conformer"])
-    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
-    parser.add_argument("--files", type=int, default=2048, help="generated .npy files")
+    parser.add_argument(
+        "--files", type=int, default=0, help="generated .npy files (default: one epoch's worth)"
+    )
     parser.add_argument(
         "--set",
         nargs="*",
         default=[],
         metavar="KEY=VALUE",
-        help="extra config overrides for every run",
+        help="config overrides for every cell",
     )
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_throughput: no CUDA device here; pass --device cpu for a smoke run")
         return 2
-    rows, failures = [], []
+    if device.type == "cuda" and device.index is None:  # cuda:N, as the Trainer's ranks use
+        device = torch.device("cuda", torch.cuda.current_device())
+    loader_precision = auto_precision(device)[0]
+    rows, problems = [], []
     with tempfile.TemporaryDirectory(prefix="audioclf_gpu_") as tmp:
         for model in args.models:
+            shipped = recipe(model, "auto", device, Path(tmp) / "unused.csv", args.set)
+            files = feature_files(shipped, args.steps, args.files)
+            index = write_feature_set(shipped, Path(tmp) / model, files)
             for precision in args.precisions:
-                cfg = recipe(model, precision, device, args.set)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                seconds, samples = train_steps(
-                    cfg, device, synthetic_batches(cfg, args.steps, device)
-                )
-                peak = (
-                    torch.cuda.max_memory_allocated(device) / 2**30
-                    if device.type == "cuda"
-                    else 0.0
-                )
-                row = {
-                    "model": model,
-                    "precision": precision,
-                    "synthetic_sps": samples / seconds,
-                    "peak_gib": peak,
-                    "loader_sps": None,
-                    "busy": None,
-                }
-                if precision == "bf16" or device.type == "cpu":
-                    folder = Path(tmp) / f"{model}_{cfg.features.n_mels}"
-                    folder.mkdir(exist_ok=True)
-                    data = feature_set(cfg, folder, args.files, cfg.clips.crop_seconds + 1.0)
-                    loaded_seconds, loaded = train_steps(
-                        cfg, device, loader_batches(cfg, device, *data, steps=args.steps + 3)
-                    )
-                    row["loader_sps"] = loaded / loaded_seconds
-                    row["busy"] = min(1.0, row["loader_sps"] / row["synthetic_sps"])
+                cfg = recipe(model, precision, device, index, args.set)
+                row = {"model": model, "precision": precision, "synthetic_sps": math.nan}
+                row.update(peak_gib=math.nan, loader_sps=math.nan, busy=math.nan)
                 rows.append(row)
-                print(
-                    f"{model:9s} {precision:4s} synthetic {row['synthetic_sps']:9.1f} samples/s"
-                    f"  peak {peak:6.2f} GiB"
-                    + (
-                        f"  loader {row['loader_sps']:9.1f} samples/s  GPU busy "
-                        f"{100 * row['busy']:.0f} %"
-                        if row["loader_sps"]
-                        else ""
-                    ),
-                    flush=True,
-                )
+                refused = bf16_refused(cfg, device)
+                if refused:
+                    problems.append(f"SKIP {model} {precision}: {refused}")
+                    print(problems[-1], flush=True)
+                    continue
+                try:
+                    row.update(measure(cfg, device, args.steps, precision == loader_precision))
+                except Exception as exc:  # one cell's failure (an OOM, a kernel error) is a line
+                    traceback.print_exc()
+                    problems.append(f"FAIL {model} {precision}: {type(exc).__name__}: {exc}")
+                    print(problems[-1].splitlines()[0], flush=True)
+                    continue
+                finally:
+                    gc.collect()  # the cell's model, optimizer and loader workers
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                print(describe(row), flush=True)
     table = pd.DataFrame(rows)
+    fp32 = table[table.precision == "fp32"].set_index("model").synthetic_sps
+    table.insert(3, "x_fp32", table.synthetic_sps / table.model.map(fp32))
     print()
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    by = {(r["model"], r["precision"]): r for r in rows}
-    if ("conformer", "fp32") in by and ("conformer", "bf16") in by:
-        ratio = by["conformer", "bf16"]["synthetic_sps"] / by["conformer", "fp32"]["synthetic_sps"]
-        ok = ratio >= BF16_TARGET
-        print(
-            f"{'PASS' if ok else 'FAIL'} conformer bf16 / fp32 samples/s = {ratio:.2f}x "
-            f"(target >= {BF16_TARGET}x)"
-        )
-        failures += [] if ok else ["bf16 speed-up"]
-    for row in rows:
-        if row["busy"] is not None and row["precision"] == "bf16":
-            ok = row["busy"] >= BUSY_TARGET
-            print(
-                f"{'PASS' if ok else 'FAIL'} {row['model']} data loader keeps the GPU "
-                f"{100 * row['busy']:.0f} % busy (target >= {100 * BUSY_TARGET:.0f} %)"
-            )
-            failures += [] if ok else [f"{row['model']} loader"]
-    return 1 if failures else 0
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-"))
+    print()
+    lines = [line.splitlines()[0] for line in problems] + verdicts(rows, device)
+    print("\n".join(lines))
+    failed = sum(line.startswith("FAIL") for line in lines)
+    measured = int(table.synthetic_sps.notna().sum())
+    print(
+        f"gpu_throughput: {measured} of {len(rows)} cells measured on {device.type}, "
+        f"{failed} FAIL line(s)"
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

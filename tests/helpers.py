@@ -384,7 +384,8 @@ def as_a_terminal_starts_it() -> None:
 def child_env() -> dict:
     """The environment of a launched tool: the checkout importable, one thread, and no GPU
     (the CPU suite stays on the CPU on a GPU machine)."""
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -331,3 +331,22 @@ def test_the_cpu_suite_sees_no_gpu_in_this_process_or_the_ones_it_starts():
     )
     assert seen.stdout.split() == ["0", "False"]
     assert resolve_device("auto") == torch.device("cpu")
+
+
+def test_ddp_at_world_size_1_under_a_launcher_keeps_its_process_group(monkeypatch):
+    # torchrun --nproc_per_node 1 with dist.strategy=ddp: a group of one (gloo here, NCCL on a
+    # one-GPU box, where gpu_check trains so); plain python with the same setting runs single.
+    from tests.helpers import free_port
+
+    assert distributed.setup(strategy="ddp", device="cpu").strategy == "single"
+    launched = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    for key, value in {**launched, "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    try:
+        env = distributed.setup(strategy="ddp", device="cpu")
+        assert (env.strategy, env.backend, env.world_size) == ("ddp", "gloo", 1)
+        assert distributed.is_initialized() and not env.distributed
+        model = distributed.wrap(nn.Linear(2, 2), env, sync_bn=False, find_unused_parameters=False)
+        assert isinstance(model, nn.parallel.DistributedDataParallel)
+    finally:
+        distributed.teardown()

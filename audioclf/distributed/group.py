@@ -68,8 +68,9 @@ def setup(
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
     if strategy == "auto":
         strategy = "ddp" if world_size > 1 else "single"
-    if strategy == "ddp" and world_size == 1:
-        strategy = "single"
+    if strategy == "ddp" and world_size == 1 and "MASTER_ADDR" not in os.environ:
+        strategy = "single"  # plain python: no launcher to meet; under one launched rank
+        # (torchrun --nproc_per_node 1) dist.strategy=ddp keeps the group: DDP, SyncBN, NCCL
     if strategy != "ddp" and world_size > 1:
         raise RuntimeError(
             f"dist.strategy={strategy} but WORLD_SIZE={world_size}: launch {strategy} with plain "
