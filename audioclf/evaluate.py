@@ -53,12 +53,8 @@ from audioclf.cli import add_trust_flag, resolve_device
 from audioclf.config import ModelConfig, choices
 from audioclf.errors import run_cli
 from audioclf.evaluation.metrics import SEARCH_METHODS
-
-# compute_metrics and embed_index are re-exported: tests/test_train.py imports them from here.
-from audioclf.evaluation.run import (  # noqa: F401
+from audioclf.evaluation.run import (
     check_evaluation_options,
-    compute_metrics,
-    embed_index,
     evaluate_split,
     evaluation_setup,
     select_data,

@@ -3,9 +3,8 @@
 The loop always enters the same autocast context and calls the same GradScaler; both are no-ops
 in fp32, so the loop has no precision branches (nanoGPT's pattern). `train.precision=auto`
 picks what fits the device: bf16 on GPUs with native bfloat16 (compute capability 8.0+ or ROCm),
-fp16 with loss scaling on older GPUs, fp32 on a CPU (bf16 autocast on a CPU measured 10-20x
-slower per training step than fp32: 44-51 s against 2.3-4.8 s for the cnn and conformer
-recipes, batch 16 x 3 s, 2 threads, on a 2-core x86 machine).
+fp16 with loss scaling on older GPUs, fp32 on a CPU (where bf16 autocast measured 10-20x slower
+per step: benchmarks/RESULTS.md, "Other figures").
 """
 
 from __future__ import annotations

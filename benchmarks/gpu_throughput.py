@@ -163,7 +163,7 @@ def synthetic_batches(cfg: Config, count: int, device: torch.device) -> list:
     (batch_size / m classes x m items, full-length crops): two distinct ones in turn, so the
     peak memory holds about what a run keeps on the device."""
     g = torch.Generator().manual_seed(0)
-    frames = cfg.clips.crop_frames(cfg.features)
+    frames = cfg.features.frames(cfg.clips.crop_samples(cfg.features))
     batch, m = cfg.sampler.batch_size, cfg.sampler.m
     labels = torch.arange(batch // m).repeat_interleave(m).to(device)
     lengths = torch.full((batch,), frames, device=device)

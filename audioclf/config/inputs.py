@@ -111,10 +111,6 @@ class ClipsConfig:
     def crop_samples(self, features: FeaturesConfig) -> int:
         return features.samples(self.crop_seconds)
 
-    def crop_frames(self, features: FeaturesConfig) -> int:
-        """Frames of a training crop of precomputed features."""
-        return features.frames(self.crop_samples(features))
-
     def eval_max_frames(self, features: FeaturesConfig) -> int:
         """Longest evaluation clip of precomputed features, in frames."""
         return features.frames(features.samples(self.eval_max_seconds))

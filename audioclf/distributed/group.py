@@ -122,8 +122,7 @@ def setup(
 def pin_to_cores(local_rank: int) -> list[int] | None:
     """Keep this rank on its own share of the machine's cores (CPU runs with several ranks per
     machine). Left to itself, the scheduler often stacks two busy ranks on one core while another
-    idles: embed --index on 2 ranks x 1 thread on 2 cores went from 1.55x to 1.82x one rank's
-    throughput pinned (benchmarks/embed_index.py, best of 3). Nothing is pinned when there are
+    idles (benchmarks/RESULTS.md, "Embedding a collection on every rank"). Nothing is pinned when there are
     fewer cores than local ranks, when a launcher bound the process already (srun --cpu-bind,
     taskset: fewer cores allowed than the machine has), or when the affinity cannot be set (not
     Linux); returns the cores, or None."""

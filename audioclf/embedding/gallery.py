@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 
 from audioclf.data.index import load_index
-from audioclf.fileio import atomic_write_bytes
+from audioclf.fileio import atomic_write_bytes, file_stamp
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.extract import check_finite, embed_files
 from audioclf.inference.inputs import embed_inputs
@@ -43,7 +43,7 @@ from audioclf.metrics import class_centroids
 log = logging.getLogger("audioclf")
 
 CACHE_DIR = ".audioclf_cache"
-CACHE_VERSION = 1  # bump when the cached gallery layout changes
+CACHE_VERSION = 2  # bump when the cached gallery layout changes
 DEFAULT_TOP = 5  # classes shown per file
 
 
@@ -79,16 +79,12 @@ def _digest(data: bytes) -> str:
 
 
 def gallery_cache_file(model: LoadedEmbedder, sheet: Path, root: str) -> Path:
-    stat = model.path.stat()
     key = json.dumps(
         [
             CACHE_VERSION,
-            str(sheet.resolve()),
-            _digest(sheet.read_bytes()),
+            file_stamp(sheet, content=True),
             root,
-            str(model.path.resolve()),
-            stat.st_mtime_ns,
-            stat.st_size,
+            file_stamp(model.path),
             model.input_kind,
             dataclasses.asdict(model.features),
             dataclasses.asdict(model.cfg.clips),

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from audioclf.data.index import Index
-from audioclf.fileio import atomic_write, atomic_write_bytes
+from audioclf.fileio import atomic_write, atomic_write_bytes, file_stamp
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.outputs import ManifestMismatch, check_manifest, write_manifest, write_skipped
 
@@ -57,12 +57,12 @@ def _digest(data: bytes) -> str:
 
 def parts_manifest(model: LoadedEmbedder, chunk_rows: int) -> dict:
     """What every part file of a run depends on besides its own rows' ids and paths."""
-    stat = model.path.stat()
+    stamp = file_stamp(model.path)
     return {
         "version": PARTS_VERSION,
-        "model": str(model.path.resolve()),
-        "model_mtime_ns": stat.st_mtime_ns,
-        "model_size": stat.st_size,
+        "model": stamp["path"],
+        "model_mtime_ns": stamp["mtime_ns"],
+        "model_size": stamp["bytes"],
         "input_kind": model.input_kind,
         "features": dataclasses.asdict(model.features),
         "clips": dataclasses.asdict(model.cfg.clips),

@@ -8,7 +8,6 @@ checked here once, so each backend sees clean float32 rows and a valid k.
 from __future__ import annotations
 
 import json
-import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import IO, Any
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from audioclf.fileio import atomic_write, atomic_write_bytes
+from audioclf.fileio import atomic_write, atomic_write_bytes, file_stamp
 
 # Version of the JSON description written by save(); load() refuses others.
 META_FORMAT = 1
@@ -210,22 +209,11 @@ class SearchIndex(ABC):
             "size": self.size,
             "params": self.params,
             "data": data.name if data is not None else None,
-            "source": None if self.source is None else file_stamp(self.source, path.parent),
+            "source": None
+            if self.source is None
+            else file_stamp(self.source, relative_to=path.parent),
             "info": self.info,
         }
         atomic_write_bytes(path, json.dumps(meta, indent=2).encode() + b"\n")
         self.path = path
         return path
-
-
-def file_stamp(file: Path, folder: Path) -> dict[str, Any]:
-    """A file's path (relative to `folder` when it lies below it, so the pair can move
-    together), byte size and modification time: enough to notice that it was rewritten."""
-    stat = file.stat()
-    try:
-        shown = os.path.relpath(file.resolve(), folder.resolve())
-    except ValueError:  # another drive on Windows
-        shown = str(file.resolve())
-    if shown.startswith(".."):
-        shown = str(file.resolve())
-    return {"path": shown, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from audioclf.fileio import file_stamp
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.sidecar import ExportSidecar, sidecar_path
 from audioclf.search.approximate import APPROXIMATE_METHODS, FaissIndex, faiss_available
@@ -184,12 +185,9 @@ def model_dim(model: LoadedEmbedder) -> int | None:
 
 def model_record(model: LoadedEmbedder) -> dict[str, Any]:
     """What an index remembers of the model that made its embeddings."""
-    stat = model.path.stat()
     return {
-        "path": str(model.path.resolve()),
+        **file_stamp(model.path),
         "description": model.description,
-        "bytes": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
         "input_kind": model.input_kind,
         "features": dataclasses.asdict(model.features),
         "dim": model_dim(model),

@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from audioclf.fileio import file_stamp
 from audioclf.search.approximate import APPROXIMATE_METHODS, FaissIndex
-from audioclf.search.base import META_FORMAT, SearchIndex, file_stamp
+from audioclf.search.base import META_FORMAT, SearchIndex
 from audioclf.search.exact import ExactIndex
 
 METHODS = ("exact", *APPROXIMATE_METHODS)
@@ -125,7 +126,7 @@ def _checked_source(meta: dict[str, Any], path: Path) -> Path | None:
             f"search index {path} was built from {source}, which is missing; keep the index beside "
             f"its embeddings or rebuild it"
         )
-    now = file_stamp(source, path.parent)
+    now = file_stamp(source, relative_to=path.parent)
     if (now["bytes"], now["mtime_ns"]) != (recorded["bytes"], recorded["mtime_ns"]):
         raise ValueError(
             f"search index {path} is stale: {source} changed since it was built (size "

@@ -36,36 +36,10 @@ writes them) `log_mel` applies the same EQ curve, evaluated at the mel bands' ce
 frequencies, and the gain, as per-bin offsets (dB · ln(10) / 10). The other pieces are skipped
 there; SpecAugment, spectral tilt and mel-axis warp stay in the front end.
 
-Library or own code: measured with `benchmarks/augment_cost.py` (one process, one thread, 2 s
-crops of 1-2 s clips at 16 kHz, best of 15 interleaved rounds on the shared 2-core development
-machine). Extra milliseconds per crop over the 0.15 ms of loading and cropping, in one run:
-
-    piece                 here   the libraries, same loop
-    speed                 0.33   (audiomentations has no speed perturbation)
-    reverb                0.64   audiomentations RoomSimulator: 158 (pyroomacoustics; earlier run)
-    EQ                    0.38   audiomentations SevenBandParametricEQ 2.07
-    noise, generated      0.23   audiomentations AddColorNoise 1.13
-    noise, files          0.10   audiomentations AddBackgroundNoise 0.21
-    gain                  0.07   audiomentations Gain 0.02
-    pitch ±2 semitones    2.15   audiomentations PitchShift 5.96 (signalsmith), 4.36 (librosa);
-                                 torch-audiomentations PitchShift 23.7;
-                                 torchaudio.functional.pitch_shift 9.3 s per call
-    stretch 0.85-1.15     2.02   torchaudio phase_vocoder 2.46 (plain, in our place);
-                                 audiomentations TimeStretch 4.10 (signalsmith), 3.52 (librosa)
-    band-limit            0.44   torchaudio biquads 1.08; audiomentations BandPassFilter 0.73;
-                                 torch-audiomentations BandPassFilter 2.12
-    codec: resample       0.59   (torchaudio's resampler, cached kernels)
-    codec: mu-law         0.70   (torchaudio's mu_law_encoding / decoding)
-    codec: quantise       0.05   audiomentations BitCrush 0.04 (the same rounding)
-    room pieces, p = 1    1.30   → 690 crops/s in one worker
-    everything, p = 1     4.65   → 208 crops/s
-    default recipe        0.70   → 1180 crops/s (the source pieces are off by default)
-
-Reproducibility decides on its own: audiomentations draws from Python's `random` and numpy's
-global state (`random.uniform`, `np.random.normal`), torch-audiomentations from torch's global
-generator, not from a Generator passed in, so an item could only be reproduced by re-seeding
-global state inside the worker per item. So every piece is own code on numpy (FFTs) and torch /
-torchaudio (STFT, resampler, mu-law), the fastest of what was measured: no new dependency.
+Every piece is own code on numpy and torch / torchaudio: the libraries draw from global random
+state (an item could not be reproduced from its generator) and were slower where measured
+(benchmarks/augment_cost.py; the table in benchmarks/RESULTS.md, "Augmentation: own code or a
+library").
 """
 
 from __future__ import annotations

@@ -7,12 +7,8 @@ EQ      a random smooth gain curve: `eq_bands` control points log-spaced from 50
 band    a telephone-like band-pass: Butterworth magnitude of order BAND_ORDER at each edge
         (24 dB/octave), cut-offs drawn from `band_low_hz` / `band_high_hz`, applied zero-phase
         in one zero-padded FFT pass. Not re-levelled: what passes the band keeps its level, as
-        through a real channel. FFT rather than IIR sections, measured per 2-s crop in
-        `benchmarks/augment_cost.py`: 0.44 ms, against 1.08 ms for torchaudio's
-        `highpass_biquad` + `lowpass_biquad` (only 12 dB/octave each; its `lfilter` runs sample
-        by sample), 0.73 ms for audiomentations' BandPassFilter (scipy's `butter` + `sosfilt`,
-        most of it designing the filter, which changes with every draw) and 2.1 ms for
-        torch-audiomentations' BandPassFilter.
+        through a real channel. FFT rather than IIR sections: faster than torchaudio's biquads
+        and the libraries' band-pass filters (benchmarks/RESULTS.md, "Band-limiting").
 codec   one of `codec_kinds`: "resample" down to a rate in `codec_rates` and back (torchaudio's
         windowed-sinc resampler, kernels cached: the rate is snapped to a ratio with a small
         denominator, so there are few kernels and each is cheap — 16 kHz → 11025 Hz exactly

@@ -14,14 +14,10 @@ stretch  tempo times a factor drawn from `stretch_factors`, pitch unchanged.
 
 Pitch and stretch share one phase vocoder pass (`time_stretch`: torch.stft / istft, windows of
 about 32 ms with 75 % overlap), at the rate that makes the clip's duration what stretch asks.
-Own code on torch's STFT rather than `torchaudio.functional.phase_vocoder` or librosa's (which
-audiomentations' "librosa_phase_vocoder" method calls): both are the plain vocoder, in which the
-bins of one partial drift apart after any onset and cancel (see `time_stretch`); this one adds
-identity phase locking, and still costs less: per 2-s crop in `benchmarks/augment_cost.py`,
-stretch 2.0 ms against 2.5 ms with torchaudio's vocoder in its place (angles taken once per
-input frame, cos and sin rather than torch.polar), pitch 2.1 ms. audiomentations' PitchShift /
-TimeStretch took 6.0 / 4.1 ms with Signalsmith Stretch (`python-stretch`, its default; not a
-dependency of audioclf) and 4.4 / 3.5 ms with librosa; torch-audiomentations' PitchShift 24 ms.
+Own code on torch's STFT rather than `torchaudio.functional.phase_vocoder` or librosa's: both are
+the plain vocoder, in which the bins of one partial drift apart after any onset and cancel (see
+`time_stretch`); this one adds identity phase locking and costs less (benchmarks/RESULTS.md,
+"Pitch and stretch").
 
 On a clip longer than one crop needs, only a random window (crop × the duration factor, plus a
 margin for the resampler's filter and the STFT's edges) is processed and exactly one crop, the

@@ -2,10 +2,8 @@
 
 Unit direct path, a few discrete early echoes, and a diffuse tail of white noise decaying by
 60 dB in RT60 seconds, scaled to a random direct-to-reverberant ratio and normalised to unit
-energy. Own code, not pyroomacoustics (audiomentations' RoomSimulator): its image-source
-responses took 37 ms (RT60 0.2 s) to 2 s (0.8 s) each with the reflection order its
-`inverse_sabine` asks for, and capped at order 3 had no reverberant tail left; this one costs
-0.1 ms to make.
+energy. Own code, not pyroomacoustics: its image-source responses cost orders of magnitude more
+(benchmarks/RESULTS.md, "Room responses").
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ are the sheet's own, title rows included.
     splits = split_index(index, cfg.data)  # {"train": Index, "val": Index[, "test": Index]}
 
 Cache. The table is stored as an uncompressed Arrow IPC (feather) file in `data.cache_dir` or
-`<sheet folder>/.audioclf_cache/` (for 383k rows: 43 MB, re-read in ~4 ms; lz4 feather 11 ms,
-parquet 19 ms, npz 110 ms), named by the sheet's path and the header/column/root/template config,
+`<sheet folder>/.audioclf_cache/` (the fastest of the formats measured: benchmarks/RESULTS.md,
+"Large datasets"), named by the sheet's path and the header/column/root/template config,
 and stamped with the sheet's size, mtime_ns and blake2b content hash; any change to the sheet or
 that config makes it stale, and it is rebuilt. A file-existence check that passed is recorded in
 the cache and not repeated on a hit (re-checking 400k files would defeat the cache): a file

@@ -14,14 +14,14 @@ import pyarrow as pa
 
 from audioclf.config import DataConfig
 from audioclf.data.index.table import TABLE_COLUMNS
-from audioclf.fileio import atomic_write
+from audioclf.fileio import atomic_write, file_stamp
 
 log = logging.getLogger("audioclf")
 
 
 # bump when the cached table's layout, its metadata or the validation rules change
 # (2: header rows found and column names matched loosely; "notes" in the metadata)
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 _CACHE_META_KEY = b"audioclf.index"
 
 
@@ -53,15 +53,8 @@ def cache_path(cfg: DataConfig, source: Path, root: str) -> Path:
 
 
 def sheet_stamp(source: Path) -> dict:
-    """The sheet's size, mtime_ns and content hash (a 10 MB sheet hashes in ~5 ms)."""
-    stat = source.stat()
-    content = hashlib.blake2b(source.read_bytes(), digest_size=16).hexdigest()
-    return {
-        "version": CACHE_VERSION,
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "content": content,
-    }
+    """What the cache records of the sheet: its path, size, mtime_ns and content hash."""
+    return {"version": CACHE_VERSION, **file_stamp(source, content=True)}
 
 
 def read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
