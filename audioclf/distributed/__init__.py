@@ -20,7 +20,6 @@ from audioclf.distributed.collectives import (
 from audioclf.distributed.consistency import (
     ParameterDriftError,
     check_parameter_consistency,
-    parameter_checksums,
 )
 from audioclf.distributed.failures import (
     PeerFailure,
@@ -60,7 +59,6 @@ __all__ = [
     "is_initialized",
     "is_peer_failure",
     "no_sync",
-    "parameter_checksums",
     "peer_failure",
     "primary_first",
     "primary_only",

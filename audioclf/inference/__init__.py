@@ -18,31 +18,22 @@ Nothing here imports the trainer, search or a CLI module; the names below are wh
 benchmarks import from `audioclf.inference`.
 """
 
-from audioclf.inference.artefacts import ArtefactError, LoadedEmbedder, load_embedder
+from audioclf.inference.artefacts import LoadedEmbedder, load_embedder
 from audioclf.inference.checkpoints import (
-    checkpoint_config,
     describe_checkpoint,
     init_weights,
     load_trained,
 )
 from audioclf.inference.extract import (
-    LOG_MEL,
-    WAVEFORM,
     embed_files,
     extract_embeddings,
-    file_dataset,
 )
 
 __all__ = [
-    "LOG_MEL",
-    "WAVEFORM",
-    "ArtefactError",
     "LoadedEmbedder",
-    "checkpoint_config",
     "describe_checkpoint",
     "embed_files",
     "extract_embeddings",
-    "file_dataset",
     "init_weights",
     "load_embedder",
     "load_trained",

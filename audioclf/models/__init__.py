@@ -23,11 +23,7 @@ __all__ = [
     "build_net",
     "count_parameters",
     "EmbeddingNet",
-    "CNNEmbedder",
-    "ConformerEmbedder",
-    "ResNetEmbedder",
     "ClassifierHead",
-    "FeatureFrontend",
 ]
 
 MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {

@@ -5,7 +5,7 @@ files   one audio file → one .npy (atomic, resumable), in a pool of worker pro
 run     one (sharded) run: the output folder, shard records, the output index
 """
 
-from audioclf.precompute.names import feature_paths, quote_name, safe_names
+from audioclf.precompute.names import feature_paths
 from audioclf.precompute.run import Shard, Summary, feature_settings, prepare, train_command
 
 __all__ = [
@@ -14,7 +14,5 @@ __all__ = [
     "feature_paths",
     "feature_settings",
     "prepare",
-    "quote_name",
-    "safe_names",
     "train_command",
 ]

@@ -82,19 +82,7 @@ from audioclf.spectrogram import DB_TO_LOG_POWER
 
 __all__ = [
     "Augmenter",
-    "add_noise",
-    "band_limit",
-    "colored_noise",
-    "eq_basis",
-    "find_noise_files",
-    "fft_length",
-    "match_level",
-    "mel_centre_frequencies",
-    "mulaw_round_trip",
-    "quantize_round_trip",
-    "resample_round_trip",
     "room_impulse_response",
-    "segment",
 ]
 
 

@@ -36,31 +36,23 @@ from audioclf.data.index.cache import cache_path, data_root, read_cache, sheet_s
 from audioclf.data.index.reader import read_table
 from audioclf.data.index.splits import split_index, stratified_subset
 from audioclf.data.index.table import (
-    SPLITS,
-    SUPPORTED_FORMATS,
     TABLE_COLUMNS,
-    Codes,
     Index,
     IndexValidationError,
     sheet_header,
-    table_codes,
 )
 from audioclf.data.index.validate import check_files, validate_table
 
 log = logging.getLogger("audioclf")
 
 __all__ = [
-    "SPLITS",
-    "SUPPORTED_FORMATS",
     "TABLE_COLUMNS",
-    "Codes",
     "Index",
     "IndexValidationError",
     "load_index",
     "read_table",
     "split_index",
     "stratified_subset",
-    "table_codes",
 ]
 
 
