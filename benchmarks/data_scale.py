@@ -15,7 +15,7 @@ What is on disk (generated once into --workdir, reused by later runs):
 Measured, in this order (the configuration is the trainer's: features.kind=npy, n_mels=--bins,
 crop_seconds=3 -> 301 frames, sampler.batch_size=128, m=4, one rank, the default split):
   index       load_index first read (cache removed) and cached, split_index, the sampler, the
-              train AudioDataset as the trainer builds it, and audioclf.training.trainer.build_data whole;
+              train AudioDataset as the trainer builds it, and split_datasets (as the Trainer builds them) whole;
   ceiling     read_npy_crop in a loop in this process on the very (path, crop seed) pairs the
               loader reads: the fastest one process can go (warm and cold);
   loader      MPerClassSampler + TrainLoader (SeededBatches) + collate_padded with 0 (in
@@ -62,9 +62,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from audioclf import run_parts  # noqa: E402
 from audioclf.config import load_config  # noqa: E402
-from audioclf.data.dataset import AudioDataset, collate_padded  # noqa: E402
+from audioclf.data.dataset import (  # noqa: E402
+    AudioDataset,
+    collate_padded,
+    split_datasets,  # noqa: E402
+)
 from audioclf.data.index import load_index, split_index  # noqa: E402
 from audioclf.data.loader import SeededBatches, TrainLoader, loader_kwargs  # noqa: E402
 from audioclf.data.readers import read_npy_crop  # noqa: E402
@@ -537,10 +540,9 @@ def main() -> int:
         )
     )
     _, dataset_s = timed(lambda: AudioDataset.from_index(train, cfg, train=True))
-    data, build_s = timed(lambda: run_parts.build_data(cfg))
-    index = splits = None  # the trainer keeps only build_data's result
-    train = data.train
-    sampler = MPerClassSampler(  # as Trainer.__init__ builds it, on build_data's split
+    (train, val, train_set, _), build_s = timed(lambda: split_datasets(cfg, load_index(cfg.data)))
+    index = splits = None  # the trainer keeps only what split_datasets returns
+    sampler = MPerClassSampler(  # as TrainLoader.for_run builds it, on the run's split
         train.codes.class_codes,
         train.codes.item_codes,
         batch_size=cfg.sampler.batch_size,
@@ -554,8 +556,8 @@ def main() -> int:
     paths = train.table["path"].to_numpy()
     mean_path = float(np.mean([len(p) for p in paths[:10_000]]))
     print(
-        f"index: {len(data.train):,} train rows in {len(train.classes)} classes, "
-        f"{len(data.val) if data.val else 0:,} val rows; {sampler.batches_per_epoch} batches of "
+        f"index: {len(train):,} train rows in {len(train.classes)} classes, "
+        f"{len(val) if val else 0:,} val rows; {sampler.batches_per_epoch} batches of "
         f"{cfg.sampler.batch_size} per epoch; paths ~{mean_path:.0f} characters"
     )
     for label, seconds in (
@@ -567,12 +569,12 @@ def main() -> int:
         ("split_index", split_s),
         ("MPerClassSampler (with the index's codes)", sampler_s),
         ("AudioDataset.from_index of the train split", dataset_s),
-        ("trainer.build_data (cached load, split, both datasets)", build_s),
+        ("split_datasets (cached load, split, both datasets)", build_s),
     ):
         print(f"  {label:76s} {seconds:7.3f} s")
     main_mb = memory_mb(os.getpid())
     print(
-        f"  this process after build_data: RSS {main_mb['rss']:.0f} MB, "
+        f"  this process after split_datasets: RSS {main_mb['rss']:.0f} MB, "
         f"{len(gc.get_objects()):,} gc-tracked objects"
     )
 
@@ -595,7 +597,7 @@ def main() -> int:
     results = {}  # (workers, "warm" / "cold") -> (crops/s, cpu/s)
 
     def loader_run(workers: int, kind: str, reference: float) -> None:
-        run = LoaderRun(cfg, data.train_set, sampler, workers)
+        run = LoaderRun(cfg, train_set, sampler, workers)
         rate, cpu = run.rate(args.measure)
         run.close()
         results[workers, kind] = rate, cpu
@@ -612,9 +614,7 @@ def main() -> int:
     for workers in worker_counts:
         loader_run(workers, "warm", ceiling_warm[0])
 
-    items_ms, collate_ms, share_ms = batch_costs(
-        data.train_set, measure_keys, cfg.sampler.batch_size
-    )
+    items_ms, collate_ms, share_ms = batch_costs(train_set, measure_keys, cfg.sampler.batch_size)
 
     # ---- cold: every file dropped from the page cache before each run
     cold_ok = drop_from_page_cache(features)
@@ -673,7 +673,7 @@ def main() -> int:
     # independent of what ran before.
     torch.empty(cfg.sampler.batch_size, cfg.clips.crop_frames(feats), feats.n_mels).fill_(0)
     read_whole_files(features)
-    run = LoaderRun(cfg, data.train_set, sampler, args.memory_workers)
+    run = LoaderRun(cfg, train_set, sampler, args.memory_workers)
     start_mb = {pid: memory_mb(pid) for pid in run.pids}
     peak = {pid: {"rss": 0.0, "uss": 0.0} for pid in run.pids}
     floor = {pid: float("inf") for pid in run.pids}  # lowest USS growth in the second half
@@ -730,7 +730,7 @@ def main() -> int:
         first for label, _, _, first, _ in rows if first is not None and label.endswith("warm")
     )
     print(
-        f"start-up: trainer.build_data {build_s:.2f} s + sampler {sampler_s:.2f} s + first batch "
+        f"start-up: split_datasets {build_s:.2f} s + sampler {sampler_s:.2f} s + first batch "
         f"{first_run:.2f} s ({worker_counts[0]} worker{'s' if worker_counts[0] > 1 else ''}, "
         f"warm) = {build_s + sampler_s + first_run:.2f} s from a cached index to the first batch "
         f"(a first read adds {first_s - cached_s:.2f} s)"

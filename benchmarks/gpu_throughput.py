@@ -50,9 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 from audioclf import distributed  # noqa: E402
 from audioclf.config import Config, load_config  # noqa: E402
-from audioclf.data.augment import Augmenter  # noqa: E402
-from audioclf.data.dataset import AudioDataset  # noqa: E402
-from audioclf.data.index import load_index, split_index  # noqa: E402
+from audioclf.data.dataset import split_datasets  # noqa: E402
+from audioclf.data.index import load_index  # noqa: E402
 from audioclf.data.loader import TrainLoader, loader_options  # noqa: E402
 from audioclf.losses import WeightedLosses, build_loss  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
@@ -126,9 +125,7 @@ def build_cell(cfg: Config, device: torch.device) -> Cell:
     loss, optimizer, schedule and the TrainStep of the loss's objective."""
     env = distributed.DistEnv(device=device)
     seed_everything(cfg.train.seed, cfg.train.deterministic)
-    train = split_index(load_index(cfg.data), cfg.data)["train"]
-    augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
-    dataset = AudioDataset.from_index(train, cfg, train=True, augment=augment)
+    train, _, dataset, _ = split_datasets(cfg, load_index(cfg.data))
     options = loader_options(cfg, device)
     loader = TrainLoader.for_run(cfg, train, dataset, rank=0, world_size=1, options=options)
     precision = resolve_precision(cfg.train, device)

@@ -239,17 +239,12 @@ def train_resume_export(index: Path, tmp_path: Path, device: str, precision: str
 
 
 def run_datasets(cfg: Config) -> tuple:
-    """(train index, train dataset, validation dataset) of a run, built in the Trainer's order
-    (after its seeds: the augmenter draws nothing at construction)."""
-    from audioclf.data.augment import Augmenter
-    from audioclf.data.dataset import AudioDataset
-    from audioclf.data.index import load_index, split_index
+    """(train index, train dataset, validation dataset) of a run, as the Trainer builds them."""
+    from audioclf.data.dataset import split_datasets
+    from audioclf.data.index import load_index
 
-    splits = split_index(load_index(cfg.data), cfg.data)
-    train, val = splits["train"], splits[cfg.eval.split]
-    augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
-    train_set = AudioDataset.from_index(train, cfg, train=True, augment=augment)
-    return train, train_set, AudioDataset.from_index(val, cfg, train=False)
+    train, _, train_set, val_set = split_datasets(cfg, load_index(cfg.data))
+    return train, train_set, val_set
 
 
 def fit(cfg: Config, hooks=None) -> dict:

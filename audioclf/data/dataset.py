@@ -20,7 +20,7 @@ from torch import Tensor
 
 from audioclf.config import ClipsConfig, Config, FeaturesConfig
 from audioclf.data.augment import Augmenter
-from audioclf.data.index import Index
+from audioclf.data.index import Index, split_index
 from audioclf.data.readers import (
     AudioReadError,
     FeatureFileError,
@@ -181,6 +181,25 @@ class AudioDataset(torch.utils.data.Dataset):
                 path, clips.eval_max_frames(cfg), None, clips.npy_layout, cfg.n_mels, "none"
             )
         return torch.from_numpy(feats)
+
+
+def split_datasets(
+    cfg: Config, index: Index
+) -> tuple[Index, Index | None, AudioDataset, AudioDataset | None]:
+    """A run's train split and validation split (eval.split; None when it has fewer than 2
+    rows) with their datasets, the train one augmented (augment.*). ValueError when the train
+    split is empty."""
+    splits = split_index(index, cfg.data)
+    train, val = splits["train"], splits.get(cfg.eval.split)
+    if len(train) == 0:
+        raise ValueError(
+            f"{index.source}: the train split is empty; check data.split_column / data.val_ratio"
+        )
+    augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
+    train_set = AudioDataset.from_index(train, cfg, train=True, augment=augment)
+    if val is None or len(val) < 2:
+        return train, None, train_set, None
+    return train, val, train_set, AudioDataset.from_index(val, cfg, train=False)
 
 
 def _unpack(key: int | tuple) -> tuple[int, int, int | None]:

@@ -29,9 +29,8 @@ from tqdm import tqdm
 
 from audioclf import checkpoint, distributed
 from audioclf.config import Config, to_dict
-from audioclf.data.augment import Augmenter
-from audioclf.data.dataset import AudioDataset
-from audioclf.data.index import load_index, split_index
+from audioclf.data.dataset import split_datasets
+from audioclf.data.index import load_index
 from audioclf.data.loader import TrainLoader, loader_options
 from audioclf.fileio import atomic_copy
 from audioclf.inference import init_weights
@@ -256,22 +255,8 @@ class Trainer:
     def _load_data(self) -> None:
         """The index (rank 0 reads it first and builds its cache; the others then read the
         cache), its train / validation split and their datasets. Collective when distributed."""
-        cfg = self.cfg
-        index = distributed.primary_first(load_index, cfg.data)
-        splits = split_index(index, cfg.data)
-        self.train, self.val = splits["train"], splits.get(cfg.eval.split)
-        if len(self.train) == 0:
-            raise ValueError(
-                f"{index.source}: the train split is empty; check data.split_column / "
-                "data.val_ratio"
-            )
-        augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
-        self.train_set = AudioDataset.from_index(self.train, cfg, train=True, augment=augment)
-        if self.val is not None and len(self.val) < 2:
-            self.val = None
-        self.val_set = (
-            None if self.val is None else AudioDataset.from_index(self.val, cfg, train=False)
-        )
+        index = distributed.primary_first(load_index, self.cfg.data)
+        self.train, self.val, self.train_set, self.val_set = split_datasets(self.cfg, index)
 
     def _build_training(self, net: torch.nn.Module) -> None:
         """The wrapped model, the loss, optimizer, schedule, the step that uses them, the EMA."""
