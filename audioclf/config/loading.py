@@ -235,15 +235,35 @@ def merge(base: dict, update: dict) -> dict:
     return out
 
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # the shipped configs/ (package data)
+
+
+def recipe_names() -> list[str]:
+    """The shipped recipes, by name (configs/<name>.yaml in a checkout)."""
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def resolve_recipe(path: str | Path) -> Path:
+    """A config file: `path` as given, or a shipped recipe named so (`cpu_small`, also as
+    `configs/cpu_small.yaml` outside a checkout). ConfigError naming the recipes otherwise."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    shipped = RECIPES / f"{path.stem}.yaml"
+    by_name = path.suffix in ("", ".yaml") and (path.parent.name in ("", "configs"))
+    if by_name and shipped.is_file():
+        return shipped
+    raise ConfigError(
+        f"config file {path} does not exist; pass a YAML file or a shipped recipe: "
+        f"{', '.join(recipe_names())}"
+    )
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (or start from defaults), apply dotted overrides, validate."""
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(
-                f"config file {path} does not exist; pass --config configs/<name>.yaml"
-            )
+        path = resolve_recipe(path)
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:

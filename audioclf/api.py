@@ -1,0 +1,161 @@
+"""audioclf from Python: a trained model from any artefact, and what it does with audio.
+
+    import audioclf
+
+    model = audioclf.load("runs/demo_cnn/best.pt")   # a checkpoint, state dict, TorchScript, ONNX
+    files, emb = model.embed(["data/demo/wav/c00/c00_i0/"])   # files and folders -> [N, D]
+    emb = model.embed_waveforms([wave], sample_rate=22050)     # in-memory audio
+    model.score(emb[0], emb[1])                                # cosine similarity
+    ranking = model.rank(["clip.wav"], gallery="data/demo/index.xlsx", top=3)
+    table = model.search(["clip.wav"], "runs/demo_cnn/embed/all", k=5)
+
+Embeddings are float32 unit vectors; files are read as `python -m audioclf.evaluate` reads
+them (the model's features and evaluation clips). These names stay as they are across
+refactors of the package (docs/api.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torchaudio
+
+from audioclf.cli import resolve_device
+from audioclf.data.dataset import collate_padded
+from audioclf.data.readers import crop_or_pad
+from audioclf.embedding.gallery import Ranking, rank_files
+from audioclf.inference import LoadedEmbedder, load_embedder
+from audioclf.inference.extract import LOG_MEL, check_finite
+from audioclf.inference.inputs import embed_inputs
+from audioclf.search import collection as collections
+from audioclf.search import queries as search_queries
+from audioclf.spectrogram import log_mel
+
+
+def load(path: str | Path, *, device: str = "auto", trust: bool = False) -> Model:
+    """The model in `path`: an audioclf checkpoint or state-dict export, or a TorchScript /
+    ONNX export beside its sidecar <path>.json. `device`: cpu, cuda, cuda:N or auto. `trust`
+    loads a checkpoint holding more than tensors and plain data (only one you trust)."""
+    return Model(load_embedder(path, resolve_device(device), flag="model", trust=trust))
+
+
+@dataclass
+class Model:
+    """A loaded model (from `audioclf.load`)."""
+
+    loaded: LoadedEmbedder
+
+    @property
+    def sample_rate(self) -> int:
+        """The rate the model hears audio at (files and waveforms are resampled to it)."""
+        return self.loaded.features.sample_rate
+
+    def embed(
+        self, inputs: Sequence[str | Path] | str | Path, *, batch_size: int = 32, progress=False
+    ) -> tuple[list[Path], np.ndarray]:
+        """(the files found, their embeddings [N, D]): audio files, or folders searched
+        recursively. A file that cannot be read raises ValueError naming it."""
+        inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+        files, embeddings, skipped = embed_inputs(
+            self.loaded, inputs, "the files", batch_size=batch_size, progress=progress
+        )
+        if skipped:
+            path, reason = skipped[0]
+            raise ValueError(
+                f"{len(skipped)} file(s) could not be read; the first, {path}: {reason}"
+            )
+        return files, embeddings
+
+    def embed_waveforms(
+        self, waves: Sequence[np.ndarray | torch.Tensor], sample_rate: int
+    ) -> np.ndarray:
+        """Embeddings [N, D] of in-memory audio: each a 1-D array of samples (or [channels,
+        samples], mixed down) at `sample_rate`, resampled and cut to the evaluation length as
+        a file would be."""
+        cfg = self.loaded.cfg
+        if cfg.features.kind != "audio":
+            raise ValueError("this model takes precomputed .npy features, not waveforms")
+        items = [(self._prepared(wave, sample_rate), 0, i) for i, wave in enumerate(waves)]
+        if not items:
+            raise ValueError("no waveforms to embed")
+        x, lengths, _, _ = collate_padded(items)
+        with torch.no_grad():
+            emb = self.loaded.embed_fn(x.to(self.loaded.device), lengths.to(self.loaded.device))
+        embeddings = emb.float().cpu().numpy()
+        check_finite(embeddings, [f"waveform {i}" for i in range(len(items))], "the waveforms")
+        return embeddings
+
+    def _prepared(self, wave, sample_rate: int) -> torch.Tensor:
+        cfg = self.loaded.cfg
+        wave = torch.as_tensor(np.asarray(wave, dtype=np.float32))
+        if wave.ndim == 2:
+            wave = wave.mean(dim=0)
+        if wave.ndim != 1 or wave.numel() == 0:
+            raise ValueError(
+                f"a waveform must be 1-D samples (or [channels, samples]), got shape {tuple(wave.shape)}"
+            )
+        if sample_rate != cfg.features.sample_rate:
+            wave = torchaudio.functional.resample(wave, int(sample_rate), cfg.features.sample_rate)
+        if cfg.clips.eval_crop == "center":  # as AudioDataset reads an evaluation clip
+            wave = crop_or_pad(wave, cfg.clips.crop_samples(cfg.features), None, cfg.clips.pad_mode)
+        elif wave.shape[0] > (longest := cfg.features.samples(cfg.clips.eval_max_seconds)):
+            wave = crop_or_pad(wave, longest, None, cfg.clips.pad_mode)
+        if self.loaded.input_kind == LOG_MEL:
+            return torch.from_numpy(log_mel(wave, cfg.features))
+        return wave
+
+    @staticmethod
+    def score(a: np.ndarray, b: np.ndarray) -> np.ndarray | float:
+        """Cosine similarity of two embeddings (or of rows of two [N, D] arrays, pairwise)."""
+        a, b = np.atleast_2d(a).astype(np.float64), np.atleast_2d(b).astype(np.float64)
+        a /= np.linalg.norm(a, axis=1, keepdims=True)
+        b /= np.linalg.norm(b, axis=1, keepdims=True)
+        scores = (a * b).sum(axis=1)
+        return float(scores[0]) if scores.size == 1 else scores
+
+    def rank(
+        self,
+        inputs: Sequence[str | Path],
+        gallery: str | Path,
+        *,
+        top: int = 5,
+        batch_size: int = 32,
+        use_cache: bool = True,
+    ) -> Ranking:
+        """The classes of the gallery sheet ranked for each file, as `audioclf embed
+        --gallery` does: `Ranking.files`, `.names` (the classes), `.scores` [files, classes]
+        and `.order` (each file's top classes, best first)."""
+        return rank_files(
+            self.loaded,
+            list(inputs),
+            Path(gallery),
+            root=None,
+            top=top,
+            batch_size=batch_size,
+            use_cache=use_cache,
+            progress=False,
+        )
+
+    def search(
+        self,
+        inputs: Sequence[str | Path],
+        collection: str | Path,
+        *,
+        k: int = 10,
+        method: str | None = None,
+        batch_size: int = 32,
+    ) -> pd.DataFrame:
+        """The k nearest clips of a collection (the PREFIX of `audioclf embed --index --save
+        PREFIX`) for each audio file, best first: one row per (query, rank) with score, class,
+        item, id and path, as `audioclf search query` prints them."""
+        opened = collections.Collection.open(collection)
+        index = collections.open_index(opened, method, device=self.loaded.device)
+        queries = search_queries.audio_queries(
+            self.loaded, list(inputs), batch_size=batch_size, progress=False
+        )
+        return search_queries.search_neighbours(index, opened, queries, k)
