@@ -7,9 +7,10 @@ the fix) and caches the validated table next to it, so the next run re-reads it 
 
 Forgiving about the header, strict about the content: column names match the configured ones
 ignoring case and spaces (`A_CLS`, ` a_cls `; two columns matching one name are an error), and
-a header below title or notes rows is found (data.header_row names it outright); each load
-logs what was assumed in one INFO line. Row numbers in messages and in the table's row column
-are the sheet's own, title rows included.
+a header below title or notes rows is found (data.header_row names it outright); so are a
+CSV's delimiter, the one worksheet holding the columns, and paths written with Windows
+separators (reader.py, paths.py); each load logs what was assumed in one INFO line. Row
+numbers in messages and in the table's row column are the sheet's own, title rows included.
 
     index = load_index(cfg.data)
     splits = split_index(index, cfg.data)  # {"train": Index, "val": Index[, "test": Index]}
@@ -81,8 +82,13 @@ def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:
 
     raw = read_table(source, cfg)
     notes = list(sheet_header(raw).notes)
-    _log_assumptions(notes, source)  # before any error, which may be explained by them
-    table, messages = validate_table(raw, cfg, source, root)
+    try:
+        table, messages, path_notes = validate_table(raw, cfg, source, root)
+    except IndexValidationError:
+        _log_assumptions(notes, source)  # before the error, which they may explain
+        raise
+    notes += path_notes
+    _log_assumptions(notes, source)
     if cfg.check_files:
         check_files(table, source, root)
     if cache_file is not None:
@@ -98,7 +104,7 @@ def load_index(cfg: DataConfig, *, use_cache: bool | None = None) -> Index:
 
 
 def _log_assumptions(notes: list[str], source: Path) -> None:
-    """One line for everything read_table assumed about the sheet's header."""
+    """One line for everything read_table and validate_table assumed about the sheet."""
     if notes:
         log.info("index file %s: %s", source, "; ".join(notes))
 

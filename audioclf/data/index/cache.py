@@ -20,8 +20,8 @@ log = logging.getLogger("audioclf")
 
 
 # bump when the cached table's layout, its metadata or the validation rules change
-# (2: header rows found and column names matched loosely; "notes" in the metadata)
-CACHE_VERSION = 3
+# (2: headers found, names matched loosely, "notes" in the metadata; 4: Windows paths as "/")
+CACHE_VERSION = 4
 _CACHE_META_KEY = b"audioclf.index"
 
 

@@ -55,6 +55,14 @@ def locate_header(first_rows: list[list[str]], cfg: DataConfig, path: Path) -> t
     return 1, "default"
 
 
+def has_header(first_rows: list[list[str]], cfg: DataConfig) -> bool:
+    """Whether data.header_row (else one of the first HEADER_SEARCH_ROWS rows) holds the keys."""
+    given = cfg.header_row
+    rows = first_rows[given - 1 : given] if given else first_rows[:HEADER_SEARCH_ROWS]
+    wanted = {fold(name) for name in key_columns(cfg)}
+    return any(wanted <= {fold(cell) for cell in cells} for cells in rows)
+
+
 def header_hint(header: SheetHeader, cfg: DataConfig) -> str:
     """What to say about the header row when a configured column is missing from it."""
     if header.how == "given":

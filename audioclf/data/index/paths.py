@@ -1,5 +1,5 @@
 """Sample paths: data.path_template parsed and rendered, relative paths resolved against the
-data root."""
+data root, paths written on Windows read with '/' (off Windows)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 
 from audioclf.data.index.table import IndexValidationError
+
+WINDOWS_ROOT = r"(?:[A-Za-z]:[\\/]|\\\\)"  # a path starting C:\ or C:/, or a \\server\share
 
 
 def template_fields(template: str) -> tuple[list[tuple[str, str | None]], bool]:
@@ -57,11 +59,13 @@ def render_template(template: str, cells: pd.DataFrame) -> pd.Series:
     return out
 
 
-def resolve_paths(paths: pd.Series, root: str) -> pd.Series:
-    """Absolute paths: relative ones are joined to `root`; '.', '..' and '//' are normalised."""
+def resolve_paths(paths: pd.Series, root: str) -> tuple[pd.Series, tuple[str, ...]]:
+    """Absolute paths: relative ones are joined to `root`; '.', '..' and '//' are normalised;
+    paths written on Windows read with '/' (posix_separators). Also the notes to log."""
+    paths, notes = posix_separators(paths)
     is_abs = paths.str.startswith("/")
     if os.name == "nt":  # pragma: no cover - drive letters and UNC shares
-        is_abs = is_abs | paths.str.match(r"^[A-Za-z]:[\\/]|^\\\\")
+        is_abs = is_abs | paths.str.match(WINDOWS_ROOT)
     prefix = root.rstrip("/\\") + os.sep
     if not is_abs.any():
         paths = prefix + paths
@@ -71,4 +75,18 @@ def resolve_paths(paths: pd.Series, root: str) -> pd.Series:
     if messy.any():
         paths = paths.copy()
         paths[messy] = [os.path.normpath(p) for p in paths[messy]]
-    return paths
+    return paths, notes
+
+
+def posix_separators(paths: pd.Series) -> tuple[pd.Series, tuple[str, ...]]:
+    """Paths written on Windows (wav\\c00\\x.wav) with '/', off Windows, when no path holds a
+    '/' or starts with a drive or share (a POSIX name holding a backslash sits in a folder, so
+    its path holds a '/'). It reads only the sheet, not which files exist, so the cached table
+    and data.check_files=false agree with it. Also the note to log."""
+    backslash = paths.str.contains("\\", regex=False)
+    if os.sep != "/" or not backslash.any() or paths.str.contains(f"/|^{WINDOWS_ROOT}").any():
+        return paths, ()
+    converted = paths.str.replace("\\", "/", regex=False)
+    first = backslash.to_numpy().argmax()
+    example = f"{paths.iloc[first]} as {converted.iloc[first]}"
+    return converted, (f"paths written with Windows separators, read with '/' (e.g. {example})",)

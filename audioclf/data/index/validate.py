@@ -14,7 +14,7 @@ import pandas as pd
 
 from audioclf.config import DataConfig
 from audioclf.data.index.header import header_hint
-from audioclf.data.index.paths import render_template, resolve_paths, template_columns
+from audioclf.data.index.paths import WINDOWS_ROOT, render_template, resolve_paths, template_columns
 from audioclf.data.index.table import (
     FIRST_DATA_ROW,
     SHOW,
@@ -42,9 +42,9 @@ class _Columns:
 
 def validate_table(
     raw: pd.DataFrame, cfg: DataConfig, source: Path, root: str
-) -> tuple[pd.DataFrame, list[str]]:
+) -> tuple[pd.DataFrame, list[str], list[str]]:
     """The raw sheet (from read_table) as the index table, or one IndexValidationError; also
-    the warnings to show."""
+    the warnings to show and the notes on what was assumed about the paths, to log."""
     header = sheet_header(raw)
     columns = _columns(raw, cfg, source, header)
     cells, rows = _data_rows(raw, columns, source, header)
@@ -55,17 +55,18 @@ def validate_table(
         paths = render_template(cfg.path_template, cells)
     else:
         paths = cells[cfg.path_column]
+    paths, notes = resolve_paths(paths, root)
     table = pd.DataFrame(
         {
             "cls": cells[cfg.class_column],
             "item": cells[cfg.item_column],
             "id": cells[cfg.id_column],
-            "path": resolve_paths(paths, root),
+            "path": paths,
             "row": rows,
             "split": split,
         }
     ).reset_index(drop=True)
-    return table, _small_class_warnings(table, source)
+    return table, _small_class_warnings(table, source), list(notes)
 
 
 def _columns(raw: pd.DataFrame, cfg: DataConfig, source: Path, header: SheetHeader) -> _Columns:
@@ -249,6 +250,26 @@ def check_files(table: pd.DataFrame, source: Path, root: str) -> None:
     )
     raise IndexValidationError(
         f"index file {source}: {count} of {len(table)} referenced files do not exist: "
-        f"{shown}{more}.{hint} Fix the paths or data.root, or set data.check_files=false to "
-        "skip this check"
+        f"{shown}{more}.{hint}{_windows_hint(table[missing])} Fix the paths or data.root, or set "
+        "data.check_files=false to skip this check"
+    )
+
+
+def _windows_hint(missing: pd.DataFrame) -> str:
+    """What to add when the missing files' paths were written on Windows (this is not)."""
+    if os.sep != "/":
+        return ""
+    rooted = missing["path"].str.extract(f"/({WINDOWS_ROOT}.*)$")[0].dropna()
+    if len(rooted):
+        return (
+            f" {len(rooted)} paths name a Windows drive or share (row "
+            f"{missing['row'].loc[rooted.index[0]]}: {rooted.iloc[0]}), which cannot be resolved "
+            "here: write them relative to data.root (e.g. wav/x.wav) and set data.root to the "
+            "folder holding them."
+        )
+    if not (mixed := int(missing["path"].str.contains("\\", regex=False).sum())):
+        return ""
+    return (
+        f" {mixed} paths hold Windows separators ('\\') mixed with '/' (read as '/' only when no "
+        "path holds a '/'): write every path with '/'."
     )
