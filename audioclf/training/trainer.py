@@ -49,6 +49,7 @@ from audioclf.training.rundir import (
     resume_point,
 )
 from audioclf.training.step import EpochResult, NonFiniteGuard, TrainStep
+from audioclf.training.trackers import check_tracker, open_tracker
 from audioclf.training.validation import Validator
 
 log = logging.getLogger("audioclf")
@@ -213,6 +214,7 @@ class Trainer:
                 net, cfg.model.init_from, self.train.classes, trust=cfg.checkpoint.trust
             )
 
+        check_tracker(cfg)
         self._prepare_run_dir()
         try:
             for note in resume_notes:
@@ -231,6 +233,7 @@ class Trainer:
         self._build_training(net)
         self.state = TrainState()
         self.metrics = MetricsWriter(self.run_dir, enabled=env.is_primary)
+        self.tracker = open_tracker(cfg, self.run_dir, env.is_primary)
         self.validator = Validator(
             cfg,
             env,
@@ -373,7 +376,13 @@ class Trainer:
             )
 
     def close(self) -> None:
-        """Release the run folder (the lock goes with the process anyway)."""
+        """End the tracker run of a run that did not finish; release the run folder (the lock
+        goes with the process anyway)."""
+        if getattr(self, "tracker", None) is not None:
+            try:
+                self.tracker.finish([])
+            except Exception as exc:  # the run's own error is what the user must see
+                log.warning("could not end the %s run: %s", self.tracker.kind, exc)
         if self.lock is not None:
             self.lock.release()
 
@@ -512,6 +521,8 @@ class Trainer:
         state.history.append(row)
         metric = state.last_metrics.get(cfg.eval.metric)
         self.metrics.epoch_row(row)  # first: the epoch's row survives a checkpoint that fails
+        if self.tracker is not None:
+            self.tracker.log_epoch(row)
         written = self.checkpointer.save_epoch(epoch + 1, metric)
         if self.env.is_primary:
             self._log_epoch(
@@ -571,6 +582,9 @@ class Trainer:
             log.info("no validation metric was computed: best.pt is the final epoch")
             atomic_copy(run_dir / checkpoint.LAST, run_dir / checkpoint.BEST)
         self.metrics.close()
+        if self.tracker is not None:
+            self.tracker.finish([run_dir / checkpoint.BEST, run_dir / checkpoint.AVG])
+            self.tracker = None
         distributed.barrier()
         summary = {
             "run_dir": str(run_dir),

@@ -1,0 +1,68 @@
+"""Experiment trackers (train.tracker): a real local MLflow store read back through MLflow's own
+client, W&B offline without a key, a resume that continues the tracker run, and a missing
+package as one line before anything is written."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers import fit, tiny_config
+
+pytestmark = pytest.mark.slow  # trainings, and the trackers' own background processes
+
+
+def test_mlflow_gets_params_epoch_metrics_and_best_pt_and_a_resume_continues(
+    tmp_path, tiny_demo, monkeypatch
+):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the tracker sets it
+
+    runs = tmp_path / "runs"
+    first = fit(tiny_config(tiny_demo, runs, "cnn", "train.tracker=mlflow", "train.epochs=2"))
+    run_dir = tmp_path / "runs" / "t"
+    run_id = json.loads((run_dir / "tracker.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    run = client.get_run(run_id)
+    assert run.data.params["model.name"] == "cnn" and run.data.params["train.epochs"] == "2"
+    losses = client.get_metric_history(run_id, "train_loss")
+    assert [m.step for m in losses] == [1, 2]
+    assert losses[-1].value == pytest.approx(first["history"][-1]["train_loss"])
+    assert "map_at_r" in run.data.metrics and run.info.status == "FINISHED"
+    assert "best.pt" in [a.path for a in client.list_artifacts(run_id)]
+    fit(
+        tiny_config(
+            tiny_demo,
+            runs,
+            "cnn",
+            "train.tracker=mlflow",
+            "train.epochs=3",
+            "checkpoint.resume=auto",
+        )
+    )
+    assert json.loads((run_dir / "tracker.json").read_text())["mlflow"] == run_id
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [1, 2, 3]
+
+
+def test_wandb_runs_offline_without_a_key(tmp_path, tiny_demo, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    fit(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.tracker=wandb", "train.epochs=1"))
+    run_dir = tmp_path / "runs" / "t"
+    run_id = json.loads((run_dir / "tracker.json").read_text())["wandb"]
+    (offline,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id}")
+    assert (offline / f"run-{run_id}.wandb").stat().st_size > 0  # what `wandb sync` uploads
+
+
+def test_a_missing_tracker_package_is_one_line_before_anything_is_written(
+    tmp_path, tiny_demo, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: import fails
+    with pytest.raises(ValueError, match=r"pip install mlflow-skinny \(or train.tracker=none\)"):
+        fit(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.tracker=mlflow"))
+    assert not (tmp_path / "runs" / "t").exists()
