@@ -5,9 +5,10 @@ and clustering (see `python -m audioclf.evaluate --help`).
     evaluation = compute_metrics(emb, names, classification="gallery", items=items,
                                  gallery_emb=gallery_emb, gallery_names=gallery_names)
 
-Retrieval ranks each query's neighbours in an audioclf.search index (`search`): exact (on the
-evaluation's device, so on the GPU under CUDA) or approximate (faiss IVF / HNSW), whose
-neighbour recall against exact search the setup records.
+Retrieval is scored by audioclf.metrics.retrieval_metrics from the neighbour lists of the
+audioclf.search index chosen by `search`: exact (on the evaluation's device, so on the GPU
+under CUDA) or approximate (faiss IVF / HNSW), whose neighbour recall against exact search the
+setup records.
 """
 
 from __future__ import annotations
@@ -18,21 +19,21 @@ import numpy as np
 import torch
 
 from audioclf.metrics import (
+    RETRIEVAL_KEYS,
     centroid_accuracy,
     clustering_metrics,
     knn_accuracy,
+    relevance,
+    retrieval_metrics,
     verification_metrics,
 )
-from audioclf.search import build, faiss_available, knn_retrieval_metrics
+from audioclf.search import build, faiss_available, sampled_neighbour_recall
 
 CLASSIFICATIONS = ("gallery", "enrollment", "none")
 SEARCH_METHODS = ("auto", "exact", "ivf", "hnsw")
 # --search auto: exact below this many evaluated samples (a full scan takes seconds there),
 # approximate (ivf) from here on when faiss is installed and the device is not a GPU.
 AUTO_EXACT_BELOW = 50_000
-# Keys of knn_retrieval_metrics' result that describe the search, not the embeddings: they go
-# into the setup, not the metrics table.
-_SEARCH_KEYS = ("method", "k", "neighbour_recall", "recall_queries")
 
 
 @dataclass
@@ -125,55 +126,52 @@ def _retrieval(
     evaluation: Evaluation, items: np.ndarray | None, device, search: str, seed: int, progress
 ) -> dict:
     """Cross-item retrieval with items (leave-one-out without), plus the loo_* figures, from
-    the neighbour lists of one search index over the embeddings."""
-    emb, labels, setup, notes = (
-        evaluation.embeddings,
-        evaluation.labels,
-        evaluation.setup,
-        evaluation.notes,
-    )
+    the neighbour lists of one search index over the embeddings, handed to the scorer."""
+    emb, labels, notes = evaluation.embeddings, evaluation.labels, evaluation.notes
     method, note = choose_search(search, len(labels), device)
     if note:
         notes.append(note)
     index = build(emb, method, device=device, progress=progress, seed=seed)
-    common = dict(index=index, device=device, seed=seed, progress=progress, return_per_sample=True)
-    leave_one_out = knn_retrieval_metrics(emb, labels, **common)
+    common = dict(index=index, progress=progress, return_per_sample=True)
+    leave_one_out = retrieval_metrics(emb, labels, **common)
     results = leave_one_out
     if items is not None:
-        results = knn_retrieval_metrics(emb, labels, items=items, **common)
-        setup["retrieval"] = (
-            "cross-item: a query never retrieves clips of its own item "
-            "(recording); R counts the other items' clips of its class"
-        )
-        setup["n_retrieval_queries"] = results["n_queries"]
-        if results["n_queries_without_other_item"]:
-            notes.append(
-                f"{results['n_queries_without_other_item']} sample(s) have no clip of "
-                "another item in their class: left out of the cross-item metrics"
-            )
-        if results["n_queries"] == 0:
-            notes.append(
-                "no class has clips of two items: cross-item retrieval is undefined "
-                "(the loo_* figures are leave-one-out)"
-            )
+        results = retrieval_metrics(emb, labels, items=items, **common)
+        _note_cross_item(evaluation, results)
     if leave_one_out["n_queries"] == 0:
         notes.append("every class has a single sample: retrieval metrics are undefined")
-    _describe_search(setup, search, results)
-    hidden = ("n_queries_without_other_item", *_SEARCH_KEYS)
+    setup = evaluation.setup
+    setup["search"], setup["search_requested"] = method, search
+    setup["search_k"] = relevance(labels, items).depth()
+    if method != "exact" and results["n_queries"]:
+        recall, queries = sampled_neighbour_recall(
+            index, emb, labels, items=items, seed=seed, device=device
+        )
+        setup["search_neighbour_recall"] = round(recall, 4)
+        setup["search_recall_queries"] = queries
     return {
-        **{k: v for k, v in results.items() if k not in hidden},
-        **{f"loo_{k}": leave_one_out[k] for k in ("precision_at_1", "map_at_r", "r_precision")},
+        **{k: v for k, v in results.items() if k != "n_queries_without_other_item"},
+        **{f"loo_{k}": leave_one_out[k] for k in RETRIEVAL_KEYS},
     }
 
 
-def _describe_search(setup: dict, requested: str, results: dict) -> None:
-    """The setup entries that say how the retrieval metrics were searched."""
-    setup["search"] = results["method"]
-    setup["search_requested"] = requested
-    setup["search_k"] = results["k"]
-    if "neighbour_recall" in results:
-        setup["search_neighbour_recall"] = round(results["neighbour_recall"], 4)
-        setup["search_recall_queries"] = results["recall_queries"]
+def _note_cross_item(evaluation: Evaluation, results: dict) -> None:
+    """The setup and notes that say what cross-item retrieval scored and left out."""
+    evaluation.setup["retrieval"] = (
+        "cross-item: a query never retrieves clips of its own item "
+        "(recording); R counts the other items' clips of its class"
+    )
+    evaluation.setup["n_retrieval_queries"] = results["n_queries"]
+    if results["n_queries_without_other_item"]:
+        evaluation.notes.append(
+            f"{results['n_queries_without_other_item']} sample(s) have no clip of "
+            "another item in their class: left out of the cross-item metrics"
+        )
+    if results["n_queries"] == 0:
+        evaluation.notes.append(
+            "no class has clips of two items: cross-item retrieval is undefined "
+            "(the loo_* figures are leave-one-out)"
+        )
 
 
 def _gallery_sets(

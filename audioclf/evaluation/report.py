@@ -20,9 +20,9 @@ from audioclf.evaluation.embedding_files import (
     write_embedding_files,
 )
 from audioclf.evaluation.markdown import markdown
+from audioclf.evaluation.metrics import Evaluation
 from audioclf.evaluation.plots import plot_confusion, plot_det, plot_per_class, plot_projection
 from audioclf.fileio import atomic_write
-from audioclf.metrics import check_embeddings, retrieval_metrics
 
 PROJECTIONS = ("pca", "tsne")
 PLOT_FILES = ("det.png", "per_class_p1.png", "projection.png", "confusion.png")
@@ -32,70 +32,47 @@ REPORT_FILES = ("report.json", "report.md", *PLOT_FILES, *EMBEDDING_FILES)
 
 def write_report(
     out_dir,
+    evaluation: Evaluation,
     *,
-    results: dict,
-    embeddings,
-    labels,
-    class_names: list[str],
-    knn_predictions=None,
-    verification: dict | None = None,
     projection: str = "pca",
     seed: int = 0,
     title: str = "audioclf evaluation",
     setup: dict | None = None,
-    notes: list[str] = (),
     metadata: pd.DataFrame | None = None,
     tsv_points: int = MAX_TSV_POINTS,
     html_points: int = MAX_HTML_POINTS,
 ) -> dict[str, pathlib.Path]:
-    """Write the report files into ``out_dir`` (created if missing).
+    """Write the report files of `evaluation` (from compute_metrics) into ``out_dir`` (created
+    if missing).
 
-    results: metric dict(s) merged by the caller; its scalar entries go into the report. If it
-        holds ``"per_sample_correct_at_1"`` (from ``retrieval_metrics(..., return_per_sample=True)``)
-        that is used for per-class P@1; otherwise retrieval_metrics is run on ``embeddings``.
-    embeddings, labels: [N, D] floats and [N] integer class ids indexing ``class_names``.
-    knn_predictions: predicted class id per sample of ``labels`` (e.g. ``knn_accuracy(...)
-        ["predictions"]``); draws confusion.png.
-    verification: the dict from ``verification_metrics``; draws det.png, scalars are reported.
+    The scalar entries of its results and verification go into the report; its
+    ``results["per_sample_correct_at_1"]`` gives per-class P@1; its kNN predictions, when
+    given, draw confusion.png, and its verification det.png.
     projection: "pca" or "tsne" for projection.png, on a seeded subsample of at most
         MAX_PROJECTION_POINTS points.
-    setup, notes: what was evaluated how, and remarks; a "Setup" section of report.md and
-        report.json's "evaluation" entry (setup + notes) when given.
-    metadata: one row per embedding (e.g. columns item, id, path), written after the class
-        into metadata.tsv and shown on hover in embeddings.html; without it the position of
-        each sample is.
+    setup: what was evaluated how; with it, a "Setup" section of report.md (with the
+        evaluation's notes) and report.json's "evaluation" entry (setup + notes).
+    metadata: one row per embedding, in order (e.g. columns item, id, path), written after
+        the class into metadata.tsv and shown on hover in embeddings.html; without it the
+        position of each sample is.
     tsv_points, html_points: most points in embeddings.tsv / embeddings.html.
 
     Returns file name -> path for every file written.
     """
-    emb, lab, class_names, knn_predictions, metadata = _checked_inputs(
-        embeddings,
-        labels,
-        class_names,
-        knn_predictions,
-        metadata,
-        projection,
-        tsv_points,
-        html_points,
-    )
-    correct_at_1 = _correct_at_1(results, emb, lab)
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+    emb = torch.from_numpy(np.ascontiguousarray(evaluation.embeddings, dtype=np.float32))
+    lab, class_names = evaluation.labels, evaluation.class_names
+    if metadata is None:
+        metadata = pd.DataFrame({"sample": np.arange(len(lab)).astype(str)})
+    metadata = metadata.reset_index(drop=True).astype(str)
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = _report_metrics(results, verification)
+    metrics = _report_metrics(evaluation.results, evaluation.verification)
+    correct_at_1 = np.asarray(evaluation.results["per_sample_correct_at_1"], dtype=bool)
     per_class = _per_class_p1(lab, correct_at_1, class_names)
-    written = _write_plots(
-        out_dir,
-        emb,
-        lab,
-        class_names,
-        per_class,
-        metrics,
-        verification,
-        knn_predictions,
-        projection,
-        seed,
-    )
+    written = _write_plots(out_dir, evaluation, emb, per_class, metrics, projection, seed)
     images = list(written)
     embedding_files = write_embedding_files(
         out_dir, emb, lab, class_names, metadata, seed, tsv_points, html_points, title, written
@@ -107,7 +84,9 @@ def write_report(
         "per_class_p1": per_class,
         "embedding_files": embedding_files,
     }
-    _write_summaries(out_dir, report, written, images=images, setup=setup, notes=list(notes))
+    _write_summaries(
+        out_dir, report, written, images=images, setup=setup, notes=list(evaluation.notes)
+    )
     return written
 
 
@@ -162,17 +141,19 @@ def _counts(
 
 def _write_plots(
     out_dir: pathlib.Path,
+    evaluation: Evaluation,
     emb: torch.Tensor,
-    lab: np.ndarray,
-    class_names: list[str],
     per_class: list[dict],
     metrics: dict,
-    verification: dict | None,
-    knn_predictions,
     projection: str,
     seed: int,
 ) -> dict[str, pathlib.Path]:
     """The PNG plots whose inputs are given, in report order: file name -> path."""
+    lab, class_names, verification = (
+        evaluation.labels,
+        evaluation.class_names,
+        evaluation.verification,
+    )
     written: dict[str, pathlib.Path] = {}
     if verification is not None:
         written["det.png"] = plot_det(out_dir / "det.png", verification)
@@ -180,94 +161,11 @@ def _write_plots(
     written["projection.png"] = plot_projection(
         out_dir / "projection.png", emb, lab, class_names, projection, seed
     )
-    if knn_predictions is not None:
+    if evaluation.knn_predictions is not None:
         written["confusion.png"] = plot_confusion(
-            out_dir / "confusion.png", lab, knn_predictions, class_names
+            out_dir / "confusion.png", lab, evaluation.knn_predictions, class_names
         )
     return written
-
-
-# --------------------------------------------------------------------------------------------
-# Checking the inputs
-# --------------------------------------------------------------------------------------------
-
-
-def _checked_inputs(
-    embeddings,
-    labels,
-    class_names: list,
-    knn_predictions,
-    metadata,
-    projection: str,
-    tsv_points: int,
-    html_points: int,
-) -> tuple[torch.Tensor, np.ndarray, list[str], np.ndarray | None, pd.DataFrame]:
-    """(embeddings, labels, class names as str, kNN predictions, metadata), each validated;
-    one ValueError naming the first bad input, before anything is written."""
-    if projection not in PROJECTIONS:
-        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-    emb, lab = check_embeddings(embeddings, labels)
-    class_names = [str(name) for name in class_names]
-    knn_predictions = _check_predictions(knn_predictions, lab, class_names)
-    metadata = _check_metadata(metadata, len(lab))
-    if tsv_points < 1 or html_points < 1:
-        raise ValueError(f"tsv_points ({tsv_points}) and html_points ({html_points}) must be >= 1")
-    return emb, lab, class_names, knn_predictions, metadata
-
-
-def _check_predictions(knn_predictions, lab: np.ndarray, class_names: list[str]):
-    _check_class_ids(lab, class_names, "labels")
-    if knn_predictions is None:
-        return None
-    knn_predictions = np.asarray(knn_predictions, dtype=np.int64)
-    if knn_predictions.shape != lab.shape:
-        raise ValueError(
-            f"knn_predictions has shape {knn_predictions.shape} but labels has shape {lab.shape}; "
-            f"pass one prediction per labelled sample"
-        )
-    _check_class_ids(knn_predictions, class_names, "knn_predictions")
-    return knn_predictions
-
-
-def _correct_at_1(results: dict, emb: torch.Tensor, lab: np.ndarray) -> np.ndarray:
-    """Whether each sample's nearest neighbour has its class: from the results, else computed."""
-    correct_at_1 = results.get("per_sample_correct_at_1")
-    if correct_at_1 is None:
-        correct_at_1 = retrieval_metrics(emb, lab, return_per_sample=True)[
-            "per_sample_correct_at_1"
-        ]
-    correct_at_1 = np.asarray(correct_at_1, dtype=bool)
-    if correct_at_1.shape != lab.shape:
-        raise ValueError(
-            f"results['per_sample_correct_at_1'] has shape {correct_at_1.shape} but labels has shape "
-            f"{lab.shape}; it must come from the same embeddings"
-        )
-    return correct_at_1
-
-
-def _check_class_ids(ids: np.ndarray, class_names: list[str], name: str) -> None:
-    if len(ids) and (ids.min() < 0 or ids.max() >= len(class_names)):
-        bad = ids[(ids < 0) | (ids >= len(class_names))]
-        raise ValueError(
-            f"{name} holds class id {int(bad[0])} ({len(bad)} entries out of range) but class_names "
-            f"has {len(class_names)} entries; ids must index class_names"
-        )
-
-
-def _check_metadata(metadata, n: int) -> pd.DataFrame:
-    """The metadata columns as strings, one row per sample; the position when none is given."""
-    if metadata is None:
-        return pd.DataFrame({"sample": np.arange(n).astype(str)})
-    if not isinstance(metadata, pd.DataFrame):
-        raise ValueError(f"metadata must be a pandas DataFrame, got {type(metadata).__name__}")
-    if len(metadata) != n:
-        raise ValueError(
-            f"metadata has {len(metadata)} rows but there are {n} embeddings; "
-            "give one metadata row per embedding, in the same order"
-        )
-    if "class" in metadata.columns:
-        raise ValueError("metadata must not have a 'class' column: the class comes from labels")
-    return metadata.reset_index(drop=True).astype(str)
 
 
 def _is_scalar(value) -> bool:

@@ -1,5 +1,5 @@
 """Offline evaluation of a model on one split of an index: which rows, their embeddings, the
-metrics (computed in evaluation_metrics.py), the report folder and the printed summary (see
+metrics (computed in metrics.py), the report folder and the printed summary (see
 `python -m audioclf.evaluate --help`).
 
     data = select_data(cfg, split="val", gallery="train")
@@ -280,16 +280,10 @@ def write_evaluation(
     try:
         written = write_report(
             staging,
-            results=evaluation.results,
-            embeddings=evaluation.embeddings,
-            labels=evaluation.labels,
-            class_names=evaluation.class_names,
-            knn_predictions=evaluation.knn_predictions,
-            verification=evaluation.verification,
+            evaluation,
             projection=projection,
             seed=seed,
             setup=setup,
-            notes=evaluation.notes,
             metadata=None if rows is None else rows[["item", "id", "path"]],
         )
         out_dir.mkdir(parents=True, exist_ok=True)

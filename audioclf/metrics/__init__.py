@@ -4,9 +4,9 @@ Every function takes float embeddings ``[N, D]`` (numpy or torch) and integer la
 and scores them by cosine similarity: embeddings are L2-normalised here, whatever the model
 did. Nothing in this package talks to ``torch.distributed``; callers gather first.
 
-- ``retrieval_metrics`` (retrieval.py): leave-one-out retrieval inside one set (P@1, MAP@R,
-  R-precision), equal to pytorch-metric-learning's ``AccuracyCalculator`` with query =
-  reference; with ``items``, cross-item retrieval (a query never retrieves its own item).
+- ``retrieval_metrics`` (retrieval.py): retrieval inside one set (P@1, MAP@R, R-precision),
+  equal to pytorch-metric-learning's ``AccuracyCalculator``, from the lists of any injected
+  ``NeighbourIndex``; with ``items``, cross-item (a query never retrieves its own item).
 - ``knn_accuracy`` / ``centroid_accuracy`` (classification.py): classify queries against a
   labelled gallery; ``class_centroids``: the per-class centroids the latter uses.
 - ``verification_metrics`` (verification.py): same/different pairs scored by cosine
@@ -20,7 +20,9 @@ from audioclf.metrics.classification import centroid_accuracy, class_centroids, 
 from audioclf.metrics.clustering import KMEANS_N_INIT, clustering_metrics
 from audioclf.metrics.retrieval import (
     RETRIEVAL_KEYS,
-    item_groups,
+    NeighbourIndex,
+    neighbour_lists,
+    relevance,
     retrieval_metrics,
     retrieval_summary,
 )
@@ -29,12 +31,14 @@ from audioclf.metrics.verification import verification_metrics, verification_pai
 __all__ = [
     "KMEANS_N_INIT",
     "RETRIEVAL_KEYS",
+    "NeighbourIndex",
     "centroid_accuracy",
     "check_embeddings",
     "class_centroids",
     "clustering_metrics",
-    "item_groups",
     "knn_accuracy",
+    "neighbour_lists",
+    "relevance",
     "retrieval_metrics",
     "retrieval_summary",
     "verification_metrics",

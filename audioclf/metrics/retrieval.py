@@ -1,38 +1,143 @@
-"""Retrieval inside one set: every sample queries all the others (P@1, MAP@R, R-precision),
-leave-one-out or cross-item."""
+"""Retrieval inside one set (P@1, MAP@R, R-precision), leave-one-out or cross-item, scored
+from the neighbour lists of the index handed in (as PML's ``AccuracyCalculator(knn_func=)``),
+so validation and evaluate score with one implementation whichever index ranks:
+
+    retrieval_metrics(emb, labels, items=items)               # exact torch search (ExactSearch)
+    retrieval_metrics(emb, labels, items=items, index=index)  # e.g. an audioclf.search index
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from audioclf.metrics.checks import check_chunk_size, check_embeddings, resolve_device
 
 RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
-# Similarity entries computed per retrieval step (a [chunk, N] float32 buffer: 512 MiB).
+# Similarity entries computed per exact-search block (a [chunk, N] float32 buffer: 512 MiB).
 _SIMILARITY_BUDGET = 2**27
+# Most queries ranked per step, and most neighbour-list entries per step (about 100 MiB of
+# ids, scores and flags), so memory stays bounded however deep the lists are.
+_QUERY_CHUNK = 4096
+_LIST_BUDGET = 2**22
 
 
-def item_groups(items, n_samples: int, class_index: np.ndarray) -> np.ndarray:
-    """One int64 code per (class, item) pair: the same item id under two classes is two items."""
-    array = items.detach().cpu().numpy() if isinstance(items, torch.Tensor) else np.asarray(items)
-    problem = None
-    if array.ndim != 1 or len(array) != n_samples:
-        problem = f"got shape {array.shape}"
-    else:
+class NeighbourIndex(Protocol):
+    """An index over the embeddings retrieval_metrics scores (audioclf.search's, ExactSearch):
+    `search` gives (scores, ids) [Q, k] of each query's k most cosine-similar rows, best first,
+    never a row of its own group; id -1 pads a list that found fewer."""
+
+    size: int
+    dim: int
+
+    def search(
+        self, queries: torch.Tensor, k: int, *, query_groups: np.ndarray, index_groups: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class ExactSearch:
+    """Exact cosine top-k over float32 [N, D] rows on `device` (retrieval_metrics' default),
+    `chunk_size` queries at a time into one reused [chunk_size, N] buffer and own-group mask:
+    memory O(chunk_size * N), never N x N (by default near 512 MiB)."""
+
+    def __init__(self, embeddings: torch.Tensor, *, chunk_size: int | None = None, device=None):
+        self.size, self.dim = embeddings.shape
+        dev = resolve_device(device)
+        self._rows_t = F.normalize(embeddings.to(dev), p=2, dim=1).T.contiguous()
+        block = min(self.size, chunk_size or max(64, min(2048, _SIMILARITY_BUDGET // self.size)))
+        # Buffers reused for every block: a fresh [block, N] tensor per block spends more time
+        # in page faults than in the matmul at N = 100k.
+        self._similarity = torch.empty(block, self.size, device=dev)
+        self._own_group = torch.empty(block, self.size, dtype=torch.bool, device=dev)
+
+    def search(
+        self, queries: torch.Tensor, k: int, *, query_groups: np.ndarray, index_groups: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        dev, block = self._rows_t.device, len(self._similarity)
+        normed = F.normalize(queries.to(dev), p=2, dim=1)
+        q_groups, i_groups = (torch.as_tensor(g).to(dev) for g in (query_groups, index_groups))
+        scores = torch.empty(len(normed), k, device=dev)
+        ids = torch.empty(len(normed), k, dtype=torch.int64, device=dev)
+        for start in range(0, len(normed), block):
+            stop = min(start + block, len(normed))
+            sim, own_group = self._similarity[: stop - start], self._own_group[: stop - start]
+            torch.mm(normed[start:stop], self._rows_t, out=sim)
+            torch.eq(q_groups[start:stop, None], i_groups[None, :], out=own_group)
+            sim.masked_fill_(own_group, -torch.inf)
+            torch.topk(sim, k, dim=1, sorted=True, out=(scores[start:stop], ids[start:stop]))
+        return scores.cpu().numpy(), ids.cpu().numpy()
+
+
+class Relevance(NamedTuple):
+    """Per sample: class code, group code (its item, or itself for leave-one-out: what it never
+    retrieves), how many samples share its group, and R (same-class samples outside it)."""
+
+    classes: np.ndarray
+    groups: np.ndarray
+    own_group: np.ndarray
+    relevant: np.ndarray
+
+    def queries(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """The rows (default all) that have a relevant sample, sorted by R (stable), so a
+        chunk of neighbour lists is about as deep as its queries' R."""
+        rows = np.arange(len(self.relevant)) if rows is None else rows
+        scored = rows[self.relevant[rows] > 0]
+        return scored[np.argsort(self.relevant[scored], kind="stable")]
+
+    def depth(self) -> int:
+        """The deepest list an index is asked for (R plus the query's own group); 0 if none."""
+        scored = self.relevant > 0
+        return int((self.relevant + self.own_group)[scored].max()) if scored.any() else 0
+
+
+def relevance(labels: np.ndarray, items: Any = None) -> Relevance:
+    """Relevance of int labels [N]: leave-one-out without `items`, else cross-item, where one
+    (class, item) pair is one group: the same item id under two classes is two items."""
+    _, classes, class_counts = np.unique(labels, return_inverse=True, return_counts=True)
+    groups = np.arange(len(labels))
+    if items is not None:
+        array = items.cpu().numpy() if isinstance(items, torch.Tensor) else np.asarray(items)
+        problem = f"got shape {array.shape}" if array.shape != labels.shape else None
         try:
-            _, item_index = np.unique(array, return_inverse=True)
+            item_index = np.unique(array, return_inverse=True)[1].reshape(-1)
         except TypeError:  # e.g. an object array mixing str and None
             problem = f"got values of mixed types that cannot be sorted ({array.dtype})"
-    if problem:
-        raise ValueError(
-            f"items must be 1-D with one sortable item id (int or str) per embedding row "
-            f"({n_samples} rows), {problem}; pass e.g. the index's a_item column, or items=None "
-            f"for leave-one-out retrieval"
+        if problem:
+            raise ValueError(
+                f"items must be 1-D with one sortable item id (int or str) per embedding row "
+                f"({len(labels)} rows), {problem}; pass e.g. the index's a_item column, or "
+                "items=None for leave-one-out retrieval"
+            )
+        pairs = np.stack([classes, item_index], axis=1)
+        groups = np.unique(pairs, axis=0, return_inverse=True)[1].reshape(-1)
+    own_group = np.bincount(groups)[groups]
+    return Relevance(classes, groups, own_group, class_counts[classes] - own_group)
+
+
+def neighbour_lists(
+    index: NeighbourIndex, emb: torch.Tensor, queries: np.ndarray, rel: Relevance
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(query rows, neighbour ids [B, largest R in the chunk]) chunk by chunk, own group
+    excluded. `queries` must be sorted by R (Relevance.queries)."""
+    start = 0
+    while start < len(queries):
+        window_end = min(start + _QUERY_CHUNK, len(queries))
+        deepest = int(rel.relevant[queries[window_end - 1]])
+        step = max(1, min(window_end - start, _LIST_BUDGET // deepest))
+        chunk = queries[start : start + step]
+        _, ids = index.search(
+            emb[torch.from_numpy(chunk)],
+            int(rel.relevant[chunk].max()),
+            query_groups=rel.groups[chunk],
+            index_groups=rel.groups,
         )
-    pairs = np.stack([class_index, item_index.reshape(-1)], axis=1)
-    return np.unique(pairs, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        yield chunk, ids
+        start += step
 
 
 def retrieval_metrics(
@@ -40,182 +145,118 @@ def retrieval_metrics(
     labels,
     *,
     items=None,
+    index: NeighbourIndex | None = None,
+    query_rows=None,
     chunk_size: int | None = None,
     device=None,
+    progress: bool = False,
     return_per_sample: bool = False,
 ) -> dict:
-    """Retrieval inside one set: every sample queries all the others (or all other items).
+    """Every sample (or each of `query_rows`) queries all the others, ranked by `index`, which
+    must hold `embeddings` (default: ExactSearch on `device`, `chunk_size` queries a block).
 
-    Follows pytorch-metric-learning 2.9 ``AccuracyCalculator`` with query = reference
-    (``ref_includes_query=True``), and returns the same numbers:
+    The numbers of pytorch-metric-learning 2.9 ``AccuracyCalculator`` with query = reference
+    (``ref_includes_query=True``): a query never retrieves itself; R is the number of other
+    samples of its class; a query with R = 0 (PML's "lone query") is left out of the averages
+    (NaN if every query is); ``precision_at_1``: the share of queries whose nearest neighbour
+    has their label; ``r_precision``: mean of (same-label among the top R) / R; ``map_at_r``:
+    mean of (1/R) * the sum of precision@i over the ranks i <= R that hold a same-label sample.
 
-    - a query never retrieves itself;
-    - R for a query is the number of *other* samples of its class (class count - 1);
-    - a query whose class has a single sample has no relevant item, so it is left out of all
-      three averages (PML's "lone query"); if every class is a singleton the metrics are NaN;
-    - ``precision_at_1``: fraction of queries whose nearest neighbour has the same label;
-    - ``r_precision``: mean over queries of (same-label items among the top R) / R;
-    - ``map_at_r``: mean over queries of (1/R) * sum over ranks i <= R that hold a same-label
-      item of precision@i.
+    Cross-item, with ``items`` (one item id per row, e.g. the recording a clip was cut from;
+    the same id under two classes is two items): a query never retrieves a sample of its own
+    item, R counts its class's samples in other items, and a query whose class has no other
+    item is left out and counted in ``"n_queries_without_other_item"``. It measures whether
+    the embedding finds the class in another recording, not the recording itself.
 
-    Cross-item retrieval, with ``items`` (one item id per row, e.g. the recording a clip was
-    cut from; an item belongs to its class, so the same id under two classes is two items):
-
-    - a query never retrieves a sample of its own item (itself included): those samples are
-      removed from its ranking, so they are neither hits nor misses;
-    - R is the number of samples of the query's class in *other* items;
-    - a query whose class has no other item is left out of all three averages and counted in
-      ``"n_queries_without_other_item"``.
-
-    This measures whether the embedding finds the class in another recording, not the
-    recording itself (clips of one item share speaker, channel, room ...).
-
-    Similarities are computed ``chunk_size`` query rows at a time against all N samples into
-    one reused ``[chunk_size, N]`` buffer (plus a ``[chunk_size, N]`` boolean own-item mask
-    with ``items``), keeping only each row's top k = (largest R) neighbours, so memory is
-    O(chunk_size * N), never N x N. The default chunk keeps the buffer near 512 MiB (2,048 rows
-    up to N = 65k; 335 rows at N = 400k).
-
-    Returns ``{"precision_at_1", "map_at_r", "r_precision"}`` (floats in [0, 1]) and
-    ``"n_queries"`` (queries that entered the averages); with ``items`` also
-    ``"n_queries_without_other_item"``. With ``return_per_sample=True`` also
-    ``"per_sample_correct_at_1"``: np.bool_ [N], whether each sample's nearest retrievable
-    sample has its label (always False for a query left out of the averages).
+    Returns floats ``"precision_at_1"``, ``"map_at_r"``, ``"r_precision"`` and ``"n_queries"``
+    (queries averaged); with ``items`` also ``"n_queries_without_other_item"``; with
+    ``return_per_sample=True`` also ``"per_sample_correct_at_1"``, np.bool_ [N] (False for a
+    sample left out).
     """
-    if chunk_size is None:
-        chunk_size = max(64, min(2048, _SIMILARITY_BUDGET // max(len(labels), 1)))
-    check_chunk_size(chunk_size)
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
     emb, lab = check_embeddings(embeddings, labels)
-    class_index, item_group, relevant_per_query = _relevant_counts(lab, items)
-    correct_at_1, average_precision, r_precision = _per_query_scores(
-        emb, class_index, relevant_per_query, item_group, chunk_size, device
-    )
-    has_relevant = relevant_per_query > 0
-    n_queries = int(has_relevant.sum())
-
-    def mean_over_queries(values: np.ndarray) -> float:
-        return float(values[has_relevant].mean()) if n_queries else float("nan")
-
-    result = {
-        "precision_at_1": mean_over_queries(correct_at_1.astype(np.float64)),
-        "map_at_r": mean_over_queries(average_precision),
-        "r_precision": mean_over_queries(r_precision),
-        "n_queries": n_queries,
+    if index is None:
+        index = ExactSearch(emb, chunk_size=chunk_size, device=device)
+    elif (index.size, index.dim) != tuple(emb.shape):
+        raise ValueError(
+            f"embeddings are {tuple(emb.shape)} but the index holds {index.size} rows x "
+            f"{index.dim}; build it from these embeddings"
+        )
+    rel = relevance(lab, items)
+    rows = _query_selection(query_rows, len(lab))
+    scored = rel.queries(rows)
+    correct, average_precision, r_precision = _score_queries(index, emb, scored, rel, progress)
+    # Averaged in row order, so the figures do not depend on the order queries were ranked in
+    # (the sum of the same values in another order can differ by an ulp).
+    in_row_order = np.sort(scored)
+    per_query = (correct.astype(np.float64), average_precision, r_precision)
+    result: dict = {
+        key: float(values[in_row_order].mean()) if len(scored) else float("nan")
+        for key, values in zip(RETRIEVAL_KEYS, per_query, strict=True)
     }
+    result["n_queries"] = len(scored)
     if items is not None:
-        result["n_queries_without_other_item"] = len(lab) - n_queries
+        result["n_queries_without_other_item"] = len(rows) - len(scored)
     if return_per_sample:
-        result["per_sample_correct_at_1"] = correct_at_1
+        result["per_sample_correct_at_1"] = correct
     return result
 
 
-def _relevant_counts(lab: np.ndarray, items) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """(class index per sample, (class, item) group per sample or None, R per query): R is the
-    number of other samples of the query's class, or of its class in other items."""
-    _, class_index, class_counts = np.unique(lab, return_inverse=True, return_counts=True)
-    if items is None:
-        return class_index, None, class_counts[class_index] - 1  # 0 for a singleton class
-    item_group = item_groups(items, len(lab), class_index)
-    return class_index, item_group, class_counts[class_index] - np.bincount(item_group)[item_group]
-
-
-def _per_query_scores(
-    emb: torch.Tensor,
-    class_index: np.ndarray,
-    relevant_per_query: np.ndarray,
-    item_group: np.ndarray | None,
-    chunk_size: int,
-    device,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(correct at 1, average precision at R, R-precision) of every query; zeros for a query
-    without a relevant sample (the device is only used when some query has one)."""
-    n_samples = len(class_index)
-    correct_at_1 = np.zeros(n_samples, dtype=np.bool_)
-    average_precision = np.zeros(n_samples, dtype=np.float64)
-    r_precision = np.zeros(n_samples, dtype=np.float64)
-    if (relevant_per_query > 0).any():
-        _score_queries(
-            emb,
-            class_index,
-            relevant_per_query,
-            item_group,
-            chunk_size,
-            resolve_device(device),
-            correct_at_1,
-            average_precision,
-            r_precision,
+def _query_selection(query_rows: Any, n_samples: int) -> np.ndarray:
+    if query_rows is None:
+        return np.arange(n_samples)
+    rows = np.unique(np.asarray(query_rows))
+    if (
+        rows.ndim != 1
+        or not np.issubdtype(rows.dtype, np.integer)
+        or (rows.size and (rows[0] < 0 or rows[-1] >= n_samples))
+    ):
+        raise ValueError(
+            f"query_rows must be 1-D integer row numbers in [0, {n_samples}), got {rows.dtype} {rows.shape}"
         )
-    return correct_at_1, average_precision, r_precision
+    return rows
 
 
-def _score_queries(
-    emb: torch.Tensor,
-    class_index: np.ndarray,
-    relevant_per_query: np.ndarray,
-    item_group: np.ndarray | None,
-    chunk_size: int,
-    dev: torch.device,
-    correct_at_1: np.ndarray,
-    average_precision: np.ndarray,
-    r_precision: np.ndarray,
-) -> None:
-    """Fill the three per-query arrays, `chunk_size` queries at a time (see retrieval_metrics)."""
-    n_samples = len(class_index)
-    # Every query has at least R candidates that are not excluded (its class's other
-    # samples), so its first R ranks never reach a -inf entry; ranks past R are not scored.
-    k = int(relevant_per_query.max())
-    normed = F.normalize(emb.to(dev), p=2, dim=1)
-    normed_t = normed.T.contiguous()
-    class_t = torch.from_numpy(class_index).to(dev)
-    relevant_t = torch.from_numpy(relevant_per_query).to(dev)
-    ranks = torch.arange(1, k + 1, device=dev)
-    # One buffer reused for every chunk: a fresh [chunk, N] tensor per chunk spends more
-    # time in page faults than in the matmul at N = 100k.
-    buffer = torch.empty(min(chunk_size, n_samples), n_samples, device=dev)
-    if item_group is not None:
-        group_t = torch.from_numpy(item_group).to(dev)
-        own_item_buffer = torch.empty(len(buffer), n_samples, dtype=torch.bool, device=dev)
-    for start in range(0, n_samples, chunk_size):
-        stop = min(start + chunk_size, n_samples)
-        sim = buffer[: stop - start]
-        torch.mm(normed[start:stop], normed_t, out=sim)
-        if item_group is None:
-            rows = torch.arange(stop - start, device=dev)
-            sim[rows, rows + start] = -torch.inf  # leave the query itself out
-        else:  # leave the query's whole item out (the query included)
-            own_item = own_item_buffer[: stop - start]
-            torch.eq(group_t[start:stop, None], group_t[None, :], out=own_item)
-            sim.masked_fill_(own_item, -torch.inf)
-        neighbours = torch.topk(sim, k, dim=1, sorted=True).indices
-        is_match = class_t[neighbours] == class_t[start:stop, None]
-        relevant = relevant_t[start:stop, None]
-        hit = is_match & (ranks[None, :] <= relevant)
-        hits_so_far = hit.cumsum(dim=1)
-        precision_at_hits = (hits_so_far * hit).to(torch.float64) / ranks
-        denom = relevant.clamp(min=1).to(torch.float64).squeeze(1)
-        average_precision[start:stop] = (precision_at_hits.sum(dim=1) / denom).cpu().numpy()
-        r_precision[start:stop] = (hit.sum(dim=1).to(torch.float64) / denom).cpu().numpy()
-        correct_at_1[start:stop] = is_match[:, 0].cpu().numpy()
+def _score_queries(index, emb, scored, rel: Relevance, progress: bool):
+    """(correct at 1, average precision at R, R-precision) per sample, zero where it did not
+    query; in torch float64 over rows as wide as the largest R of the set (a sum of the same
+    terms grouped otherwise can differ by an ulp), at most _LIST_BUDGET entries a slice."""
+    width = max(1, int(rel.relevant.max()))
+    correct = np.zeros(len(rel.relevant), dtype=np.bool_)
+    average_precision, r_precision = np.zeros(len(rel.relevant)), np.zeros(len(rel.relevant))
+    ranks, rows = torch.arange(1, width + 1), max(1, _LIST_BUDGET // width)
+    with tqdm(total=len(scored), unit="query", desc="retrieval", disable=not progress) as bar:
+        for chunk, ids in neighbour_lists(index, emb, scored, rel):
+            is_match = (ids >= 0) & (rel.classes[np.maximum(ids, 0)] == rel.classes[chunk][:, None])
+            correct[chunk] = is_match[:, 0]
+            for start in range(0, len(chunk), rows):
+                part = chunk[start : start + rows]
+                hit = torch.zeros(len(part), width, dtype=torch.bool)
+                hit[:, : ids.shape[1]] = torch.from_numpy(is_match[start : start + rows])
+                relevant_t = torch.from_numpy(rel.relevant[part])[:, None]
+                hit &= ranks[None, :] <= relevant_t
+                precision_at_hits = (hit.cumsum(dim=1) * hit).to(torch.float64) / ranks
+                denom = relevant_t.clamp(min=1).to(torch.float64).squeeze(1)
+                average_precision[part] = (precision_at_hits.sum(dim=1) / denom).numpy()
+                r_precision[part] = (hit.sum(dim=1).to(torch.float64) / denom).numpy()
+            bar.update(len(chunk))
+    return correct, average_precision, r_precision
 
 
 def retrieval_summary(embeddings, labels, items=None, *, device=None) -> dict[str, float]:
-    """P@1, MAP@R and R-precision as plain floats: cross-item when `items` are given and some
-    query has a positive of another item, else leave-one-out ({} with fewer than 2 samples).
-
-    Also `n_queries`, and with items `cross_item` (1.0 when the figures are cross-item).
-    """
+    """P@1, MAP@R, R-precision and `n_queries` as floats: cross-item when `items` are given and
+    some query has a positive of another item (then `cross_item` is 1.0), else leave-one-out;
+    {} with fewer than 2 samples."""
     if len(labels) < 2:
         return {}
     result = (
-        retrieval_metrics(embeddings, labels, items=items, device=device)
-        if items is not None
-        else None
+        None if items is None else retrieval_metrics(embeddings, labels, items=items, device=device)
     )
     cross_item = result is not None and result["n_queries"] > 0
     if not cross_item:
         result = retrieval_metrics(embeddings, labels, device=device)
-    summary = {k: float(result[k]) for k in RETRIEVAL_KEYS}
-    summary["n_queries"] = float(result["n_queries"])
+    summary = {k: float(result[k]) for k in (*RETRIEVAL_KEYS, "n_queries")}
     if items is not None:
         summary["cross_item"] = float(cross_item)
     return summary

@@ -7,15 +7,15 @@
   bounded-memory chunks, optionally never returning rows of the query's own group (item).
 - ``SearchIndex.save(path.json)`` / ``load(path.json)``: the index beside its embeddings; a
   stale index (embeddings rewritten since) is an error.
-- ``knn_retrieval_metrics``: retrieval_metrics' P@1 / MAP@R / R-precision from neighbour
-  lists, with the recall of an approximate index against exact search.
+- ``sampled_neighbour_recall``: the recall against exact search of the neighbour lists that
+  audioclf.metrics.retrieval_metrics scores when handed an index (``index=``).
 """
 
 from audioclf.search.approximate import FaissIndex, faiss_available
 from audioclf.search.base import SearchIndex
 from audioclf.search.exact import ExactIndex
 from audioclf.search.index import METHODS, build, load, read_embeddings
-from audioclf.search.retrieval import knn_retrieval_metrics, neighbour_recall
+from audioclf.search.retrieval import neighbour_recall, sampled_neighbour_recall
 
 __all__ = [
     "METHODS",
@@ -24,8 +24,8 @@ __all__ = [
     "SearchIndex",
     "build",
     "faiss_available",
-    "knn_retrieval_metrics",
     "load",
     "neighbour_recall",
     "read_embeddings",
+    "sampled_neighbour_recall",
 ]
