@@ -38,7 +38,10 @@ PACKAGE_BUDGETS = {
     "audioclf.training": (1700, "trainer, step, validation, averaging, the run folder"),
     "audioclf.data": (3650, "index sheets, readers, datasets, loaders, sampler, augmentation"),
     "audioclf.evaluation": (1400, "evaluate's selection, metrics assembly and report folder"),
-    "audioclf.embedding": (950, "embed --index across ranks and gallery ranking"),
+    "audioclf.embedding": (
+        1050,
+        "embed --index across ranks and gallery ranking (kNN or centroid)",
+    ),
     "audioclf.inference": (1350, "loading artefacts, extraction, the export formats"),
     "audioclf.search": (1600, "exact and faiss indexes, the search tool"),
     "audioclf.metrics": (650, "the metric definitions"),

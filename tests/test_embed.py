@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from audioclf.embed import main
 from audioclf.embedding import gallery
@@ -494,3 +495,45 @@ def test_index_errors_exit_2_with_one_line(setup, sheet, capsys, tmp_path, case,
     assert err.startswith("python -m audioclf.embed: error: ") and err.count("\n") == 1
     assert message in err
     assert not list(tmp_path.glob("x.*"))
+
+
+def test_knn_ranks_a_class_of_distinct_items_where_centroids_do_not():
+    # Class "a" holds two distinct recordings (items) far apart, class "b" one compact blob in
+    # between: a query next to one of a's items is nearest to an "a" clip, but "b"'s centroid
+    # is nearer than a's (which lies between a's items) — the demo's wrong first impression.
+    angle = np.deg2rad([0, 2, 90, 92, 40, 45, 50])
+    gallery = np.stack([np.cos(angle), np.sin(angle)], 1).astype(np.float32)
+    classes = np.array(["a", "a", "a", "a", "b", "b", "b"])
+    query = np.array([[np.cos(np.deg2rad(5)), np.sin(np.deg2rad(5))]], dtype=np.float32)
+    from audioclf.embedding.gallery import class_scores, top_classes
+
+    names, scores, votes = class_scores(query, gallery, classes)
+    assert names[top_classes(scores, 2, votes)[0][0]] == "a"
+    names, scores, votes = class_scores(query, gallery, classes, rule="centroid")
+    assert names[top_classes(scores, 2, votes)[0][0]] == "b"
+    # k = 3: the three nearest are a, a, b (at 0, 2 and 40 degrees): a wins the vote
+    names, scores, votes = class_scores(query, gallery, classes, k=3)
+    assert votes.tolist() == [[2.0, 1.0]]
+    # the query's own item (the first two rows) left out: b's blob is now nearest
+    exclude = np.array([[True, True, False, False, False, False, False]])
+    names, scores, votes = class_scores(query, gallery, classes, exclude=exclude)
+    assert names[top_classes(scores, 2, votes)[0][0]] == "b"
+
+
+def test_ranking_a_gallery_row_leaves_out_its_own_item(setup, tiny_demo):
+    # Files that are rows of the gallery: with their own item left out they cannot find
+    # themselves (an untrained model's nearest clip of the full gallery is the file itself).
+    from audioclf.embedding.gallery import rank_files
+    from audioclf.inference import load_embedder
+
+    model = load_embedder(setup["model"], torch.device("cpu"))
+    folder = tiny_demo.parent / "wav" / CLASSES[0]
+    common = dict(root=None, top=3, batch_size=16, use_cache=False, progress=False)
+    own = rank_files(model, [folder], tiny_demo, **common)
+    assert own.first_right() == (len(own.files), len(own.files))  # each finds itself
+    assert (own.scores.max(axis=1) > 0.9999).all()
+    left_out = rank_files(model, [folder], tiny_demo, exclude_own_item=True, **common)
+    assert all(left_out.own_item_left_out) and (left_out.scores.max(axis=1) < 0.9999).all()
+    right, known = left_out.first_right()
+    assert known == len(left_out.files) and 0 <= right <= known
+    assert "each file's own item left out" in left_out.lines(model, tiny_demo)[0]

@@ -1,5 +1,6 @@
-"""embed's ranking mode: the classes of a gallery sheet ranked for each of some audio files by
-cosine similarity to each class centroid (see `python -m audioclf.embed --help`).
+"""embed's ranking mode: the classes of a gallery sheet ranked for each of some audio files, by
+each class's nearest gallery clip (kNN, as evaluate's kNN accuracy) or by cosine to each class
+centroid (see `python -m audioclf.embed --help`).
 
     ranking = rank_files(model, ["clips/"], Path("refs.xlsx"), root=None, top=5, batch_size=16,
                          use_cache=True, progress=True)
@@ -9,10 +10,10 @@ which is, step by step:
 
     files = find_files(["clips/"], model.features)
     files, emb, skipped = embed_readable(model, files, batch_size=16, progress=True)
-    gallery, classes, cached = load_gallery(model, "refs.xlsx", root=None, batch_size=16,
-                                            use_cache=True, progress=True)
-    names, scores = class_scores(emb, gallery, classes)
-    order = top_classes(scores, 5)
+    gallery, rows, cached = load_gallery(model, "refs.xlsx", root=None, batch_size=16,
+                                         use_cache=True, progress=True)
+    names, scores, votes = class_scores(emb, gallery, rows["cls"].to_numpy(str))  # kNN
+    order = top_classes(scores, 5, votes)
 
 A gallery's embeddings are cached in <model folder>/.audioclf_cache/, keyed by the sheet's
 content and path, the model file, and the features settings.
@@ -105,8 +106,8 @@ def load_gallery(
     use_cache: bool,
     progress: bool,
     num_workers: int = 0,
-) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(embeddings [n, D], class name per row, whether the cache was used)."""
+) -> tuple[np.ndarray, pd.DataFrame, bool]:
+    """(embeddings [n, D], the rows' cls / item / path, whether the cache was used)."""
     sheet = Path(sheet)
     data = dataclasses.replace(model.data, index=str(sheet), root=root or "", split_column="")
     with warnings.catch_warnings():
@@ -114,11 +115,12 @@ def load_gallery(
         # hold one recording per class.
         warnings.filterwarnings("ignore", message=".*fewer than 2 items")
         index = load_index(data)
-    classes = index.table["cls"].to_numpy(dtype=str)
+    rows = index.table[["cls", "item", "path"]].reset_index(drop=True)
+    classes = rows["cls"].to_numpy(dtype=str)
     cache = gallery_cache_file(model, sheet, data.root) if use_cache else None
     cached = _read_cache(cache, classes) if cache is not None else None
     if cached is not None:
-        return cached, classes, True
+        return cached, rows, True
     embeddings = embed_files(
         model.embed_fn,
         model.cfg,
@@ -131,7 +133,7 @@ def load_gallery(
     )
     if cache is not None:
         _write_cache(cache, embeddings, classes)
-    return embeddings, classes, False
+    return embeddings, rows, False
 
 
 def _read_cache(cache: Path, classes: np.ndarray) -> np.ndarray | None:
@@ -161,19 +163,55 @@ def _write_cache(cache: Path, embeddings: np.ndarray, classes: np.ndarray) -> No
 # Ranking
 
 
+RANK_RULES = ("knn", "centroid")
+DEFAULT_K = 1  # evaluate's kNN accuracy is the 1-nearest-neighbour rule
+
+
 def class_scores(
-    query: np.ndarray, gallery: np.ndarray, classes: np.ndarray
-) -> tuple[list[str], np.ndarray]:
-    """(class names, cosine similarity [queries, classes] to each class centroid)."""
+    query: np.ndarray,
+    gallery: np.ndarray,
+    classes: np.ndarray,
+    *,
+    rule: str = "knn",
+    k: int = DEFAULT_K,
+    exclude: np.ndarray | None = None,
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(class names, scores [queries, classes], votes [queries, classes]) by cosine similarity.
+
+    rule "knn" (the default, evaluate's kNN rule): a class scores its nearest gallery clip;
+    the k nearest clips vote (one vote each), so with k > 1 the majority class ranks first.
+    rule "centroid": a class scores its centroid (class_centroids; no votes). `exclude`
+    [queries, gallery] masks gallery rows out per query (a query's own item)."""
     names, codes = np.unique(classes, return_inverse=True)
-    _, centroids = class_centroids(gallery, codes)
     queries = torch.nn.functional.normalize(torch.from_numpy(query).float(), dim=1)
-    return names.tolist(), (queries @ centroids.T).numpy()
+    if rule == "centroid":
+        _, centroids = class_centroids(gallery, codes)
+        scores = (queries @ centroids.T).numpy()
+        return names.tolist(), scores, np.zeros_like(scores)
+    rows = torch.nn.functional.normalize(torch.from_numpy(gallery).float(), dim=1)
+    codes_t = torch.from_numpy(codes)
+    scores = torch.full((len(query), len(names)), -np.inf)
+    votes = torch.zeros((len(query), len(names)))
+    for start in range(0, len(query), 256):  # [256, gallery] similarities at a time
+        sims = queries[start : start + 256] @ rows.T
+        if exclude is not None:
+            sims[torch.from_numpy(exclude[start : start + 256])] = -np.inf
+        index = codes_t.expand_as(sims)
+        scores[start : start + 256] = scores[start : start + 256].scatter_reduce(
+            1, index, sims, reduce="amax"
+        )
+        nearest = sims.topk(min(k, sims.shape[1]), dim=1)
+        kept = torch.isfinite(nearest.values).float()
+        votes[start : start + 256].scatter_add_(1, codes_t[nearest.indices], kept)
+    return names.tolist(), scores.numpy(), votes.numpy()
 
 
-def top_classes(scores: np.ndarray, top: int) -> np.ndarray:
-    """Column indices of the `top` best classes of each row, best first (ties: lower index)."""
-    return np.argsort(-scores, axis=1, kind="stable")[:, :top]
+def top_classes(scores: np.ndarray, top: int, votes: np.ndarray | None = None) -> np.ndarray:
+    """Column indices of the `top` best classes of each row, best first: most votes, then the
+    highest score (ties: lower index)."""
+    votes = np.zeros_like(scores) if votes is None else votes
+    order = np.lexsort((np.arange(scores.shape[1])[None].repeat(len(scores), 0), -scores, -votes))
+    return order[:, :top]
 
 
 def save_rankings(
@@ -216,13 +254,32 @@ class Ranking:
     order: np.ndarray  # column indices of each file's top classes, best first
     gallery_files: int  # rows of the gallery sheet
     cached: bool  # whether the gallery's embeddings came from the cache
+    rule: str = "knn"  # how classes were scored (class_scores)
+    k: int = DEFAULT_K
+    own_item_left_out: list[bool] | None = None  # per file: it is a gallery row, its item left out
+    truth: list[str | None] | None = None  # per file: its class when it is a gallery row
+
+    def describe(self) -> str:
+        """The rule, for the output's header."""
+        if self.rule == "centroid":
+            return "ranked by cosine to each class centroid"
+        votes = f", the {self.k} nearest clips voting" if self.k > 1 else ""
+        return f"ranked by each class's nearest gallery clip (kNN, k={self.k}{votes})"
+
+    def first_right(self) -> tuple[int, int]:
+        """(files whose own class ranked first, files whose class the gallery holds)."""
+        known = [(i, t) for i, t in enumerate(self.truth or []) if t is not None]
+        right = sum(self.names[self.order[i][0]] == t for i, t in known)
+        return right, len(known)
 
     def lines(self, model: LoadedEmbedder, gallery: Path) -> list[str]:
         """What embed prints: the model and gallery, then each file with its top classes."""
         cached = ", cached" if self.cached else ""
+        left_out = ", each file's own item left out" if any(self.own_item_left_out or []) else ""
         lines = [
             f"model: {model.path} ({model.description}); gallery: {gallery} "
-            f"({self.gallery_files} files, {len(self.names)} classes{cached})"
+            f"({self.gallery_files} files, {len(self.names)} classes{cached}); "
+            f"{self.describe()}{left_out}"
         ]
         width = max(len(n) for n in self.names)
         for i, path in enumerate(self.files):
@@ -251,10 +308,16 @@ def rank_files(
     use_cache: bool,
     progress: bool,
     num_workers: int = 0,
+    rule: str = "knn",
+    k: int = DEFAULT_K,
+    exclude_own_item: bool = False,
 ) -> Ranking:
     """Embed the files of `inputs` (files, folders searched recursively) and the gallery sheet
     (cached), and rank the gallery's classes for each file: its `top` best (default
-    DEFAULT_TOP). ValueError when no file is found or readable, or an embedding is not finite."""
+    DEFAULT_TOP), by `rule` (class_scores). With `exclude_own_item` a file that is a row of the
+    gallery is ranked without the rows of its own item (recording), as evaluate's cross-item
+    metrics: how the model does on a new recording of a known class. ValueError when no file
+    is found or readable, or an embedding is not finite."""
     files, embeddings, skipped = embed_inputs(
         model,
         inputs,
@@ -263,7 +326,7 @@ def rank_files(
         progress=progress,
         num_workers=num_workers,
     )
-    gallery_emb, gallery_classes, cached = load_gallery(
+    gallery_emb, gallery_rows, cached = load_gallery(
         model,
         gallery,
         root=root,
@@ -272,7 +335,20 @@ def rank_files(
         progress=progress,
         num_workers=num_workers,
     )
-    check_finite(gallery_emb, [str(c) for c in gallery_classes], f"the gallery {gallery}")
-    names, scores = class_scores(embeddings, gallery_emb, gallery_classes)
-    order = top_classes(scores, min(DEFAULT_TOP if top is None else top, len(names)))
-    return Ranking(files, embeddings, skipped, names, scores, order, len(gallery_classes), cached)
+    classes = gallery_rows["cls"].to_numpy(dtype=str)
+    check_finite(gallery_emb, [str(c) for c in classes], f"the gallery {gallery}")
+    row_of = {str(Path(p).resolve()): i for i, p in enumerate(gallery_rows["path"])}
+    rows = [row_of.get(str(Path(f).resolve())) for f in files]
+    exclude = None
+    if exclude_own_item:
+        items = (gallery_rows["cls"] + "\x00" + gallery_rows["item"]).to_numpy()
+        exclude = np.stack([items == items[r] if r is not None else items != items for r in rows])
+    names, scores, votes = class_scores(
+        embeddings, gallery_emb, classes, rule=rule, k=k, exclude=exclude
+    )
+    order = top_classes(scores, min(DEFAULT_TOP if top is None else top, len(names)), votes)
+    ranking = Ranking(files, embeddings, skipped, names, scores, order, len(classes), cached)
+    ranking.rule, ranking.k = rule, k
+    ranking.own_item_left_out = [exclude_own_item and r is not None for r in rows]
+    ranking.truth = [None if r is None else str(classes[r]) for r in rows]
+    return ranking
