@@ -139,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_trust_flag(parser)
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options and files in any order
 
 
 def run(args: argparse.Namespace) -> int:

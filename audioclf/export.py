@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fail unless the checkpoint holds this model",
     )
     add_trust_flag(parser)
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options and files in any order
 
 
 def run(args: argparse.Namespace) -> int:

@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: data.root of the config, else the sheet's folder)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options and files in any order
 
 
 def run(args: argparse.Namespace) -> int:

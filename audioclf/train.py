@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="section.key=value",
         help="config overrides applied after the file",
     )
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options and files in any order
 
 
 def main(argv: list[str] | None = None, *, hooks=None) -> int:

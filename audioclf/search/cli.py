@@ -96,7 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     query.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     query.add_argument("--batch-size", type=int, default=16, help="audio files per batch")
     query.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
-    return parser.parse_args(argv)
+    # Options and files in any order: parse_intermixed_args refuses subparsers, so the top
+    # parser only picks the command (or answers --help) and that command's parser reads the rest.
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = parser.parse_known_args(argv)[0].command
+    before, rest = argv[: argv.index(command)], argv[argv.index(command) + 1 :]
+    if before:
+        parser.error(f"unrecognized arguments: {' '.join(before)}")
+    return commands.choices[command].parse_intermixed_args(
+        rest, argparse.Namespace(command=command)
+    )
 
 
 def run_build(args: argparse.Namespace) -> int:
