@@ -9,7 +9,7 @@
 #   ./run.sh setup                               only create/refresh .venv
 #
 # Demo stages: 1 = generate data, 2 = train (2 processes, gloo on CPU / nccl on GPU),
-# 3 = offline evaluation, 4 = export, 5 = embed new audio against the gallery.
+# 3 = offline evaluation, 4 = export, 5 = rank a recording left out of the gallery.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -89,9 +89,12 @@ cmd_demo() {
             --out "$run_dir/export/model.pt"
     fi
     if [[ $stage -le 5 && $stop_stage -ge 5 ]]; then
-        echo "== stage 5: embed new audio against the training gallery"
+        echo "== stage 5: rank the gallery's classes for the clips of one recording, left out of it"
         "$PY" -m audioclf.embed --model "$run_dir/best.pt" --gallery data/demo/index.xlsx \
-            --top 3 data/demo/wav/c00/c00_i0/
+            --top 3 --exclude-own-item data/demo/wav/c00/c00_i0/
+        echo "(each clip of recording c00_i0 was ranked against the gallery without c00_i0's own"
+        echo " clips: the count is how often a new recording of a known class gets its class first;"
+        echo " $run_dir/eval/report.md asks the same of every validation clip: cross-item P@1)"
     fi
 }
 

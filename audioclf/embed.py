@@ -9,36 +9,31 @@ every row of an index sheet into files for a search index.
 --model   an audioclf checkpoint (.pt from audioclf.train, or an export --format state_dict),
           or a TorchScript / ONNX export of audioclf.export with its sidecar <model>.json next
           to it (ONNX needs onnxruntime).
-FILES     audio files (.wav .flac .ogg .aiff .mp3 ..., every format libsndfile reads, as for
-          prepare), or .npy log-mel files for a model trained on precomputed features; folders
-          are searched recursively. Each file is embedded whole, as in evaluation
-          (clips.eval_crop).
+FILES     audio files (every format libsndfile reads) or .npy log-mel files for a model of
+          precomputed features; folders are searched recursively; embedded as in evaluation.
 --gallery an index sheet (.xlsx .csv .parquet) read with the model's column settings; every row
           is used, the split column is ignored. Its embeddings are cached in <model folder>/
           .audioclf_cache/ (keyed by the sheet, the model file and the features settings, not the
           audio files: after replacing them behind an unchanged sheet, pass --no-cache once).
 
-For each file the N classes with the highest cosine similarity to the class centroid (mean of
-the normalised gallery embeddings) are printed, best first. --save PREFIX writes PREFIX.npy
-(float32 [files, D], printed order) and PREFIX.csv (file, top class, its score).
+For each file the gallery's N best classes are printed, best first: by default (--rank-by knn,
+--knn 1) a class scores the cosine of its nearest gallery clip, evaluate's kNN rule; with
+--knn K the K nearest clips vote first; --rank-by centroid scores each class centroid (the mean
+of its normalised clips: a class whose recordings differ is no one blob). --exclude-own-item:
+a file that is a gallery row is ranked without its own item's rows, and a last line counts the
+files whose class ranked first (a new recording of a known class). --save PREFIX writes
+PREFIX.npy (float32 [files, D], printed order) and PREFIX.csv (file, top class, its score).
 Exit status: 0 done; 1 done, but some files could not be read (each named on stderr, the rest
 embedded); 2 bad input (no audio files found, a gallery sheet without a class column, no file
 readable, a model that gives NaN) with a one-line message.
 
---index SHEET --save PREFIX (no files, no --gallery): every row of SHEET (read with the model's
-column settings; --split S keeps the rows of one split, found by the training's rules) is
-embedded in batches, with --num-workers DataLoader workers (default: the model's
-data.num_workers) and a progress bar, into
-  PREFIX.npy      float32 [rows, D]
-  PREFIX.parquet  row (the sheet's row number), id, class, item, path: one row per .npy row.
-The work goes in chunks of 4,096 rows, each written as a part file into PREFIX.parts/ when done;
-a rerun (after a crash, a kill, a full disk) takes the finished parts of the same model, features
-and rows and embeds only the rest; at the end PREFIX.npy and .parquet are assembled. An
-unreadable or missing file stops the run with one line naming it and its sheet row; with
---skip-bad-files it is left out and listed in PREFIX.skipped.csv (row, id, path, reason).
-Under torchrun or srun the chunks are dealt to the ranks, each on its own GPU, and rank 0
-assembles the outputs (a rerun with another number of ranks takes every finished chunk); plain
-python is one process. Prints a summary instead of rankings. Exit status: 0 done; 2 bad input.
+--index SHEET --save PREFIX (no files, no --gallery): every row of SHEET (--split S: one
+split's rows, by the training's rules) into PREFIX.npy (float32 [rows, D]) and PREFIX.parquet
+(row, id, class, item, path), in chunks of 4,096 rows kept as part files in PREFIX.parts/, so a
+rerun after a crash embeds only the rest. An unreadable file stops the run with one line naming
+it and its row (--skip-bad-files: listed in PREFIX.skipped.csv). Under torchrun or srun the
+chunks are dealt to the ranks and rank 0 assembles (docs/evaluation.md). Exit status: 0 done;
+2 bad input.
 """
 
 from __future__ import annotations
@@ -50,7 +45,7 @@ from pathlib import Path
 
 from audioclf import distributed
 from audioclf.cli import add_trust_flag, resolve_device
-from audioclf.embedding.gallery import check_ranking_request, rank_files
+from audioclf.embedding.gallery import DEFAULT_K, RANK_RULES, check_ranking_request, rank_files
 from audioclf.embedding.index import check_index_request, embed_sheet
 from audioclf.errors import run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder
@@ -71,12 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="AUDIO_OR_DIR",
         help="audio files or folders (searched recursively); not with --index",
     )
-    parser.add_argument(
-        "--model",
-        required=True,
-        type=Path,
-        help="audioclf checkpoint, or TorchScript/ONNX export with its .json",
-    )
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint or export (.json)")
     parser.add_argument("--gallery", type=Path, help="index sheet of labelled files (ranking)")
     parser.add_argument(
         "--index",
@@ -85,13 +75,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="embed every row of this index sheet into --save PREFIX.npy / "
         ".parquet (resumable; no files, no --gallery)",
     )
-    parser.add_argument(
-        "--split",
-        help="with --index: only the rows of this split (train, "
-        "val, test), by the sheet's split column or the training's rules",
-    )
+    parser.add_argument("--split", help="with --index: only this split's rows (train/val/test)")
     parser.add_argument("--root", help="folder of the sheet's relative paths (default: its own)")
     parser.add_argument("--top", type=int, help="classes shown per file (default 5; ranking mode)")
+    parser.add_argument(
+        "--rank-by", choices=RANK_RULES, default="knn", help="knn (default), centroid"
+    )
+    parser.add_argument("--knn", type=int, default=DEFAULT_K, metavar="K", help="voting clips (1)")
+    parser.add_argument(
+        "--exclude-own-item", action="store_true", help="rank gallery rows without their own item"
+    )
     parser.add_argument(
         "--save",
         metavar="OUT_PREFIX",
@@ -106,17 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "model with --index, 0 otherwise)",
     )
     parser.add_argument(
-        "--skip-bad-files",
-        action="store_true",
-        help="with --index: leave unreadable or missing files out (listed in "
-        "OUT_PREFIX.skipped.csv) instead of stopping",
+        "--skip-bad-files", action="store_true", help="--index: list unreadable files, go on"
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument(
-        "--no-cache",
-        action="store_true",
-        help="embed the gallery again instead of using (and writing) the cache",
-    )
+    parser.add_argument("--no-cache", action="store_true", help="embed the gallery again")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_trust_flag(parser)
     return parser.parse_intermixed_args(argv)  # options and files in any order
@@ -159,8 +145,14 @@ def run_ranking(args: argparse.Namespace, model: LoadedEmbedder) -> int:
         use_cache=not args.no_cache,
         progress=not args.quiet,
         num_workers=args.num_workers or 0,
+        rule=args.rank_by,
+        k=args.knn,
+        exclude_own_item=args.exclude_own_item,
     )
     print("\n".join(ranking.lines(model, args.gallery)))
+    right, known = ranking.first_right()
+    if args.exclude_own_item and known:
+        print(f"{right} of {known} files ranked their own class first (own item left out)")
     if args.save:
         npy, csv = ranking.save(args.save)
         print(f"saved {npy} and {csv}")

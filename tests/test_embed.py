@@ -537,3 +537,17 @@ def test_ranking_a_gallery_row_leaves_out_its_own_item(setup, tiny_demo):
     right, known = left_out.first_right()
     assert known == len(left_out.files) and 0 <= right <= known
     assert "each file's own item left out" in left_out.lines(model, tiny_demo)[0]
+
+
+def test_the_cli_states_the_rule_and_counts_own_class_first(setup, tiny_demo, capsys):
+    folder = tiny_demo.parent / "wav" / CLASSES[0]
+    args = ["--model", setup["model"], "--gallery", tiny_demo, "--quiet", "--no-cache", folder]
+    code, out, _ = run_cli(capsys, *args, "--exclude-own-item", "--knn", "3")
+    assert code == 0
+    header, *_, summary = out.splitlines()
+    assert "kNN, k=3, the 3 nearest clips voting" in header and "own item left out" in header
+    right, known = map(int, summary.split(" files ranked")[0].split(" of "))
+    assert known == len(list(folder.rglob("*.wav"))) and 0 <= right <= known
+    code, out, _ = run_cli(capsys, *args, "--rank-by", "centroid")
+    assert code == 0 and "ranked by cosine to each class centroid" in out.splitlines()[0]
+    assert "files ranked their own class first" not in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -157,4 +158,6 @@ def test_demo_runs_every_stage(tmp_path):
     run = repo / "runs" / "demo_cnn"
     assert (run / "eval").is_dir() and any((run / "eval").iterdir())
     assert (run / "export" / "model.pt").is_file()
-    assert "c00" in out.stdout.split("== stage 5:")[1]
+    ranked = out.stdout.split("== stage 5:")[1]
+    assert "c00" in ranked and "each file's own item left out" in ranked
+    assert re.search(r"^\d+ of 8 files ranked their own class first", ranked, flags=re.M)
