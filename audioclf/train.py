@@ -2,6 +2,7 @@
 
     python -m audioclf.train --config configs/demo_cnn.yaml [section.key=value ...]
     torchrun --nproc_per_node=4 -m audioclf.train --config configs/conformer.yaml
+    audioclf train --nproc-per-node 4 --config conformer   # starts the 4 ranks itself
 
 One process per GPU under torchrun (DDP, NCCL; gloo on CPU); plain `python -m` trains in a
 single process. Outputs go to <train.runs_dir>/<train.name>/: config.yaml, train.log,
@@ -13,9 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from audioclf.config import load_config
-from audioclf.errors import run_cli
+from audioclf.distributed.launch import LaunchStopped, launch_ranks
+from audioclf.errors import UsageError, run_cli
 
 PROG = "python -m audioclf.train"
 
@@ -39,6 +42,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=argparse.SUPPRESS,
     )
     parser.add_argument(
+        "--nproc-per-node",
+        "--nproc",
+        dest="nproc",
+        type=int,
+        metavar="N",
+        help="start N ranks on this machine (as torchrun --standalone --nproc_per_node N); "
+        "one Ctrl-C stops them all at the next step with last.pt saved",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         metavar="section.key=value",
@@ -55,6 +67,8 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
 
 def run(args: argparse.Namespace, hooks=None) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.nproc is not None:
+        return launch(args, cfg)
     from audioclf.training.trainer import fit  # noqa: PLC0415 - torch etc. once the config is valid
 
     summary = fit(cfg, hooks=hooks, local_rank_arg=args.local_rank)
@@ -62,6 +76,27 @@ def run(args: argparse.Namespace, hooks=None) -> int:
     # report any other status as a failure), and ./run.sh turns the stop into 130 itself.
     interrupted = summary.get("stop_signal") == "SIGINT"
     return 130 if interrupted and "TORCHELASTIC_RUN_ID" not in os.environ else 0
+
+
+def launch(args: argparse.Namespace, cfg) -> int:
+    """--nproc-per-node N: the ranks, each `python -m audioclf.train` without the flag."""
+    if args.nproc < 1 or "WORLD_SIZE" in os.environ:
+        raise UsageError(
+            "--nproc-per-node needs N >= 1 and no launcher around it (under torchrun or srun, "
+            "leave it out)"
+        )
+    argv = [*(["--config", args.config] if args.config else []), *args.overrides]
+    try:
+        launch_ranks(args.nproc, "audioclf.train", argv)
+    except LaunchStopped as stop:
+        last = Path(cfg.train.runs_dir) / cfg.train.name / "last.pt"
+        print(
+            f"{PROG}: stopped by {stop.signal_name}; {last} is the last checkpoint saved; "
+            "resume with checkpoint.resume=auto",
+            file=sys.stderr,
+        )
+        return 130 if stop.signal_name == "SIGINT" else 143
+    return 0
 
 
 if __name__ == "__main__":

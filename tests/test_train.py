@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from audioclf import checkpoint
 from audioclf.config import Config
 from tests.helpers import (
+    as_a_terminal_starts_it,
     child_env,
     cli_args,
     free_port,
@@ -213,6 +215,40 @@ def test_ctrl_c_is_a_clean_stop_with_status_130(tmp_path, tiny_demo):
         "saved; resume with checkpoint.resume=auto" in log
     )
     assert not (run_dir / "best.pt").exists()  # no partial epoch stands in for the best
+
+
+@pytest.mark.slow
+def test_nproc_starts_the_ranks_and_one_ctrl_c_is_one_line_and_130(tmp_path, tiny_demo):
+    # `audioclf train --nproc-per-node 2`: the ranks through torch's elastic launcher, each in
+    # a session of its own; a Ctrl-C reaches the launcher, which passes it on once: the ranks
+    # save last.pt, and the launcher says so in one line (bare torchrun ends in a traceback).
+    cfg = tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=100", "eval.every=0")
+    run_dir = tmp_path / "runs" / "t"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "audioclf.train", "--nproc", "2", *cli_args(cfg)],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_a_terminal_starts_it,
+        start_new_session=True,  # a foreground job's group, as a terminal makes it
+    )
+    try:
+        assert wait_for_text(run_dir / "train.log", "epoch 1/100")
+        assert "rank 0 of 2, ddp" in (run_dir / "train.log").read_text()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"python -m audioclf.train: stopped by SIGINT; {run_dir / 'last.pt'} is the last "
+        "checkpoint saved; resume with checkpoint.resume=auto"
+    )
+    assert checkpoint.load(run_dir / "last.pt")["step"] > 0
 
 
 @pytest.mark.slow

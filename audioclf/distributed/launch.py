@@ -135,3 +135,50 @@ def _slurm_master_port() -> str:
     ephemeral range (32768 and up) that outgoing connections draw from."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     return str(10000 + int(job_id) % 20000) if job_id.isascii() and job_id.isdigit() else "29500"
+
+
+class LaunchStopped(Exception):
+    """The ranks started by `launch_ranks` were stopped by a signal (Ctrl-C, SIGTERM)."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def launch_ranks(nproc: int, module: str, argv: list[str]) -> None:
+    """`python -m <module> <argv>` on `nproc` local ranks through torch's elastic launcher, as
+    `torchrun --standalone --nproc_per_node <nproc>` does (one node, no restarts, each rank in
+    a session of its own, so a Ctrl-C reaches this launcher, which passes it on once).
+
+    Raises LaunchStopped when a signal stopped the ranks, RuntimeError naming the failed ranks'
+    exit codes when one failed (the rank itself printed why)."""
+    import sys  # noqa: PLC0415 - the launcher's own imports only when it launches
+    import uuid  # noqa: PLC0415
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # torchrun's own chatter
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: CPU ranks share the cores
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"audioclf-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", module, *argv)
+    except SignalException as exc:
+        raise LaunchStopped(getattr(exc.sigval, "name", str(exc.sigval))) from None
+    except ChildFailedError as exc:
+        codes = sorted({failure.exitcode for failure in exc.failures.values()})
+        raise RuntimeError(
+            f"rank(s) {', '.join(map(str, sorted(exc.failures)))} failed (exit status "
+            f"{', '.join(map(str, codes))}); their own lines above say why"
+        ) from None
