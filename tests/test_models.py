@@ -12,6 +12,7 @@ from audioclf.config import (
     CNNConfig,
     ConfigError,
     ConformerConfig,
+    ECAPAConfig,
     FeaturesConfig,
     LossConfig,
     ModelConfig,
@@ -38,7 +39,7 @@ from audioclf.models.pooling import (
 from audioclf.models.resnet import BasicBlock
 
 N_MELS = 32
-NAMES = ["cnn", "conformer", "resnet"]
+NAMES = ["cnn", "conformer", "resnet", "ecapa"]
 
 
 def tiny_config(name, pooling=None, embedding_dim=16):
@@ -52,6 +53,7 @@ def tiny_config(name, pooling=None, embedding_dim=16):
         ),
         # 4 stages (total stride 8), identity and 1×1-conv shortcuts, 2 blocks in one stage
         resnet=ResNetConfig(width=4, blocks=[1, 2, 1, 1]),
+        ecapa=ECAPAConfig(channels=16, scale=4, se_bottleneck=8, attention_channels=8),
     )
     if pooling is not None:
         getattr(cfg, name).pooling = pooling
@@ -84,6 +86,7 @@ def test_shapes_and_unit_norm(name, batch, frames):
         ("conformer", "mean"),
         ("resnet", "stats"),
         ("resnet", "attentive_stats"),
+        ("ecapa", None),  # attentive statistics with global context, its own
     ],
 )
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
@@ -115,7 +118,7 @@ def test_pooling_helpers_ignore_padding():
 
 
 def test_build_model_registry_and_errors():
-    assert set(MODELS) == {"cnn", "conformer", "resnet"}
+    assert set(MODELS) == {"cnn", "conformer", "resnet", "ecapa"}
     cfg = tiny_config("cnn")
     cfg.name = "transformer"
     with pytest.raises(ValueError, match="transformer.*cnn, conformer, resnet"):
@@ -458,3 +461,14 @@ def test_build_net_head_follows_model_config(head, rows):
     assert net.head.scale == (16.0 if head == "softmax" else 30.0)
     _, logits = net(torch.randn(2, 20, N_MELS), torch.tensor([20, 9]))
     assert logits.shape == (2, 5) and logits.abs().max() <= net.head.scale + 1e-4
+
+
+@pytest.mark.parametrize("channels, low, high", [(512, 5.8e6, 6.6e6), (1024, 1.9e7, 2.2e7)])
+def test_ecapa_default_layout_and_size(channels, low, high):
+    # The published ECAPA-TDNN at 80 mels, 192-d: about 6.2M parameters at C = 512 and 20.8M at
+    # C = 1024 (SpeechBrain's and WeSpeaker's counts of the same layout, within a few percent).
+    cfg = ModelConfig(name="ecapa", embedding_dim=192, ecapa=ECAPAConfig(channels=channels))
+    model = build_model(cfg, 80)
+    assert low <= count_parameters(model) <= high
+    assert len(model.blocks) == 3 and model.mfa.out_channels == 3 * channels
+    assert [b.res2[0].conv.dilation[0] for b in model.blocks] == [2, 3, 4]

@@ -63,8 +63,24 @@ class ConformerConfig:
 
 
 @dataclass
+class ECAPAConfig:
+    channels: int = 512  # C of the TDNN and SE-Res2 blocks (the published 512 or 1024)
+    scale: int = 8  # Res2Net scale: channel groups per block (divides channels)
+    se_bottleneck: int = 128  # squeeze-excitation bottleneck
+    attention_channels: int = 128  # hidden channels of the attentive statistics pooling
+    mfa_channels: int = 0  # width of the multi-layer feature aggregation; 0 = 3 x channels (1536 at C = 512)
+
+    def __post_init__(self) -> None:
+        _check(self.scale >= 2 and self.channels % self.scale == 0, "model.ecapa.channels",
+               self.channels, f"a multiple of model.ecapa.scale={self.scale} (scale >= 2)")
+        _check(self.se_bottleneck >= 1 and self.attention_channels >= 1, "model.ecapa.se_bottleneck",
+               self.se_bottleneck, ">= 1 (and attention_channels >= 1)")
+        _check(self.mfa_channels >= 0, "model.ecapa.mfa_channels", self.mfa_channels, ">= 0")
+
+
+@dataclass
 class ModelConfig:
-    name: Literal["cnn", "conformer", "resnet"] = "cnn"  # embedding network
+    name: Literal["cnn", "conformer", "resnet", "ecapa"] = "cnn"  # embedding network (ecapa: ECAPA-TDNN)
     embedding_dim: int = 128  # size of the L2-normalised embedding
     head: Literal["none", "softmax", "arcface", "subcenter_arcface"] = "none"  # classifier head over the training classes beside the triplets, trained by cross-entropy weighted by loss.ce_weight: cosine softmax; arcface adds an angular margin to the target; subcenter_arcface also gives each class model.subcenters weights
     head_scale: float | None = None  # logit scale s of the head; null = 16 for softmax, 30 for the arcface heads
@@ -74,6 +90,7 @@ class ModelConfig:
     cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
     conformer: ConformerConfig = field(default_factory=ConformerConfig)  # settings of conformer
     resnet: ResNetConfig = field(default_factory=ResNetConfig)  # settings of model.name=resnet
+    ecapa: ECAPAConfig = field(default_factory=ECAPAConfig)  # settings of model.name=ecapa
 
     def __post_init__(self) -> None:
         _check(self.embedding_dim >= 1, "model.embedding_dim", self.embedding_dim, ">= 1")

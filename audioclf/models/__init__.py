@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from audioclf.config import Config, ModelConfig
 from audioclf.models.cnn import CNNEmbedder
 from audioclf.models.conformer import ConformerEmbedder
+from audioclf.models.ecapa import ECAPAEmbedder
 from audioclf.models.frontend import FeatureFrontend
 from audioclf.models.heads import ClassifierHead
 from audioclf.models.resnet import ResNetEmbedder
@@ -30,6 +31,7 @@ MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "cnn": lambda cfg, n_mels: CNNEmbedder(n_mels, cfg.cnn, cfg.embedding_dim),
     "conformer": lambda cfg, n_mels: ConformerEmbedder(n_mels, cfg.conformer, cfg.embedding_dim),
     "resnet": lambda cfg, n_mels: ResNetEmbedder(n_mels, cfg.resnet, cfg.embedding_dim),
+    "ecapa": lambda cfg, n_mels: ECAPAEmbedder(n_mels, cfg.ecapa, cfg.embedding_dim),
 }
 
 
