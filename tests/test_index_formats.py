@@ -6,7 +6,6 @@ cannot be resolved is one error naming the file and the fix."""
 from __future__ import annotations
 
 import csv
-import logging
 import os
 from pathlib import Path
 
@@ -63,25 +62,6 @@ def make_files(root: Path, rows: list[list[str]]) -> None:
 def load(index: Path, **overrides) -> pd.DataFrame:
     """As the trainer loads it."""
     return load_index(DataConfig(index=str(index), **{"check_files": False, **overrides})).table
-
-
-@pytest.fixture
-def notes() -> list[str]:
-    """The INFO lines of the 'audioclf' logger (a handler of its own: setup_logging elsewhere
-    in the session may have turned its propagation off)."""
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("audioclf")
-    handler, level = Collect(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 @pytest.fixture(params=["calamine", "openpyxl"])

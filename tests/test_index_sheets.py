@@ -5,7 +5,6 @@ sheet's own row numbers in the table and in every message."""
 from __future__ import annotations
 
 import csv
-import logging
 from pathlib import Path
 
 import openpyxl
@@ -53,25 +52,6 @@ def suffix(request, monkeypatch) -> str:
     if engine:
         monkeypatch.setattr(index_module.reader, "_excel_engine", lambda: engine)
     return suffix
-
-
-@pytest.fixture
-def notes() -> list[str]:
-    """The INFO lines of the 'audioclf' logger (a handler of its own: setup_logging elsewhere
-    in the session may have turned its propagation off)."""
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("audioclf")
-    handler, level = Collect(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def load(sheet: Path, **overrides) -> pd.DataFrame:
