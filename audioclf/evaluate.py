@@ -35,9 +35,8 @@ Classification gallery (--gallery):
 
 Writes report.json, report.md and PNG plots (DET curve, per-class P@1, PCA/t-SNE projection,
 kNN confusion matrix) into --out (default <checkpoint folder>/eval), and prints a summary.
-Beside them, to look at the embedding space: embeddings.tsv + metadata.tsv (class, item, id,
-path) for https://projector.tensorflow.org, and embeddings.html, an interactive 2-D PCA scatter
-(hover: class / item / id); class-stratified samples of at most 20,000 and 5,000 points.
+Beside them: embeddings.tsv + metadata.tsv for https://projector.tensorflow.org and
+embeddings.html, a 2-D PCA scatter (class-stratified samples of at most 20,000 / 5,000 points).
 Exit status: 0 done; 2 bad input (missing or corrupt checkpoint, index errors, an empty split,
 a gallery without an evaluated class) with a one-line message and no report written.
 """
@@ -62,6 +61,7 @@ from audioclf.evaluation.run import (
     write_evaluation,
 )
 from audioclf.inference import describe_checkpoint, load_trained
+from audioclf.training.trackers import attach_report
 
 PROG = "python -m audioclf.evaluate"
 SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them
@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         out_dir, evaluation, projection=args.projection, seed=args.seed, setup=setup, rows=rows
     )
     print("\n".join(summary_lines(evaluation, setup, out_dir)))
+    if (tracker := attach_report(args.checkpoint.parent, out_dir)) is not None:
+        print(f"report.json and report.md added to the training's {tracker} run")
     return 0
 
 

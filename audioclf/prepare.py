@@ -3,6 +3,10 @@
     python -m audioclf.prepare --index data/train/index.xlsx --out data/train_feats
     python -m audioclf.prepare --index IN --out DIR --config configs/cnn.yaml --workers 16
     python -m audioclf.prepare --index IN --out DIR --shard 3/8       # one of 8 machines/jobs
+    python -m audioclf.prepare --from kaldi data/train --out train.csv  # import (docs/data.md)
+
+--from kaldi|nemo|lhotse|wespeaker SOURCE writes the index sheet --out (.csv .xlsx .parquet) of
+another toolkit's dataset, segments as start/end seconds (audioclf.data.formats), and stops.
 
 Reads the index sheet IN (.xlsx .csv .parquet; columns and data.root from --config, checked as
 in training) and writes, for every row, the log-mel of its audio file to
@@ -60,6 +64,7 @@ import sys
 from pathlib import Path
 
 from audioclf.config import load_config
+from audioclf.data.formats import add_import_arguments, import_sheet
 from audioclf.errors import UsageError, run_cli
 from audioclf.precompute import Shard, Summary, prepare, train_command
 
@@ -105,7 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--index",
-        required=True,
         type=Path,
         help="index sheet of the audio files (.xlsx .csv .parquet)",
     )
@@ -151,6 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: data.root of the config, else the sheet's folder)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_import_arguments(parser)
     return parser.parse_intermixed_args(argv)  # options and files in any order
 
 
@@ -159,6 +164,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.source is not None:
+        summary = import_sheet(*args.source, args.out, cfg.data, args.item_pattern, args.root)
+        print("\n".join(summary.lines()))
+        return 0
+    if args.index is None:
+        raise UsageError("give --index SHEET (features) or --from FORMAT SOURCE (an import)")
     if args.root is not None:
         cfg.data.root = args.root
     summary = prepare(

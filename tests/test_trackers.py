@@ -46,6 +46,20 @@ def test_mlflow_gets_params_epoch_metrics_and_best_pt_and_a_resume_continues(
     )
     assert json.loads((run_dir / "tracker.json").read_text())["mlflow"] == run_id
     assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [1, 2, 3]
+    # evaluate adds its report to the training's run
+    from audioclf.evaluate import main as evaluate
+
+    assert evaluate(["--checkpoint", str(run_dir / "best.pt"), "--quiet"]) == 0
+    reports = sorted(a.path for a in client.list_artifacts(run_id, "eval"))
+    assert reports == ["eval/report.json", "eval/report.md"]
+    # evaluate adds its report to the training's run
+    from audioclf.evaluate import main as evaluate
+
+    assert evaluate(["--checkpoint", str(run_dir / "best.pt"), "--quiet"]) == 0
+    assert sorted(a.path for a in client.list_artifacts(run_id, "eval")) == [
+        "eval/report.json",
+        "eval/report.md",
+    ]
 
 
 def test_wandb_runs_offline_without_a_key(tmp_path, tiny_demo, monkeypatch):

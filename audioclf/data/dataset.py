@@ -43,6 +43,8 @@ class AudioDataset(torch.utils.data.Dataset):
     Evaluation: the whole clip cut centred to `clips.eval_max_seconds`
     (`eval_crop="full"`), or a centred crop of `crop_seconds` (`eval_crop="center"`).
     x is a float32 waveform [samples] (`kind="audio"`) or log-mel [frames, n_mels] (`kind="npy"`).
+    `spans` ([N, 2] seconds, NaN = the whole file): segment rows, of which only the span is read
+    from disk (audio only); crops and evaluation clips are then cut from the span.
 
     A file that cannot be read raises an error naming the file and its index row; with
     `skip_bad_files=True` the item is None instead (dropped by `collate_padded`) and counted in
@@ -63,6 +65,7 @@ class AudioDataset(torch.utils.data.Dataset):
         skip_bad_files: bool = False,
         augment: Augmenter | None = None,
         skip_hint: str | None = None,
+        spans: np.ndarray | None = None,
     ):
         labels = np.asarray(labels)
         if labels.ndim != 1 or len(labels) != len(paths):
@@ -80,6 +83,7 @@ class AudioDataset(torch.utils.data.Dataset):
         self.paths = PackedStrings([str(p) for p in paths])
         self.labels = labels.astype(np.int64)
         self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+        self.spans = _checked_spans(spans, len(labels), cfg.kind)
         self.cfg = cfg
         self.clips = clips
         self.train = train
@@ -113,6 +117,7 @@ class AudioDataset(torch.utils.data.Dataset):
             skip_bad_files=skip,
             augment=augment,
             skip_hint=skip_hint,
+            spans=table[["start", "end"]].to_numpy(np.float64) if "start" in table else None,
         )
 
     def __len__(self) -> int:
@@ -141,7 +146,7 @@ class AudioDataset(torch.utils.data.Dataset):
         rng = np.random.default_rng(int(crop_seed)) if self.train else None
         path = self.paths[position]
         try:
-            x = self._read(path, rng, self._crop_samples(crop_samples))
+            x = self._read(path, rng, self._crop_samples(crop_samples), self._span(position))
         except (AudioReadError, FeatureFileError) as exc:
             where = (
                 f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
@@ -156,11 +161,24 @@ class AudioDataset(torch.utils.data.Dataset):
             return None
         return x, int(self.labels[position]), position
 
-    def _read(self, path: str, rng: np.random.Generator | None, crop_samples: int) -> Tensor:
+    def _span(self, position: int) -> tuple[float, float] | None:
+        """(start, end) seconds of a segment row; None: the whole file."""
+        if self.spans is None or np.isnan(self.spans[position, 0]):
+            return None
+        start, end = self.spans[position]
+        return float(start), float(end)
+
+    def _read(
+        self,
+        path: str,
+        rng: np.random.Generator | None,
+        crop_samples: int,
+        span: tuple[float, float] | None = None,
+    ) -> Tensor:
         cfg, clips, augment = self.cfg, self.clips, self.augment
         cropped = self.train or clips.eval_crop == "center"
         if cfg.kind == "audio":
-            wave = load_audio(path, cfg.sample_rate)
+            wave = load_audio(path, cfg.sample_rate, span)
             if augment is not None:  # speed / pitch / stretch: one crop of this length
                 wave = augment.before_crop(wave, rng, crop_samples=crop_samples)
             if cropped:
@@ -200,6 +218,24 @@ def split_datasets(
     if val is None or len(val) < 2:
         return train, None, train_set, None
     return train, val, train_set, AudioDataset.from_index(val, cfg, train=False)
+
+
+def _checked_spans(spans: np.ndarray | None, count: int, kind: str) -> np.ndarray | None:
+    """The segment spans as float64 [N, 2], or None when no row is a segment (whole files)."""
+    if spans is None:
+        return None
+    spans = np.asarray(spans, dtype=np.float64)
+    if spans.shape != (count, 2):
+        raise ValueError(f"AudioDataset spans have shape {spans.shape}, expected ({count}, 2)")
+    if np.isnan(spans[:, 0]).all():
+        return None
+    if kind != "audio":
+        raise ValueError(
+            "the index has segment rows (start/end), which are read from audio files: set "
+            "features.kind=audio (a precomputed .npy holds its own clip), or drop the start/end "
+            "columns of a sheet whose paths are feature files of the segments"
+        )
+    return spans
 
 
 def _unpack(key: int | tuple) -> tuple[int, int, int | None]:

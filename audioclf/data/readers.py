@@ -1,6 +1,6 @@
 """Reading audio and precomputed features, in DataLoader workers (numpy / soundfile, no model).
 
-    load_audio      any soundfile format → float32 mono tensor at the target rate
+    load_audio      any soundfile format → float32 mono tensor at the target rate (or a span of it)
     crop_or_pad     fixed-length waveform crop (random when given an rng, else centred)
     read_npy_crop   a window of a precomputed [frames, bins] .npy file (only its bytes are read)
 
@@ -45,14 +45,21 @@ class FeatureFileError(ValueError):
 # Reading audio and precomputed features
 
 
-def load_audio(path: str | Path, sample_rate: int) -> Tensor:
+def load_audio(
+    path: str | Path, sample_rate: int, span: tuple[float, float] | None = None
+) -> Tensor:
     """Read an audio file (any AUDIO_SUFFIXES format), mix down to mono, resample: float32 [samples].
 
-    A file whose samples are not all finite (float wavs can hold NaN / inf) or a wav cut short
-    behind an intact header raises AudioReadError naming it: both would otherwise go on silently.
+    `span` (start, end) in seconds reads only those frames from disk (a segment of a longer
+    recording; an end past the file's end stops there). A file whose samples are not all finite
+    (float wavs can hold NaN / inf) or a wav cut short behind an intact header raises
+    AudioReadError naming it: both would otherwise go on silently.
     """
     try:
-        data, file_rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+        if span is None:
+            data, file_rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+        else:
+            data, file_rate = _read_span(path, *span)
         if str(path).lower().endswith(".wav"):
             _check_wav_length(path)
     except (RuntimeError, OSError, ValueError, TypeError, EOFError) as exc:
@@ -66,6 +73,21 @@ def load_audio(path: str | Path, sample_rate: int) -> Tensor:
     if file_rate != sample_rate:
         wave = torchaudio.functional.resample(wave, int(file_rate), int(sample_rate))
     return wave.contiguous()
+
+
+def _read_span(path: str | Path, start: float, end: float) -> tuple[np.ndarray, int]:
+    """(frames [start, end) seconds as float32 [frames, channels], the file's rate), read by a
+    seek and one read of those frames; ValueError when the span starts at or past the end."""
+    with soundfile.SoundFile(str(path)) as handle:
+        rate, frames = handle.samplerate, handle.frames
+        first, stop = round(start * rate), min(round(end * rate), frames)
+        if first >= stop:
+            raise ValueError(
+                f"the segment {start:g}-{end:g} s starts at or past the end of the file "
+                f"({frames / rate:g} s): fix the row's start/end"
+            )
+        handle.seek(first)
+        return handle.read(stop - first, dtype="float32", always_2d=True), rate
 
 
 def _check_wav_length(path: str | Path) -> None:

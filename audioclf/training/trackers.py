@@ -133,3 +133,29 @@ def open_tracker(cfg: Config, run_dir: Path, primary: bool) -> Tracker | None:
     if cfg.train.tracker == "none" or not primary:
         return None
     return Tracker(cfg.train.tracker, run_dir, cfg)
+
+
+def attach_report(run_dir: Path, out_dir: Path) -> str | None:
+    """Add evaluate's report.json and report.md in `out_dir` as artefacts (under eval/) to the
+    tracker run of the training run in `run_dir`, when it kept one (tracker.json); returns
+    "mlflow" / "wandb", or None."""
+    id_file = run_dir / ID_FILE
+    files = [out_dir / name for name in ("report.json", "report.md") if (out_dir / name).is_file()]
+    if not id_file.is_file() or not files:
+        return None
+    (kind, run_id), *_ = json.loads(id_file.read_text()).items()
+    module = _import(kind)
+    if kind == "mlflow":
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            module.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+        client = module.tracking.MlflowClient()
+        for path in files:
+            client.log_artifact(run_id, str(path), artifact_path="eval")
+        return kind
+    os.environ.setdefault("WANDB_MODE", "offline")
+    run = module.init(id=run_id, resume="allow", dir=str(run_dir))
+    for path in files:
+        run.save(str(path), base_path=str(path.parent.parent), policy="now")
+    run.finish()
+    return kind

@@ -13,15 +13,16 @@ import pandas as pd
 import pyarrow as pa
 
 from audioclf.config import DataConfig
-from audioclf.data.index.table import TABLE_COLUMNS
+from audioclf.data.index.table import SPAN_COLUMNS, TABLE_COLUMNS
 from audioclf.fileio import atomic_write, file_stamp
 
 log = logging.getLogger("audioclf")
 
 
 # bump when the cached table's layout, its metadata or the validation rules change
-# (2: headers found, names matched loosely, "notes" in the metadata; 4: Windows paths as "/")
-CACHE_VERSION = 4
+# (2: headers found, names matched loosely, "notes" in the metadata; 4: Windows paths as "/";
+# 5: start/end columns of segment rows)
+CACHE_VERSION = 5
 _CACHE_META_KEY = b"audioclf.index"
 
 
@@ -69,7 +70,7 @@ def read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
             if meta["stamp"] != stamp:
                 return None
             table = reader.read_all().to_pandas()
-        if tuple(table.columns) != TABLE_COLUMNS:
+        if tuple(table.columns) not in (TABLE_COLUMNS, TABLE_COLUMNS + SPAN_COLUMNS):
             raise ValueError(f"columns {list(table.columns)}")
         return table, meta
     except Exception as exc:  # a torn or foreign file: rebuild it

@@ -16,6 +16,8 @@ log = logging.getLogger("audioclf")
 
 
 TABLE_COLUMNS = ("cls", "item", "id", "path", "row", "split")
+# a sheet's optional segment columns (seconds), after TABLE_COLUMNS in a table of such a sheet
+SPAN_COLUMNS = ("start", "end")
 SPLITS = ("train", "val", "test")
 SUPPORTED_FORMATS = ".xlsx, .xlsm, .csv, .parquet"
 # read_table's row at position p is sheet row p + FIRST_DATA_ROW (Excel's row, a csv's line), also
@@ -64,6 +66,8 @@ class Index:
     Columns: cls, item, id, path (absolute), split ("" without a split column) as str, and
     row (int64): the row a user sees in Excel, a csv's line number (both counting any title rows
     above the header), or position + 2 in a parquet file.
+    start, end (float64 seconds), only when the sheet has start and end columns: the segment
+    of the file a row is; NaN in both for a whole file.
     """
 
     table: pd.DataFrame

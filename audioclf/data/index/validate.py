@@ -11,13 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import soundfile
 
 from audioclf.config import DataConfig
-from audioclf.data.index.header import header_hint
+from audioclf.data.index.header import fold, header_hint
 from audioclf.data.index.paths import WINDOWS_ROOT, render_template, resolve_paths, template_columns
 from audioclf.data.index.table import (
     FIRST_DATA_ROW,
     SHOW,
+    SPAN_COLUMNS,
     SPLITS,
     IndexValidationError,
     SheetHeader,
@@ -38,6 +40,7 @@ class _Columns:
     required: dict[str, str]  # column -> its role ("class", "item", "id", "path", ...), in order
     split: str | None  # the split column, when the sheet has one
     use_template: bool  # paths come from data.path_template (the sheet has no path column)
+    span: tuple[str, ...] = ()  # the sheet's start and end columns (segment rows), when it has them
 
 
 def validate_table(
@@ -64,6 +67,7 @@ def validate_table(
             "path": paths,
             "row": rows,
             "split": split,
+            **_span_values(cells, rows, columns.span, source),
         }
     ).reset_index(drop=True)
     return table, _small_class_warnings(table, source), list(notes)
@@ -93,7 +97,21 @@ def _columns(raw: pd.DataFrame, cfg: DataConfig, source: Path, header: SheetHead
     else:
         required[cfg.path_column] = "path"
     split = cfg.split_column if cfg.split_column in raw.columns else None
-    return _Columns(required, split, use_template)
+    return _Columns(required, split, use_template, _span_columns(raw, source))
+
+
+def _span_columns(raw: pd.DataFrame, source: Path) -> tuple[str, ...]:
+    """The sheet's start and end columns (matched ignoring case and spaces), or () without."""
+    found = {name: [c for c in raw.columns if fold(c) == name] for name in SPAN_COLUMNS}
+    if not any(found.values()):
+        return ()
+    bad = [f"{name!r} ({len(c)} columns)" for name, c in found.items() if len(c) != 1]
+    if bad:
+        raise IndexValidationError(
+            f"index file {source}: a segment needs one 'start' and one 'end' column (seconds), "
+            f"but the header has {', '.join(bad)}; add or rename the columns so each is there once"
+        )
+    return tuple(found[name][0] for name in SPAN_COLUMNS)
 
 
 def _template_columns(raw: pd.DataFrame, cfg: DataConfig, source: Path, present: str) -> list[str]:
@@ -120,7 +138,7 @@ def _data_rows(
     raw: pd.DataFrame, columns: _Columns, source: Path, header: SheetHeader
 ) -> tuple[pd.DataFrame, np.ndarray]:
     """The used columns' cells, stripped, of the rows that hold data; and their sheet rows."""
-    used = list(columns.required) + ([columns.split] if columns.split else [])
+    used = [*columns.required, *([columns.split] if columns.split else []), *columns.span]
     cells = pd.DataFrame({name: raw[name].str.strip() for name in dict.fromkeys(used)})
     rows = np.arange(len(cells), dtype=np.int64) + FIRST_DATA_ROW
     blank = (cells == "").all(axis=1).to_numpy()  # trailing/separator rows: not data
@@ -189,6 +207,65 @@ def _split_values(
     return values
 
 
+def _span_values(
+    cells: pd.DataFrame, rows: np.ndarray, span: tuple[str, ...], source: Path
+) -> dict[str, np.ndarray]:
+    """{"start": seconds, "end": seconds} per row (NaN in both for a whole file), {} for a sheet
+    without segment columns; raises on a bad segment."""
+    if not span:
+        return {}
+    text = [cells[name] for name in span]
+    start, end = (pd.to_numeric(t, errors="coerce").to_numpy(np.float64) for t in text)
+    empty = [(t == "").to_numpy() for t in text]
+    problems = {
+        "hold no number": ~(empty[0] | np.isfinite(start)) | ~(empty[1] | np.isfinite(end)),
+        "have only one of start and end": empty[0] != empty[1],
+        "start before 0": start < 0,
+        "end at or before start": end <= start,
+    }
+    parts = [f"{rows_text(rows[bad])} {what}" for what, bad in problems.items() if bad.any()]
+    if parts:
+        raise IndexValidationError(
+            f"index file {source}: the segment columns {names_text(span)} (seconds) must hold "
+            f"end > start >= 0, or both be empty for the whole file, but {'; '.join(parts)}. "
+            "Fix those cells"
+        )
+    return {"start": start, "end": end}
+
+
+def check_spans(table: pd.DataFrame) -> list[tuple[int, str]]:
+    """(position, what is wrong) of the segment rows whose end lies past their audio file's end,
+    by soundfile.info's frame count (files it cannot tell about are left to the reader)."""
+    if "end" not in table.columns:
+        return []
+    segments = np.flatnonzero(np.isfinite(table["end"].to_numpy(np.float64)))
+    seconds: dict[str, float | None] = {}
+    bad = []
+    for position in segments.tolist():
+        path, end = table["path"].iat[position], float(table["end"].iat[position])
+        if path not in seconds:
+            try:
+                info = soundfile.info(path)
+                seconds[path] = info.frames / info.samplerate if info.frames > 0 else None
+            except (RuntimeError, OSError, ValueError):  # not audio (.npy) or unreadable
+                seconds[path] = None
+        length = seconds[path]
+        if length is not None and end > length + 1e-3:
+            bad.append((position, f"end {end:g} s is past the end of {path} ({length:g} s)"))
+    return bad
+
+
+def _check_spans_in_files(table: pd.DataFrame, source: Path) -> None:
+    bad = check_spans(table)
+    if bad:
+        shown = "; ".join(f"row {table['row'].iat[p]}: {what}" for p, what in bad[:SHOW])
+        more = f"; and {len(bad) - SHOW} more" if len(bad) > SHOW else ""
+        raise IndexValidationError(
+            f"index file {source}: {len(bad)} segment(s) end past their file: {shown}{more}. "
+            "Fix the end (seconds) or the path"
+        )
+
+
 def _small_class_warnings(table: pd.DataFrame, source: Path) -> list[str]:
     codes = table_codes(table)
     items_per_class = np.bincount(
@@ -234,9 +311,11 @@ def _missing_files(paths: pd.Series) -> np.ndarray:
 
 
 def check_files(table: pd.DataFrame, source: Path, root: str) -> None:
-    """Raises when files the table names do not exist (one error naming rows, paths, the fix)."""
+    """Raises when files the table names do not exist, or a segment row ends past its audio
+    file (one error naming rows, paths, the fix)."""
     missing = _missing_files(table["path"])
     if not missing.any():
+        _check_spans_in_files(table, source)
         return
     count = int(missing.sum())
     first = table[missing].iloc[:SHOW]
