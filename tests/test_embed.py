@@ -551,3 +551,37 @@ def test_the_cli_states_the_rule_and_counts_own_class_first(setup, tiny_demo, ca
     code, out, _ = run_cli(capsys, *args, "--rank-by", "centroid")
     assert code == 0 and "ranked by cosine to each class centroid" in out.splitlines()[0]
     assert "files ranked their own class first" not in out
+
+
+def test_a_gallery_of_segment_rows_embeds_each_segment(setup, tmp_path):
+    # A gallery sheet with start / end (an imported Kaldi or NeMo set): each row is the span
+    # of its file, the same embedding as a file holding only that span.
+    import soundfile
+
+    from audioclf.embedding.gallery import load_gallery
+    from audioclf.inference import embed_files, load_embedder
+
+    model = load_embedder(setup["model"], torch.device("cpu"))
+    source = sorted(setup["queries"].rglob("*.wav"))[0]
+    wave, rate = soundfile.read(str(source), dtype="float32")
+    halves = [(0.0, len(wave) / rate / 2), (len(wave) / rate / 2, len(wave) / rate)]
+    sheet = tmp_path / "segments.csv"
+    pd.DataFrame(
+        {
+            "a_cls": ["x", "y"],
+            "a_item": ["r", "r"],
+            "a_id": ["x0", "y0"],
+            "path": [str(source)] * 2,
+            "start": [a for a, _ in halves],
+            "end": [b for _, b in halves],
+        }
+    ).to_csv(sheet, index=False)
+    gallery_emb, rows, _ = load_gallery(
+        model, sheet, root=None, batch_size=1, use_cache=False, progress=False
+    )
+    for i, (a, b) in enumerate(halves):
+        cut = tmp_path / f"cut{i}.wav"
+        soundfile.write(str(cut), wave[int(round(a * rate)) : int(round(b * rate))], rate)
+        alone = embed_files(model.embed_fn, model.cfg, [cut], batch_size=1, progress=False)
+        np.testing.assert_allclose(gallery_emb[i], alone[0], atol=1e-4)
+    assert not np.allclose(gallery_emb[0], gallery_emb[1], atol=1e-3)

@@ -27,6 +27,7 @@ import io
 import json
 import logging
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,16 +116,18 @@ def load_gallery(
         # hold one recording per class.
         warnings.filterwarnings("ignore", message=".*fewer than 2 items")
         index = load_index(data)
-    rows = index.table[["cls", "item", "path"]].reset_index(drop=True)
+    rows = index.table[["cls", "item", "path"]].reset_index(drop=True)  # a segment's file path
     classes = rows["cls"].to_numpy(dtype=str)
     cache = gallery_cache_file(model, sheet, data.root) if use_cache else None
     cached = _read_cache(cache, classes) if cache is not None else None
     if cached is not None:
         return cached, rows, True
+    table = index.table
     embeddings = embed_files(
         model.embed_fn,
         model.cfg,
-        index.table["path"].tolist(),
+        table["path"].tolist(),
+        spans=table[["start", "end"]].to_numpy(np.float64) if "start" in table else None,
         batch_size=batch_size,
         device=model.device,
         input_kind=model.input_kind,
@@ -142,11 +145,16 @@ def _read_cache(cache: Path, classes: np.ndarray) -> np.ndarray | None:
         return None
     try:
         with np.load(cache, allow_pickle=False) as stored:
-            if np.array_equal(stored["classes"], classes):
-                return stored["embeddings"]
-    except (OSError, ValueError, KeyError) as exc:
-        log.warning("gallery cache %s is unreadable (%s); embedding the gallery again", cache, exc)
-    return None
+            if not np.array_equal(stored["classes"], classes):
+                return None
+            embeddings = stored["embeddings"]
+        if embeddings.ndim != 2 or len(embeddings) != len(classes):
+            raise ValueError(f"embeddings of shape {embeddings.shape}")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        # a cut-short or overwritten cache: rebuilt, as a cache should be
+        log.warning("gallery cache %s is damaged (%s); embedding the gallery again", cache, exc)
+        return None
+    return embeddings
 
 
 def _write_cache(cache: Path, embeddings: np.ndarray, classes: np.ndarray) -> None:

@@ -139,12 +139,16 @@ def model_input(dataset: AudioDataset, input_kind: str) -> torch.utils.data.Data
 
 
 def file_dataset(
-    paths: Sequence[str | Path], cfg: Config, input_kind: str | None = None
+    paths: Sequence[str | Path],
+    cfg: Config,
+    input_kind: str | None = None,
+    spans: np.ndarray | None = None,
 ) -> torch.utils.data.Dataset:
     """Evaluation-mode dataset of `paths` (label 0) giving what a model of `input_kind` takes.
 
     input_kind defaults to what `features.kind` gives the front end (waveforms for audio,
-    log-mel for npy); LOG_MEL with audio files computes the log-mel of each file.
+    log-mel for npy); LOG_MEL with audio files computes the log-mel of each file. `spans`
+    ([N, 2] seconds, NaN = the whole file): only that part of a file is read (segment rows).
     """
     dataset = AudioDataset(
         [str(p) for p in paths],
@@ -152,6 +156,7 @@ def file_dataset(
         cfg.features,
         cfg.clips,
         train=False,
+        spans=spans,
     )
     return model_input(dataset, input_kind or input_kind_of(cfg.features))
 
@@ -166,8 +171,10 @@ def embed_files(
     input_kind: str | None = None,
     num_workers: int = 0,
     progress: bool = True,
+    spans: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Embeddings float32 [len(paths), D] of audio (or .npy feature) files, in order.
+    """Embeddings float32 [len(paths), D] of audio (or .npy feature) files, in order (`spans`:
+    the segments to read, as file_dataset takes them).
 
     `net` is an EmbeddingNet or any callable `(x, lengths) -> [B, D]` such as a TorchScript
     export; `input_kind` says what that callable takes (WAVEFORM or LOG_MEL; default: what
@@ -176,7 +183,7 @@ def embed_files(
     """
     if not paths:
         raise ValueError("no files to embed")
-    dataset = file_dataset(paths, cfg, input_kind)
+    dataset = file_dataset(paths, cfg, input_kind, spans)
     options = loader_kwargs(num_workers, True, False, 2, torch.device(device))
     try:
         emb, _, positions = extract_embeddings(
