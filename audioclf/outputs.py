@@ -1,7 +1,8 @@
-"""Resumable output folders, shared by prepare (DIR/prepare.json) and embed --index
-(PREFIX.parts/manifest.json).
+"""Output folders: the lock that keeps one writer per output (FolderLock: the run folder,
+embed --index PREFIX, search indexes, prepare, evaluate --out, export), and the resumable
+folders shared by prepare (DIR/prepare.json) and embed --index (PREFIX.parts/manifest.json).
 
-Both write their results in pieces, so that a rerun after a crash, a kill or a full disk
+The resumable folders are written in pieces, so that a rerun after a crash, a kill or a full disk
 finishes what the killed run left. A manifest records what every piece depends on (settings,
 model, format version); a folder whose manifest differs holds another run's work and must be
 refused, not completed. The rows a run left out are listed in a skipped.csv (row, id, path,
@@ -10,14 +11,23 @@ reason).
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
 import json
+import logging
+import os
+import socket
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
 
 from audioclf.config import differences
-from audioclf.fileio import atomic_write_bytes
+from audioclf.fileio import DiskWriteError, atomic_write_bytes, write_failure_message
+
+log = logging.getLogger("audioclf")
 
 
 class ManifestMismatch(ValueError):
@@ -72,3 +82,132 @@ def write_skipped(path: Path, table: pd.DataFrame, reasons: Mapping[int, str]) -
         }
     )
     return atomic_write_bytes(path, listing.to_csv(index=False).encode())
+
+
+# ------------------------------------------------------------------------------ folder locks
+
+
+class FolderBusy(ValueError):
+    """Another live process holds an output (a run folder, an embed --index PREFIX, a search
+    index, a prepare folder, an evaluate --out folder, an export); the message names it, its
+    holder (pid, host, start time) and the fix."""
+
+
+class FolderLock:
+    """One writer per output: `fcntl.flock` on a lock file, held by the writing process for the
+    whole write. The kernel releases it when the process dies, however it dies, so a killed
+    writer never leaves a stale lock (its file stays, naming the last holder; the next writer
+    takes it over). A second writer is refused at once with FolderBusy. A release removes the
+    file (`remove`; the run folder's run.lock stays).
+
+    On Linux NFS (v4, or v3 with lockd) flock is a lock the server sees, so writers on two
+    machines exclude each other; file systems without locks (some FUSE mounts) make flock fail,
+    and the write then goes on unlocked with a warning.
+
+        with FolderLock(out / "evaluate.lock", what=f"--out {out}", by="another evaluate",
+                        fix="wait for it to finish, or choose another --out"):
+            ...  # write the folder
+    """
+
+    def __init__(self, path: str | Path, *, what: str, by: str, fix: str, remove: bool = True):
+        self.path = Path(path)  # the lock file
+        self.what, self.by, self.fix = what, by, fix  # "run folder runs/x", "another run", ...
+        self.remove = remove  # delete the lock file on release (the run folder keeps its own)
+        self._handle = None
+
+    def check_free(self) -> None:
+        """FolderBusy when a live process holds the lock; creates nothing."""
+        try:
+            handle = open(self.path, "rb")  # noqa: SIM115 - closed below; flock works read-only
+        except OSError:
+            return  # no lock file: nobody holds it
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderBusy(self._busy(handle.read())) from None
+        except OSError:
+            return  # a file system without locks: acquire says so
+        finally:
+            handle.close()
+
+    def acquire(self) -> FolderLock:
+        """Take the lock and write who holds it; FolderBusy when another process has it."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path, "a+b")  # noqa: SIM115 - held until release
+        except OSError as exc:  # a read-only or full folder: say so as every write does
+            raise DiskWriteError(
+                exc.errno, write_failure_message(self.path, exc.strerror or str(exc))
+            ) from exc
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            message = self._busy(handle.read())
+            handle.close()
+            raise FolderBusy(message) from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                handle.close()
+                raise
+            log.warning(
+                "cannot lock %s (%s): this file system has no locks, so a second writer "
+                "would not be refused",
+                self.path,
+                exc.strerror,
+            )
+        if self.remove and not _still_at(handle, self.path):  # its holder removed it meanwhile
+            handle.close()
+            return self.acquire()
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(_holder()).encode() + b"\n")
+        handle.flush()
+        self._handle = handle
+        return self
+
+    def release(self) -> None:
+        if self._handle is not None:
+            if self.remove:  # while still held: a writer that opened it retries (_still_at)
+                try:
+                    self.path.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            self._handle.close()  # closing the file releases the lock
+            self._handle = None
+
+    def __enter__(self) -> FolderLock:
+        return self if self._handle is not None else self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _busy(self, content: bytes) -> str:
+        try:
+            holder = json.loads(content.decode() or "{}")
+        except ValueError:
+            holder = {}
+        holder = holder if isinstance(holder, dict) else {}
+        who = (
+            f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
+            f"{holder.get('started', '?')}"
+        )
+        return f"{self.what} is in use by {self.by} ({who}); {self.fix}"
+
+
+def _still_at(handle, path: Path) -> bool:
+    """Whether the locked file is still the one at `path` (not unlinked by a release)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except OSError:
+        return False
+
+
+def _holder() -> dict:
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": started,
+        "command": " ".join(sys.argv),
+    }

@@ -1672,6 +1672,119 @@ def case_precision_cpu(work: Work, case_dir: Path, keep: bool) -> list[Row]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# Outputs users keep (issue 28): one writer per output, damaged artefacts met by their readers
+
+HOLD_LOCK = (
+    "import sys, time\nfrom audioclf.outputs import FolderLock\n"
+    "lock = FolderLock(sys.argv[1], what='x', by='y', fix='z').acquire()\n"
+    "print('held', flush=True)\ntime.sleep(120)\n"
+)
+
+
+def holding(lock_file: Path) -> subprocess.Popen:
+    """Another process holding `lock_file` (the lock a writer of that output takes)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(lock_file)], cwd=ROOT, env=env(),
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    proc.stdout.readline()
+    return proc
+
+
+def refused_while_held(name: str, lock_file: Path, cmd: list[str], what: str) -> Row:
+    """`cmd` run while another process holds `lock_file`: exit 2, one line naming the holder."""
+    row = Row(name)
+    holder = holding(lock_file)
+    try:
+        result = run(cmd)
+    finally:
+        holder.kill()
+        holder.wait()
+    row.code, row.message = str(result.code), first_error_line(result.console)
+    row.expect(result.code == 2, f"exit {result.code}, expected 2")
+    row.expect(len(error_lines(result.console)) == 1, "not one error line")
+    row.expect(
+        f"in use by another {what} (pid {holder.pid} on {socket.gethostname()}" in row.message,
+        "the holder (pid, host, start) is not named",
+    )
+    return row
+
+
+def one_line_for_damage(name: str, cmd: list[str], names: Path, fix: str) -> Row:
+    row = Row(name)
+    result = run(cmd)
+    row.code, row.message = str(result.code), first_error_line(result.console)
+    row.expect(result.code == 2, f"exit {result.code}, expected 2")
+    row.expect(len(error_lines(result.console)) == 1, "not one error line")
+    row.expect(audioclf_tracebacks(result.console) == 0 and "Traceback" not in result.console,
+               "a traceback")  # fmt: skip
+    row.expect(str(names) in row.message and fix in row.message, f"names not {names} / {fix}")
+    return row
+
+
+def cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def case_artefacts(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    base = ensure_base(work)
+    model, prefix = base / "best.pt", case_dir / "emb"
+    embed = tool("embed", "--model", model, "--index", work.index, "--save", prefix, "--quiet")
+    clean = run(embed)
+    assert clean.code == 0, clean.err
+
+    def outputs() -> dict:  # the files embed --index leaves (lock files aside)
+        return {p.name: p.read_bytes() for p in case_dir.glob("emb.*") if p.suffix != ".lock"}
+
+    reference = outputs()
+    rows = [
+        refused_while_held("20a embed --index into a PREFIX another holds", case_dir / "emb.lock",
+                           embed, "embed --index"),
+        refused_while_held("20b search build of an index another builds",
+                           case_dir / "emb.hnsw.lock",
+                           tool("search", "build", prefix, "--method", "hnsw", "--quiet"),
+                           "search build"),
+        refused_while_held("20c prepare into a shard another prepares",
+                           case_dir / "features" / ".prepare-0-of-1.lock",
+                           tool("prepare", "--index", work.index, "--out", case_dir / "features"),
+                           "prepare"),
+    ]  # fmt: skip
+    rerun = run(embed)  # the holders are gone: the same output as the clean run
+    row = Row("20d embed --index rerun after the refusals")
+    row.code, row.message = str(rerun.code), (console_lines(rerun.out) or ["-"])[-1]
+    row.expect(outputs() == reference, "the output differs from the clean run's")
+    rows.append(row)
+    assert run(tool("search", "build", prefix, "--method", "hnsw", "--quiet")).code == 0
+    query = tool("search", "query", prefix, "--method", "hnsw", "--query-prefix", prefix)
+    cut_in_half(case_dir / "emb.hnsw.faiss")
+    rows.append(one_line_for_damage("20e search index data cut in half, queried", query,
+                                    case_dir / "emb.hnsw.faiss", "rebuild"))  # fmt: skip
+    cut_in_half(prefix.with_name("emb.parquet"))
+    rows.append(one_line_for_damage("20f PREFIX.parquet cut in half, queried", query,
+                                    prefix.with_name("emb.parquet"), "parquet"))  # fmt: skip
+    rows.append(gallery_cache_garbage(model, work, case_dir))
+    return rows
+
+
+def gallery_cache_garbage(model: Path, work: Work, case_dir: Path) -> Row:
+    clip = sorted((work.index.parent / "wav").rglob("*.wav"))[0]
+    rank = tool("embed", "--model", model, "--gallery", work.index, "--top", 1, "--quiet", clip)
+    first = run(rank)
+    caches = sorted((model.parent / ".audioclf_cache").glob("gallery-*.npz"))
+    row = Row("20g gallery cache replaced by garbage")
+    for cache in caches:
+        cache.write_bytes(b"\x00garbage" * 64)
+    result = run(rank)
+    warnings = [line for line in console_lines(result.err) if "gallery cache" in line]
+    row.code, row.message = str(result.code), (warnings or ["-"])[0]
+    row.expect(first.code == 0 and result.code == 0, f"exit {first.code}, {result.code}")
+    row.expect(len(caches) >= 1 and len(warnings) == 1, f"{len(warnings)} cache warning lines")
+    row.expect(result.out == first.out, "the ranking differs from the first run's")
+    return row
+
+
 CASES: list[tuple[str, Callable[[Work, Path, bool], list[Row]]]] = [
     ("nan-wav", case_nan_wav),
     ("export-nan", case_export_nan),
@@ -1692,6 +1805,7 @@ CASES: list[tuple[str, Callable[[Work, Path, bool], list[Row]]]] = [
     ("ctrl-c", case_ctrl_c),
     ("sheet-header", case_sheet_header),
     ("precision-cpu", case_precision_cpu),
+    ("artefacts", case_artefacts),
 ]
 
 

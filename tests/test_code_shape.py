@@ -52,7 +52,7 @@ PACKAGE_BUDGETS = {
     "audioclf.models": (950, "front end, embedders (cnn, resnet, conformer, ecapa), heads"),
     "audioclf.config": (950, "the typed config, its loading and generated reference"),
     "audioclf.distributed": (860, "the only talker to torch.distributed; the local launcher"),
-    "audioclf.precompute": (650, "python -m audioclf.prepare's feature writing"),
+    "audioclf.precompute": (700, "python -m audioclf.prepare's feature writing, segment spans"),
 }
 MAX_ROOT_MODULES = 17  # tools and the parts every job shares; a job's internals live in its package
 TOOLS = ("evaluate", "export", "embed", "prepare", "train")

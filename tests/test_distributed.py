@@ -316,6 +316,7 @@ def test_sync_bn_on_cuda_without_nccl_is_one_clear_error():
         distributed.wrap(nn.Linear(2, 2), env, sync_bn=True, find_unused_parameters=False)
 
 
+@pytest.mark.slow  # starts a process
 def test_the_cpu_suite_sees_no_gpu_in_this_process_or_the_ones_it_starts():
     # On a GPU machine the CPU tests must stay on the CPU (tests/conftest.py), or the 2-rank
     # tests ask a one-GPU box for cuda:1. Meaningful there; it holds trivially here.

@@ -138,6 +138,7 @@ def test_gallery_embeddings_are_cached_per_sheet_content(setup, capsys):
     assert "cached" not in third.splitlines()[0]
 
 
+@pytest.mark.slow  # exports to TorchScript and ONNX
 @pytest.mark.filterwarnings("ignore:`torch.jit")  # deprecated: Future- or DeprecationWarning (2.11)
 def test_exports_rank_like_the_checkpoint(setup, capsys, tmp_path):
     # One file per batch: in a padded batch a clip's last log-mel frames see the batch's zero

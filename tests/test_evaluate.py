@@ -391,18 +391,15 @@ def test_exact_search_equals_the_full_scan_to_the_last_bit():
     assert not {"method", "k", "neighbour_recall"} & set(evaluation.results)
 
 
-def test_auto_search_is_exact_on_small_sets_and_gpus(monkeypatch):
+def test_auto_search_is_exact_at_every_size_and_on_every_device(monkeypatch):
     from audioclf.evaluation import metrics as evaluation_metrics
 
     choose = evaluation_metrics.choose_search
-    assert choose("auto", 49_999, "cpu") == ("exact", None)
-    assert choose("auto", 400_000, "cuda") == ("exact", None)
+    for n, device in ((49_999, "cpu"), (50_000, "cpu"), (400_000, "cpu"), (400_000, "cuda")):
+        assert choose("auto", n, device) == ("exact", None)
     assert choose("hnsw" if evaluation_metrics.faiss_available() else "exact", 10, "cpu")[1] is None
-    if evaluation_metrics.faiss_available():
-        assert choose("auto", 50_000, "cpu") == ("ivf", None)
     monkeypatch.setattr(evaluation_metrics, "faiss_available", lambda: False)
-    method, note = choose("auto", 50_000, "cpu")
-    assert method == "exact" and "faiss is not installed" in note
+    assert choose("auto", 400_000, "cpu") == ("exact", None)
     with pytest.raises(ValueError, match="--search ivf needs faiss, which is not installed"):
         choose("ivf", 10, "cpu")
 

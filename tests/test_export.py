@@ -166,6 +166,7 @@ def test_state_dict_export_is_a_slim_loadable_checkpoint(tmp_path, capsys):
     assert code == 2 and "--no-frontend applies to torchscript and onnx" in err
 
 
+@pytest.mark.slow  # the ONNX exporter: seconds per model
 @pytest.mark.parametrize("name, frontend", [("cnn", True), ("conformer", False)])
 def test_onnx_round_trip_with_dynamic_batch_and_time(tmp_path, capsys, name, frontend):
     pytest.importorskip("onnx")

@@ -175,6 +175,7 @@ def test_torchscript_matches_eager(name):
 
 @pytest.mark.filterwarnings("ignore:# The axis name")  # torch's note on shared dims
 @pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")  # torch 2.11's exporter, internal
+@pytest.mark.slow  # the ONNX exporter: seconds per model
 @pytest.mark.parametrize("name", NAMES)
 def test_onnx_export_with_dynamic_batch_and_time(name, tmp_path):
     onnx = pytest.importorskip("onnx")

@@ -403,3 +403,25 @@ def test_help_explains_sharding_resuming_and_skipping(capsys):
         "--workers N",
     ):
         assert needle in text
+
+
+def test_segment_rows_are_prepared_from_their_span(demo, tmp_path, capsys):
+    # A sheet of segments (prepare --from kaldi / nemo writes them): each row's features are
+    # the log-mel of its span only, not of the whole file.
+    from audioclf.spectrogram import log_mel
+
+    table = absolute_sheet(demo, tmp_path / "whole.csv").head(2).copy()
+    table["path"] = table["path"].iloc[0]  # two segments of one recording
+    table["start"], table["end"] = [0.0, 0.25], [0.25, 0.5]
+    table.to_csv(tmp_path / "segments.csv", index=False)
+    out = tmp_path / "out"
+    code, _, err = prepare(capsys, "--index", tmp_path / "segments.csv", "--out", out)
+    assert code == 0, err
+    (sheet,) = out.glob("index.*")
+    prepared = load_index(DataConfig(index=str(sheet)))
+    cfg = load_config(None)
+    for row, (start, end) in zip(prepared.table.itertuples(), [(0.0, 0.25), (0.25, 0.5)]):
+        expected = log_mel(
+            load_audio(table["path"].iloc[0], cfg.features.sample_rate, (start, end)), cfg.features
+        )
+        np.testing.assert_allclose(np.load(row.path), expected, atol=1e-5)

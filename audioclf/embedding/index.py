@@ -313,44 +313,49 @@ def write_index_embeddings(
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     outputs = IndexOutputs.of(prefix)
-    distributed.primary_first(open_parts, outputs, parts_manifest(model, chunk_rows))
-    rows = _index_rows(model, index, skip_bad_files, skip_hint)
-    work = _ChunkWork(
-        model,
-        rows,
-        outputs,
-        chunk_rows,
-        len(index),
-        batch_size,
-        skip_bad_files,
-        loader_kwargs(num_workers, True, False, 2, model.device),
-    )
-    rank, world = distributed.get_rank(), distributed.get_world_size()
-    shown = progress and rank == 0
-    resumed = 0
-    with tqdm(
-        total=len(index), unit="rows", desc="embed", disable=not shown, dynamic_ncols=True
-    ) as bar:
-        for first in range(0, work.chunks, world):  # one round: a chunk per rank
-            resumed += work.run_round(first, rank, progress=shown)
-            bar.update(work.rows_in(range(first, min(first + world, work.chunks))))
-    resumed = int(distributed.all_reduce_sum([resumed]).item())
+    lock = outputs.lock() if distributed.get_rank() == 0 else None
     try:
-        embedded, skipped = distributed.primary_only(assemble, outputs, index, work.chunks)
-    except RuntimeError as exc:  # rank 0 failed and says why; the others stop quietly
-        if rank == 0:
-            raise
-        raise distributed.PeerFailure(str(exc), reported=True) from None
-    return IndexSummary(
-        len(index),
-        embedded,
-        _dim(outputs, embedded),
-        work.chunks,
-        resumed,
-        skipped,
-        outputs,
-        index.source,
-    )
+        distributed.primary_first(open_parts, outputs, parts_manifest(model, chunk_rows), lock)
+        rows = _index_rows(model, index, skip_bad_files, skip_hint)
+        work = _ChunkWork(
+            model,
+            rows,
+            outputs,
+            chunk_rows,
+            len(index),
+            batch_size,
+            skip_bad_files,
+            loader_kwargs(num_workers, True, False, 2, model.device),
+        )
+        rank, world = distributed.get_rank(), distributed.get_world_size()
+        shown = progress and rank == 0
+        resumed = 0
+        with tqdm(
+            total=len(index), unit="rows", desc="embed", disable=not shown, dynamic_ncols=True
+        ) as bar:
+            for first in range(0, work.chunks, world):  # one round: a chunk per rank
+                resumed += work.run_round(first, rank, progress=shown)
+                bar.update(work.rows_in(range(first, min(first + world, work.chunks))))
+        resumed = int(distributed.all_reduce_sum([resumed]).item())
+        try:
+            embedded, skipped = distributed.primary_only(assemble, outputs, index, work.chunks)
+        except RuntimeError as exc:  # rank 0 failed and says why; the others stop quietly
+            if rank == 0:
+                raise
+            raise distributed.PeerFailure(str(exc), reported=True) from None
+        return IndexSummary(
+            len(index),
+            embedded,
+            _dim(outputs, embedded),
+            work.chunks,
+            resumed,
+            skipped,
+            outputs,
+            index.source,
+        )
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 @dataclass

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import io
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,13 @@ import pandas as pd
 from audioclf.data.index import Index
 from audioclf.fileio import atomic_write, atomic_write_bytes, file_stamp
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.outputs import ManifestMismatch, check_manifest, write_manifest, write_skipped
+from audioclf.outputs import (
+    FolderLock,
+    ManifestMismatch,
+    check_manifest,
+    write_manifest,
+    write_skipped,
+)
 
 PARTS_VERSION = 1  # bump when the part files' layout changes
 PART_KEYS = ("embeddings", "positions", "rows", "skipped", "reasons")
@@ -50,6 +57,16 @@ class IndexOutputs:
     def part(self, chunk: int) -> Path:
         return self.parts / f"chunk-{chunk:06d}.npz"
 
+    def lock(self) -> FolderLock:
+        """PREFIX.lock: one embed --index per PREFIX, held for the whole run (by rank 0)."""
+        prefix = self.npy.with_suffix("")
+        return FolderLock(
+            prefix.with_name(prefix.name + ".lock"),
+            what=f"--save {prefix}",
+            by="another embed --index",
+            fix="wait for it to finish, or choose another --save PREFIX",
+        )
+
 
 def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
@@ -70,9 +87,12 @@ def parts_manifest(model: LoadedEmbedder, chunk_rows: int) -> dict:
     }
 
 
-def open_parts(outputs: IndexOutputs, manifest: dict) -> None:
-    """Create PREFIX.parts/ with its manifest, or check that an earlier run's parts were made
-    by the same model, features and chunk size."""
+def open_parts(outputs: IndexOutputs, manifest: dict, lock: FolderLock | None = None) -> None:
+    """Take `lock` (outputs.lock(), rank 0 only: the ranks are one writer), then create
+    PREFIX.parts/ with its manifest, or check that an earlier run's parts were made by the same
+    model, features and chunk size."""
+    if lock is not None:
+        lock.acquire()
     path = outputs.parts / "manifest.json"
     try:
         if check_manifest(path, manifest):
@@ -120,7 +140,7 @@ def read_part(
     try:
         with np.load(path, allow_pickle=False) as stored:
             part = {key: stored[key] for key in PART_KEYS}
-    except (OSError, ValueError, KeyError, EOFError):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None
     emb, positions, skipped = part["embeddings"], part["positions"], part["skipped"]
     expected = np.arange(start, start + len(ids))
@@ -188,5 +208,8 @@ def assemble(outputs: IndexOutputs, index: Index, chunks: int) -> tuple[int, int
         }
     )
     atomic_write(outputs.parquet, lambda handle: frame.to_parquet(handle, index=False))
+    # The manifest goes last: a run killed here leaves a folder that a rerun completes.
+    for chunk in range(chunks):
+        outputs.part(chunk).unlink(missing_ok=True)
     shutil.rmtree(outputs.parts)
     return len(positions), len(skipped)

@@ -28,6 +28,7 @@ from audioclf.data.loader import loader_kwargs
 from audioclf.evaluation.metrics import Evaluation, check_search, compute_metrics
 from audioclf.evaluation.report import REPORT_FILES, write_report
 from audioclf.inference.extract import extract_embeddings
+from audioclf.outputs import FolderLock
 
 SHEET_SUFFIXES = (".xlsx", ".xlsm", ".csv", ".parquet")
 # The metrics of the printed summary, in its order (report.md and report.json hold them all).
@@ -277,7 +278,14 @@ def write_evaluation(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
+    lock = FolderLock(
+        out_dir / ".evaluate.lock",
+        what=f"--out {out_dir}",
+        by="another evaluate",
+        fix="wait for it to finish, or choose another --out",
+    )
     try:
+        lock.acquire()
         written = write_report(
             staging,
             evaluation,
@@ -293,6 +301,7 @@ def write_evaluation(
         for name in written:
             os.replace(staging / name, out_dir / name)
     finally:
+        lock.release()
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 

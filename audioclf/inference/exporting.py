@@ -36,6 +36,7 @@ from audioclf.inference.formats import (
 from audioclf.inference.sidecar import ExportSidecar, sidecar_path
 from audioclf.models import EmbeddingNet
 from audioclf.models.frontend import FeatureFrontend
+from audioclf.outputs import FolderLock
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -230,49 +231,57 @@ def export_model(
                 "training diverge?); export another checkpoint"
             )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        loaded = _write_and_load(
-            fmt,
-            tmp,
-            net,
-            module,
+    with export_lock(out):  # creates out's folder
+        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+        try:
+            loaded = _write_and_load(
+                fmt,
+                tmp,
+                net,
+                module,
+                cfg,
+                ckpt,
+                checkpoint_path,
+                kind=kind,
+                example=inputs[0],
+                opset=opset,
+                frontend=frontend,
+            )
+            difference = parity_difference(expected, loaded, inputs)
+            del loaded  # release the file (onnxruntime session, mmap) before moving it
+            if not difference <= tolerance:
+                raise ParityError(
+                    f"the exported {fmt} model differs from the PyTorch model by {difference:.3g} "
+                    f"(max abs, tolerance {tolerance:g}; inf: an output is NaN/inf or of another "
+                    f"shape); nothing was written to {out}"
+                )
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+        meta = sidecar(
             cfg,
             ckpt,
             checkpoint_path,
+            fmt=fmt,
+            out=out,
             kind=kind,
-            example=inputs[0],
+            with_logits=isinstance(module, ExportedEmbedderWithLogits),
             opset=opset,
-            frontend=frontend,
+            difference=difference,
+            tolerance=tolerance,
+            inputs=inputs,
         )
-        difference = parity_difference(expected, loaded, inputs)
-        del loaded  # release the file (onnxruntime session, mmap) before moving it
-        if not difference <= tolerance:
-            raise ParityError(
-                f"the exported {fmt} model differs from the PyTorch model by {difference:.3g} "
-                f"(max abs, tolerance {tolerance:g}; inf: an output is NaN/inf or of another "
-                f"shape); nothing was written to {out}"
-            )
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-    meta = sidecar(
-        cfg,
-        ckpt,
-        checkpoint_path,
-        fmt=fmt,
-        out=out,
-        kind=kind,
-        with_logits=isinstance(module, ExportedEmbedderWithLogits),
-        opset=opset,
-        difference=difference,
-        tolerance=tolerance,
-        inputs=inputs,
-    )
-    atomic_write_bytes(sidecar_path(out), meta.to_json().encode())
+        atomic_write_bytes(sidecar_path(out), meta.to_json().encode())
     return meta
+
+
+def export_lock(out: Path) -> FolderLock:
+    """.OUT.lock beside the artefact: one export into `out` at a time (artefact and sidecar)."""
+    fix = "wait for it to finish, or export to another --out"
+    return FolderLock(
+        out.with_name(f".{out.name}.lock"), what=f"--out {out}", by="another export", fix=fix
+    )
 
 
 def _write_and_load(

@@ -31,6 +31,7 @@ class Task:
     position: int  # row position in the validated index
     source: str  # absolute audio path
     target: str  # feature path relative to the output folder
+    span: tuple[float, float] | None = None  # (start, end) seconds of a segment row
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,21 @@ def complete_frames(path: Path, n_mels: int) -> int | None:
     return int(shape[0])
 
 
+def make_tasks(table, targets: list[str], positions, excluded) -> list[Task]:
+    """One Task per row position not in `excluded`, a segment row's span (start, end) with it."""
+    sources = table["path"].to_numpy()
+    spans = table[["start", "end"]].to_numpy(np.float64) if "start" in table else None
+
+    def span(p: int) -> tuple[float, float] | None:
+        return None if spans is None or np.isnan(spans[p, 0]) else tuple(map(float, spans[p]))
+
+    return [
+        Task(int(p), str(sources[p]), targets[p], span(p))
+        for p in positions
+        if int(p) not in excluded
+    ]
+
+
 def temporary_path(target: Path) -> Path:
     """Where `target` is written before being renamed into place: one name per target, so a
     rerun overwrites what a killed run left (only one process ever writes a given target)."""
@@ -88,7 +104,7 @@ def prepare_file(task: Task, out_dir: Path, features: FeaturesConfig) -> Outcome
         samples = (frames - 1) * features.hop_length + features.n_fft // 2
         return Outcome(task.position, PRESENT, seconds=samples / features.sample_rate)
     try:
-        wave = load_audio(task.source, features.sample_rate)
+        wave = load_audio(task.source, features.sample_rate, task.span)
     except AudioReadError as exc:
         return Outcome(task.position, SKIPPED, reason=str(exc))
     mel = log_mel(wave, features)

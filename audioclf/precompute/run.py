@@ -30,8 +30,14 @@ from audioclf.data.index import Index, load_index, read_table
 from audioclf.data.index.table import FIRST_DATA_ROW, rows_text
 from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError
 from audioclf.fileio import atomic_write, atomic_write_bytes
-from audioclf.outputs import ManifestMismatch, check_manifest, write_manifest, write_skipped
-from audioclf.precompute.files import PRESENT, SKIPPED, WRITTEN, Outcome, Task, run_tasks
+from audioclf.outputs import (
+    FolderLock,
+    ManifestMismatch,
+    check_manifest,
+    write_manifest,
+    write_skipped,
+)
+from audioclf.precompute.files import PRESENT, SKIPPED, WRITTEN, Outcome, make_tasks, run_tasks
 from audioclf.precompute.names import feature_paths
 
 SHARDS_DIR = "shards"
@@ -136,8 +142,11 @@ def _check_sources(index: Index, skip_bad: bool) -> dict[int, str]:
 # The output folder, shard records, skipped lists, the output index
 
 
-def _prepare_out_dir(out_dir: Path, settings: dict, index_path: Path, source: Path) -> None:
-    """Create DIR (or check it holds features with these settings) and prove it is writable."""
+def _prepare_out_dir(
+    out_dir: Path, settings: dict, index_path: Path, source: Path, shard: Shard
+) -> FolderLock:
+    """Check DIR holds features with these settings (or none), then take the shard's lock and
+    create DIR with its manifest; returns the lock, held."""
     if index_path.resolve() == source.resolve():
         raise ValueError(
             f"--out {out_dir} would overwrite the input sheet {source} with the "
@@ -163,7 +172,7 @@ def _prepare_out_dir(out_dir: Path, settings: dict, index_path: Path, source: Pa
     if resumable:
         if not os.access(out_dir, os.W_OK | os.X_OK):
             raise ValueError(f"--out {out_dir} is not writable")
-        return
+        return shard_lock(out_dir, shard).acquire()
     # Hidden entries are ignored: another shard starting at the same time may be writing its
     # manifest's temporary file.
     if out_dir.is_dir() and any(not p.name.startswith(".") for p in out_dir.iterdir()):
@@ -171,10 +180,24 @@ def _prepare_out_dir(out_dir: Path, settings: dict, index_path: Path, source: Pa
             f"--out {out_dir} is not empty and holds no {MANIFEST}: it is not a "
             "folder written by prepare; choose a new or empty folder"
         )
+    lock = shard_lock(out_dir, shard)
     try:
+        lock.acquire()
         write_manifest(manifest_path, wanted)
     except OSError as exc:
+        lock.release()
         raise ValueError(f"--out {out_dir} cannot be written: {exc.strerror or exc}") from None
+    return lock
+
+
+def shard_lock(out_dir: Path, shard: Shard) -> FolderLock:
+    """DIR/.prepare-I-of-N.lock: one prepare per shard (hidden: see _prepare_out_dir)."""
+    return FolderLock(
+        out_dir / f".prepare-{shard.name}.lock",
+        what=f"--out {out_dir} (shard {shard.index}/{shard.count})",
+        by="another prepare",
+        fix="wait for it to finish, or choose another --out",
+    )
 
 
 def _skipped_path(out_dir: Path, shard: Shard) -> Path:
@@ -282,32 +305,33 @@ def prepare(
     index = load_index(data)
     not_audio = _check_sources(index, skip_bad)
     out_index = out_dir / index_name(index.source)
-    _prepare_out_dir(out_dir, feature_settings(cfg.features), out_index, index.source)
-    key = _run_key(index.source, cfg)
-    _record_path(out_dir, shard).unlink(missing_ok=True)  # this shard is not finished any more
+    settings = feature_settings(cfg.features)
+    # the shards of one folder run side by side, each shard once
+    with _prepare_out_dir(out_dir, settings, out_index, index.source, shard):
+        key = _run_key(index.source, cfg)
+        _record_path(out_dir, shard).unlink(missing_ok=True)  # this shard is not finished any more
 
-    table = index.table
-    paths = feature_paths(table["cls"].tolist(), table["id"].tolist())
-    mine = shard.positions(len(table))
-    sources = table["path"].to_numpy()
-    tasks = [Task(int(p), str(sources[p]), paths[p]) for p in mine if int(p) not in not_audio]
-    skipped = {p: reason for p, reason in not_audio.items() if p % shard.count == shard.index}
-    for folder in sorted({os.path.dirname(t.target) for t in tasks}):
-        (out_dir / folder).mkdir(parents=True, exist_ok=True)
+        table = index.table
+        paths = feature_paths(table["cls"].tolist(), table["id"].tolist())
+        mine = shard.positions(len(table))
+        tasks = make_tasks(table, paths, mine, not_audio)
+        skipped = {p: reason for p, reason in not_audio.items() if p % shard.count == shard.index}
+        for folder in sorted({os.path.dirname(t.target) for t in tasks}):
+            (out_dir / folder).mkdir(parents=True, exist_ok=True)
 
-    summary = Summary(shard, rows=len(mine))
-    outcomes = run_tasks(tasks, out_dir, cfg.features, workers=workers, progress=progress)
-    with contextlib.closing(outcomes):
-        for outcome in outcomes:
-            if outcome.status != SKIPPED:
-                summary.count(outcome)
-            elif skip_bad:
-                skipped[outcome.position] = outcome.reason
-            else:
-                raise _unreadable(index, outcome, _skipped_path(out_dir, shard).name)
-    summary.skipped = len(skipped)
-    summary.skipped_path = write_skipped(_skipped_path(out_dir, shard), table, skipped)
-    _finish_shard(summary, index, data, paths, skipped, out_dir, key, out_index)
+        summary = Summary(shard, rows=len(mine))
+        outcomes = run_tasks(tasks, out_dir, cfg.features, workers=workers, progress=progress)
+        with contextlib.closing(outcomes):
+            for outcome in outcomes:
+                if outcome.status != SKIPPED:
+                    summary.count(outcome)
+                elif skip_bad:
+                    skipped[outcome.position] = outcome.reason
+                else:
+                    raise _unreadable(index, outcome, _skipped_path(out_dir, shard).name)
+        summary.skipped = len(skipped)
+        summary.skipped_path = write_skipped(_skipped_path(out_dir, shard), table, skipped)
+        _finish_shard(summary, index, data, paths, skipped, out_dir, key, out_index)
     summary.elapsed = time.perf_counter() - start
     return summary
 

@@ -190,7 +190,14 @@ class FaissIndex(SearchIndex):
     ) -> FaissIndex:
         """An index written by save(), with the search parameters it was saved with."""
         faiss = import_faiss(method)
-        return cls(method, faiss.read_index(str(data)), params, source)
+        try:
+            index = faiss.read_index(str(data))
+        except RuntimeError as exc:  # faiss's C++ error: a damaged file
+            raise ValueError(
+                f"search index data {data} is damaged ({str(exc).splitlines()[-1][:120]}); "
+                "rebuild the index with python -m audioclf.search build"
+            ) from None
+        return cls(method, index, params, source)
 
     def set_search_params(self, *, nprobe: int | None = None, ef_search: int | None = None) -> None:
         """Change how much of the index a search visits: more lists (IVF `nprobe`) or a longer

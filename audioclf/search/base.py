@@ -209,6 +209,8 @@ class SearchIndex(ABC):
             "size": self.size,
             "params": self.params,
             "data": data.name if data is not None else None,
+            # load() checks it: a data file cut short, or of another save, is refused
+            "data_bytes": data.stat().st_size if data is not None else None,
             "source": None
             if self.source is None
             else file_stamp(self.source, relative_to=path.parent),

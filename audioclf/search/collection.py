@@ -26,6 +26,7 @@ import torch
 from audioclf.fileio import file_stamp
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.sidecar import ExportSidecar, sidecar_path
+from audioclf.outputs import FolderLock
 from audioclf.search.approximate import APPROXIMATE_METHODS, FaissIndex, faiss_available
 from audioclf.search.base import SearchIndex
 from audioclf.search.index import METHODS, build, load
@@ -124,10 +125,21 @@ def build_saved(
     as collection.index_file(method), recording the embeddings' shape and `model`
     (model_record of the model that made them; None: not known)."""
     check_method(method)
-    index = build(collection.npy, method, progress=progress, **params)
-    embeddings = {"rows": collection.size, "dim": collection.dim, "table": collection.parquet.name}
-    index.info = {"embeddings": embeddings, "model": model}
-    index.save(collection.index_file(method))
+    path = collection.index_file(method)
+    with FolderLock(
+        path.with_suffix(".lock"),
+        what=f"the {method} index of {collection.prefix}",
+        by="another search build",
+        fix="wait for it to finish (its index is the same), or build another --method",
+    ):
+        index = build(collection.npy, method, progress=progress, **params)
+        embeddings = {
+            "rows": collection.size,
+            "dim": collection.dim,
+            "table": collection.parquet.name,
+        }
+        index.info = {"embeddings": embeddings, "model": model}
+        index.save(path)
     return index
 
 

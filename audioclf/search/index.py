@@ -149,6 +149,13 @@ def load(path: str | Path, *, device: str | torch.device | None = None) -> Searc
         raise FileNotFoundError(
             f"search index {path} names data file {data}, which is missing; rebuild the index"
         )
+    recorded = meta.get("data_bytes")  # absent from descriptions written before it existed
+    if data is not None and recorded is not None and data.stat().st_size != recorded:
+        raise ValueError(
+            f"search index data {data} holds {data.stat().st_size} bytes but {path} records "
+            f"{recorded} (cut short, or of another build); rebuild the index with "
+            "python -m audioclf.search build"
+        )
     if meta["method"] == "exact":
         index: SearchIndex = ExactIndex(
             read_embeddings(data or source), device=device, source=source

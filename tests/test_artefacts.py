@@ -1,0 +1,231 @@
+"""Every file audioclf writes and reads back: one writer per output (the lock a second process
+meets, with real processes), and every reader turning a damaged file into one line naming the
+file and the fix (a damaged cache is rebuilt with a warning)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from audioclf.embedding.parts import IndexOutputs, open_parts, read_part, rows_digest, write_part
+from audioclf.outputs import FolderBusy, FolderLock
+
+ROOT = Path(__file__).resolve().parents[1]
+HOLD = (
+    "import sys, time\nfrom audioclf.outputs import FolderLock\n"
+    "lock = FolderLock(sys.argv[1], what='x', by='y', fix='z').acquire()\nprint('held', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def cut_in_half(path: Path) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def collection(tmp_path: Path, rows: int = 300, dim: int = 8) -> Path:
+    """PREFIX.npy + PREFIX.parquet as embed --index writes them."""
+    prefix = tmp_path / "emb"
+    rng = np.random.default_rng(0)
+    np.save(f"{prefix}.npy", rng.standard_normal((rows, dim)).astype(np.float32))
+    frame = pd.DataFrame(
+        {
+            "row": np.arange(rows, dtype=np.int64) + 2,
+            "id": [f"id{i}" for i in range(rows)],
+            "class": [f"c{i % 5}" for i in range(rows)],
+            "item": [f"i{i % 30}" for i in range(rows)],
+            "path": [f"a/{i}.wav" for i in range(rows)],
+        }
+    )
+    frame.to_parquet(f"{prefix}.parquet", index=False)
+    return prefix
+
+
+# ------------------------------------------------------------------------------------- locks
+
+
+class Holder:
+    """Another process holding the lock file `path` until killed (the kernel then frees it)."""
+
+    def __init__(self, path: Path):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def __enter__(self) -> Holder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def busy_line(holder: Holder, what: str) -> str:
+    return rf"{what} is in use by another .*\(pid {holder.proc.pid} on .*, started .* UTC\); "
+
+
+@pytest.mark.slow
+def test_a_second_embed_index_into_one_prefix_is_refused_until_the_first_dies(tmp_path):
+    outputs = IndexOutputs.of(tmp_path / "out" / "big")
+    with Holder(outputs.lock().path) as holder:
+        with pytest.raises(FolderBusy, match=busy_line(holder, "--save .*big") + "wait"):
+            open_parts(outputs, {"version": 1}, outputs.lock())
+        assert not outputs.parts.exists()  # refused before anything was written
+    lock = outputs.lock()
+    open_parts(outputs, {"version": 1}, lock)  # the holder died: the lock is free
+    lock.release()
+    assert (outputs.parts / "manifest.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_second_search_build_of_one_index_is_refused(tmp_path):
+    from audioclf.search.collection import Collection, build_saved
+
+    found = Collection.open(collection(tmp_path))
+    with Holder(found.index_file("exact").with_suffix(".lock")) as holder:
+        with pytest.raises(FolderBusy, match=busy_line(holder, "the exact index of .*emb")):
+            build_saved(found, "exact", progress=False)
+        assert not found.index_file("exact").exists()
+    build_saved(found, "exact", progress=False)
+    assert found.index_file("exact").is_file()
+
+
+@pytest.mark.slow
+def test_prepare_evaluate_and_export_outputs_are_locked(tmp_path):
+    from audioclf.inference.exporting import export_lock
+    from audioclf.precompute.run import Shard, shard_lock
+
+    out = tmp_path / "features"
+    locks = {
+        "prepare": shard_lock(out, Shard(1, 4)),
+        "export": export_lock(tmp_path / "model.onnx"),
+        "evaluate": FolderLock(
+            tmp_path / "eval" / ".evaluate.lock", what="--out eval", by="another evaluate", fix=""
+        ),
+    }
+    for name, lock in locks.items():
+        with Holder(lock.path) as holder:
+            with pytest.raises(FolderBusy, match=rf"another {name} \(pid {holder.proc.pid} "):
+                lock.acquire()
+            other = shard_lock(out, Shard(2, 4)) if name == "prepare" else None
+            if other is not None:  # the other shards of one folder run side by side
+                other.acquire()
+                other.release()
+        lock.acquire()
+        lock.release()
+
+
+@pytest.mark.slow
+def test_write_evaluation_refuses_a_held_out_folder(tmp_path):
+    from audioclf.evaluation.run import write_evaluation
+
+    out = tmp_path / "eval"
+    with Holder(out / ".evaluate.lock") as holder:
+        with pytest.raises(FolderBusy, match=busy_line(holder, f"--out {out}")):
+            write_evaluation(out, None, projection="none", seed=0, setup={})
+    assert not [p for p in out.iterdir() if p.name != ".evaluate.lock"]
+
+
+def test_the_run_folder_lock_is_the_shared_one(tmp_path):
+    from audioclf.training.rundir import RunFolderBusy, RunLock
+
+    first = RunLock(tmp_path).acquire()
+    try:  # flock locks belong to the open file: a second open in one process is refused too
+        with pytest.raises(RunFolderBusy, match=r"run folder .* in use by another run .*run\.sh"):
+            RunLock(tmp_path).acquire()
+    finally:
+        first.release()
+    assert RunFolderBusy is FolderBusy and json.loads((tmp_path / "run.lock").read_text())["pid"]
+
+
+# ----------------------------------------------------------------------------------- readers
+
+
+@pytest.mark.parametrize("method", ["exact", "ivf", "hnsw"])
+def test_a_search_index_cut_in_half_is_one_line_saying_rebuild(tmp_path, method):
+    from audioclf.search import faiss_available
+    from audioclf.search.collection import Collection, build_saved, open_index
+
+    if method != "exact" and not faiss_available():
+        pytest.skip("faiss is not installed")
+    found = Collection.open(collection(tmp_path))
+    index = build_saved(found, method, progress=False, nlist=4) if method == "ivf" else None
+    index = index or build_saved(found, method, progress=False)
+    damaged = index.data_file(index.path) or index.path
+    cut_in_half(damaged)
+    with pytest.raises(ValueError, match=rf"{damaged}.*rebuild") as caught:
+        open_index(found, method)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".parquet"])
+def test_embeddings_cut_in_half_are_one_line_naming_the_file(tmp_path, suffix):
+    from audioclf.search.collection import Collection
+
+    prefix = collection(tmp_path)
+    cut_in_half(Path(f"{prefix}{suffix}"))
+    with pytest.raises(ValueError, match=rf"{prefix}\{suffix} is not a readable") as caught:
+        Collection.open(prefix)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_part_cut_in_half_is_embedded_again_and_a_manifest_cut_in_half_refused(tmp_path):
+    outputs = IndexOutputs.of(tmp_path / "big")
+    ids, paths = np.array(["a", "b"]), np.array(["a.wav", "b.wav"])
+    part = {
+        "embeddings": np.ones((2, 4), np.float32),
+        "positions": np.arange(2, dtype=np.int64),
+        "rows": np.array(rows_digest(ids, paths)),
+        "skipped": np.zeros(0, np.int64),
+        "reasons": np.zeros(0, str),
+    }
+    open_parts(outputs, {"version": 1})
+    write_part(outputs.part(0), part)
+    assert read_part(outputs.part(0), ids, paths, 0, 4) is not None
+    assert read_part(cut_in_half(outputs.part(0)), ids, paths, 0, 4) is None
+    outputs.part(0).write_bytes(b"garbage" * 100)
+    assert read_part(outputs.part(0), ids, paths, 0, 4) is None
+    cut_in_half(outputs.parts / "manifest.json")
+    with pytest.raises(ValueError, match=r"big\.parts holds .*manifest\.json is unreadable"):
+        open_parts(outputs, {"version": 1})
+
+
+def test_a_sidecar_cut_in_half_is_one_line_saying_export_again(tmp_path):
+    from audioclf.inference import artefacts
+    from audioclf.inference.sidecar import sidecar_path
+
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"not read: the sidecar is read first")
+    sidecar_path(model).write_text(json.dumps({"format": "onnx", "file": "model.onnx"} | {
+        f"field{i}": "x" * 40 for i in range(10)}))  # fmt: skip
+    cut_in_half(sidecar_path(model))
+    with pytest.raises(artefacts.ArtefactError, match=r"model\.onnx\.json .*cannot be read.*"):
+        artefacts.load_embedder(model, "cpu")
+
+
+@pytest.mark.parametrize("damage", ["cut in half", "garbage"])
+def test_a_damaged_gallery_cache_is_rebuilt_with_one_warning(tmp_path, caplog, damage):
+    from audioclf.embedding.gallery import _read_cache, _write_cache
+
+    cache = tmp_path / ".audioclf_cache" / "gallery-x.npz"
+    classes = np.array(["a", "b", "c"])
+    _write_cache(cache, np.ones((3, 4), np.float32), classes)
+    assert _read_cache(cache, classes) is not None
+    if damage == "garbage":
+        cache.write_bytes(b"\x00garbage" * 64)
+    else:
+        cut_in_half(cache)
+    with caplog.at_level(logging.WARNING, logger="audioclf"):
+        assert _read_cache(cache, classes) is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "damaged" in warnings[0].getMessage()
+    assert "embedding the gallery again" in warnings[0].getMessage()
