@@ -208,3 +208,33 @@ def test_mixed_separators_are_not_converted_and_the_error_says_so(tmp_path):
     )
     with pytest.raises(IndexValidationError, match=pattern):
         load(sheet, check_files=True)
+
+
+@pytest.mark.slow  # three short trainings
+@pytest.mark.parametrize("form", ["european csv", "second worksheet", "windows paths"])
+def test_the_sheets_as_people_save_them_train(tmp_path, tiny_demo, form):
+    from tests.helpers import fit, tiny_config
+
+    table = pd.read_excel(tiny_demo, dtype=str, engine="openpyxl")
+    table["path"] = [str(tiny_demo.parent / p) for p in table["path"]]
+    if form == "european csv":
+        sheet = tmp_path / "index.csv"
+        write_csv(sheet, [list(table.columns), *table.values.tolist()], delimiter=";", excel=True)
+    elif form == "second worksheet":
+        sheet = tmp_path / "index.xlsx"
+        with pd.ExcelWriter(sheet, engine="openpyxl") as writer:
+            pd.DataFrame({"How to fill in this sheet": ["one row per clip"]}).to_excel(
+                writer, sheet_name="Notes", index=False
+            )
+            table.to_excel(writer, sheet_name="Clips", index=False)
+    else:
+        sheet = tmp_path / "windows.csv"
+        relative = pd.read_excel(tiny_demo, dtype=str, engine="openpyxl")
+        relative.assign(path=relative["path"].str.replace("/", "\\")).to_csv(sheet, index=False)
+    root = [f"data.root={tiny_demo.parent}"] if form == "windows paths" else []
+    summary = fit(
+        tiny_config(
+            sheet, tmp_path / "runs", "cnn", "train.epochs=1", "train.limit_batches=3", *root
+        )
+    )
+    assert summary["step"] == 3 and summary["metrics"]["precision_at_1"] >= 0
