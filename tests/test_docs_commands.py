@@ -100,6 +100,8 @@ SKIP = {
     "audioclf demo --out data/demo": INSTALLED,
     "audioclf train --config demo_cnn train.epochs=1 train.name=api_demo": INSTALLED,
     "audioclf evaluate --checkpoint runs/api_demo/best.pt --out runs/api_demo/eval": INSTALLED,
+    "audioclf embed --model runs/api_demo/best.pt --index data/demo/index.xlsx "
+    "--save runs/api_demo/embed/all": INSTALLED,
     "benchmarks/gpu_wheels.sh /path/wheels": "downloads wheels from a package index",
     "PYTHON=python3 benchmarks/gpu_check.sh --wheels /path/wheels": "needs a CUDA GPU and the "
     "wheels of gpu_wheels.sh",
