@@ -9,10 +9,10 @@ data loader, and peak GPU memory.
 
 For configs/cnn.yaml and configs/conformer.yaml (model, head, batch size, crop, features, loader
 settings as shipped; --set changes them for every cell) and each precision (fp32, bf16, fp16),
-a one-process run's parts are built as the Trainer builds them (the augmented dataset and its
-loader, the net with its head over the data's classes, configure_backends for TF32 and cuDNN, the
-wrapped model, the loss's objective, optimizer, schedule and TrainStep), over a generated set of
-random log-mel .npy files in 64 classes on local disk:
+a one-process run is built by audioclf's own Trainer (the augmented dataset and its loader, the
+net with its head over the data's classes, configure_backends for TF32 and cuDNN, the wrapped
+model, the loss's objective, optimizer, schedule and TrainStep), over a generated set of random
+log-mel .npy files in 64 classes on local disk:
   - synthetic: training steps on batches already on the device (the model's own speed);
   - loader: the same steps fed by the real pipeline (memory-mapped .npy crops, augmentation,
     the shipped number of DataLoader workers, the m-per-class sampler, pinned memory), at the
@@ -37,7 +37,6 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -50,15 +49,9 @@ sys.path.insert(0, str(ROOT))
 
 from audioclf import distributed  # noqa: E402
 from audioclf.config import Config, load_config  # noqa: E402
-from audioclf.data.dataset import split_datasets  # noqa: E402
-from audioclf.data.index import load_index  # noqa: E402
-from audioclf.data.loader import TrainLoader, loader_options  # noqa: E402
-from audioclf.losses import WeightedLosses, build_loss  # noqa: E402
-from audioclf.models import build_net  # noqa: E402
-from audioclf.optim import LRSchedule, base_lr, build_optimizer, param_groups  # noqa: E402
-from audioclf.precision import auto_precision, configure_backends, resolve_precision  # noqa: E402
-from audioclf.training.step import NonFiniteGuard, TrainStep  # noqa: E402
-from audioclf.training.trainer import seed_everything  # noqa: E402
+from audioclf.precision import auto_precision, resolve_precision  # noqa: E402
+from audioclf.training.rundir import StopRequested  # noqa: E402
+from audioclf.training.trainer import Trainer, TrainHooks  # noqa: E402
 
 MODELS = ("cnn", "conformer")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -107,52 +100,14 @@ def feature_files(cfg: Config, steps: int, files: int) -> int:
     return classes * math.ceil(wanted / classes)
 
 
-@dataclass
-class Cell:
-    """One process's training parts, built as the Trainer builds them."""
-
-    step: TrainStep
-    loss_fn: WeightedLosses
-    schedule: LRSchedule
-    loader: TrainLoader
-
-
-def build_cell(cfg: Config, device: torch.device) -> Cell:
-    """The parts of a one-process run on `device`, in the order and with the calls of
-    audioclf.training.trainer (Trainer.__init__, _load_data, _build_run, _build_training; keep
-    them in step): the seeds, the train split's augmented dataset and loader, the precision, the
-    net with a head over the split's classes, TF32 / cuDNN settings, the wrapped model, the
-    loss, optimizer, schedule and the TrainStep of the loss's objective."""
-    env = distributed.DistEnv(device=device)
-    seed_everything(cfg.train.seed, cfg.train.deterministic)
-    train, _, dataset, _ = split_datasets(cfg, load_index(cfg.data))
-    options = loader_options(cfg, device)
-    loader = TrainLoader.for_run(cfg, train, dataset, rank=0, world_size=1, options=options)
-    precision = resolve_precision(cfg.train, device)
-    net = build_net(cfg, len(train.classes))
-    configure_backends(cfg.train, device)
-    model = distributed.wrap(
-        net,
-        env,
-        sync_bn=cfg.model.sync_bn,
-        find_unused_parameters=cfg.dist.find_unused_parameters,
-        autocast_dtype=precision.dtype,
-    )
-    loss_fn = build_loss(cfg)
-    optimizer = build_optimizer(param_groups(net, cfg.optim), cfg.optim, device)
-    schedule = LRSchedule(optimizer, cfg.optim, base_lr(cfg.optim, 1), cfg.train.epochs)
-    step = TrainStep(
-        model,
-        optimizer,
-        precision,
-        loss_fn.objective,
-        guard=NonFiniteGuard(cfg.train.nonfinite_patience),
-        accumulate=cfg.train.accumulate,
-        max_grad_norm=cfg.optim.max_grad_norm,
-        batch_size=cfg.sampler.batch_size,
-        placeholder=dataset.placeholder(),
-    )
-    return Cell(step, loss_fn, schedule, loader)
+def build_cell(cfg: Config, device: torch.device) -> Trainer:
+    """The parts of a one-process run on `device`, built by the Trainer itself (seeds, the
+    train split's augmented dataset and loader, the head over its classes, TF32 / cuDNN, the
+    wrapped model, loss, optimizer, schedule and TrainStep) in a throwaway run folder beside
+    the feature set; close() it after."""
+    cfg.train.runs_dir = str(Path(cfg.data.index).parent / "runs")
+    cfg.train.name = f"{cfg.model.name}-{cfg.train.precision}"
+    return Trainer(cfg, distributed.DistEnv(device=device), StopRequested(), TrainHooks())
 
 
 def synthetic_batches(cfg: Config, count: int, device: torch.device) -> list:
@@ -182,7 +137,7 @@ def loader_batches(loader):
         epoch += 1
 
 
-def run_steps(cell: Cell, batches, cfg: Config) -> int:
+def run_steps(cell: Trainer, batches, cfg: Config) -> int:
     """The Trainer's epoch loop over `batches`: micro-batches, the schedule, an update per
     train.accumulate of them, a host sync every train.log_every_steps updates; the samples."""
     step, accumulate = cell.step, cfg.train.accumulate
@@ -204,7 +159,7 @@ def run_steps(cell: Cell, batches, cfg: Config) -> int:
     return step.end_epoch(0.0, stopped=False).samples
 
 
-def timed_steps(cell: Cell, batches, cfg: Config, steps: int, device) -> float:
+def timed_steps(cell: Trainer, batches, cfg: Config, steps: int, device) -> float:
     """Samples/s of `steps` steps from `batches`, after WARMUP_STEPS untimed ones."""
     batches = iter(batches)
     run_steps(cell, islice(batches, WARMUP_STEPS), cfg)
@@ -246,8 +201,10 @@ def measure(cfg: Config, device: torch.device, steps: int, with_loader: bool) ->
     }
     del batches
     if with_loader:
-        loaded = timed_steps(cell, loader_batches(cell.loader), cfg, steps, device)
+        loaded = timed_steps(cell, loader_batches(cell.train_loader), cfg, steps, device)
         row.update(loader_sps=loaded, busy=min(1.0, loaded / synthetic))
+    cell.metrics.close()
+    cell.close()
     return row
 
 
