@@ -109,14 +109,16 @@ def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
 
 @contextmanager
 def exact_arithmetic() -> Iterator[None]:
-    """Inside: fp32 matmuls and convolutions without TF32, and no cuDNN autotuning; the
-    previous settings after. Embedding extraction runs so (validation, evaluate, embed): its
-    clips vary in length, so autotuning would re-tune per batch, and validation's metrics (which
-    pick best.pt) then equal evaluate's. Mixed precision still applies where asked for."""
+    """Inside: fp32 matmuls and convolutions without TF32, no cuDNN autotuning, and compiled
+    modules run eagerly (train.compile); the previous settings after. Embedding extraction runs
+    so (validation, evaluate, embed): its clips vary in length, so autotuning would re-tune and
+    a compiled model recompile per batch, and validation's metrics (which pick best.pt) then
+    equal evaluate's. Mixed precision still applies where asked for."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark
     matmul.allow_tf32 = cudnn.allow_tf32 = cudnn.benchmark = False
     try:
-        yield
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark = saved

@@ -75,7 +75,7 @@ def time_audioclf(cfg, batches, model=None) -> float:
     precision = resolve_precision(cfg.train, torch.device("cpu"))
     schedule = LRSchedule(opt, cfg.optim, cfg.optim.lr, cfg.train.epochs)
 
-    def loss_fn(output, labels):
+    def loss_fn(output, labels, positions=None):
         return loss_core(output[0], labels, output[1])
 
     step = TrainStep(

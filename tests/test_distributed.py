@@ -162,7 +162,7 @@ def _global_loss_worker(rank, world):
         for _ in range(2)
     ]
 
-    def loss_fn(out, labels):
+    def loss_fn(out, labels, positions=None):
         return nn.functional.cross_entropy(out, labels)
 
     result, _ = run_epoch(
@@ -280,7 +280,7 @@ def _nonfinite_on_one_rank_worker(rank, world, precision, kind):
     settings = resolve_precision(TrainConfig(precision=precision), cpu)
     calls = []
 
-    def objective(output, labels):
+    def objective(output, labels, positions=None):
         calls.append(1)
         loss = mse(output, labels)
         if rank == 1 and len(calls) == 2:  # this rank alone, at the second step

@@ -197,3 +197,47 @@ def test_margin_head_weights_are_all_reduced_and_stay_identical(margin_rank_resu
         assert all(g.abs().sum() > 0 for g in local[: 2 - step])
         assert not torch.allclose(local[0], local[1])  # so equal DDP gradients mean all-reduced
         torch.testing.assert_close(rank0["grad"], sum(local) / WORLD, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-batch memory under DDP: filled with the global batch, so every rank holds the same
+
+
+def _memory_loss(cross_rank):
+    from audioclf.config import load_config
+
+    cfg = load_config(None, ["loss.miner=all", "loss.memory_size=20",
+                             "loss.memory_warmup_epochs=0", f"loss.cross_rank={cross_rank}"])  # fmt: skip
+    loss = build_loss(cfg, items=torch.arange(60).numpy())
+    loss.set_epoch(0)
+    return loss
+
+
+def _memory_steps(rank, world_size):
+    """{cross_rank: the memory's state after 3 steps on this rank's rows (7 + 5 of 12)}."""
+    torch.set_num_threads(1)
+    x, labels = fixed_batch()
+    results = {}
+    for cross_rank in (False, True):
+        loss = _memory_loss(cross_rank)
+        for step in range(3):
+            rows = torch.arange(7) if rank == 0 else torch.arange(7, 12)
+            emb = F.normalize(x[rows] + step, dim=1)
+            loss.objective((emb, None), labels[rows], rows + 12 * step)
+        results[cross_rank] = loss.memory.state_dict()
+    return results
+
+
+@pytest.mark.parametrize("cross_rank", [False, True])
+def test_the_memory_is_the_same_on_every_rank_and_the_single_process_one(tmp_path, cross_rank):
+    ranks = run_in_group(_memory_steps, tmp_path, world_size=WORLD)
+    x, labels = fixed_batch()
+    single = _memory_loss(False)
+    for step in range(3):  # the global batch in rank order, in one process
+        single.objective((F.normalize(x + step, dim=1), None), labels, torch.arange(12) + 12 * step)
+    for rank, results in enumerate(ranks):
+        for key, value in single.memory.state_dict().items():
+            assert torch.allclose(results[cross_rank][key].float(), value.float(), atol=1e-6), (
+                rank,
+                key,
+            )

@@ -175,7 +175,7 @@ def _state_of(model, optimizer, scaler):
     return tensors
 
 
-def infinite_mse(output, labels):
+def infinite_mse(output, labels, positions=None):
     return mse(output, labels) + math.inf  # an infinite loss with finite gradients
 
 
@@ -243,7 +243,7 @@ def _count_host_syncs(run) -> int:
     )
 
 
-def sync_free_mse(output, labels):
+def sync_free_mse(output, labels, positions=None):
     return nn.functional.mse_loss(output.float(), torch.eye(3)[labels])  # one_hot reads .max()
 
 

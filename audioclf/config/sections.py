@@ -121,6 +121,8 @@ class LossConfig:
     margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly up to their values at this epoch (from 1/(N+1) of them at the first); 0 = full at once
     final_margin: float | None = None  # triplet margin in the last train.final_epochs epochs (large-margin fine-tuning); null = loss.margin
     final_head_margin: float | None = None  # the arcface heads' margin in those epochs; null = loss.head_margin
+    memory_size: int = 0  # cross-batch memory: mine each batch also against the last N training embeddings (XBM; item-aware, the same on every rank); 0 = off
+    memory_warmup_epochs: int = 1  # epochs of plain in-batch mining before the memory is filled and used (embeddings drift fast at first)
 
     def __post_init__(self) -> None:
         _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")
@@ -128,6 +130,9 @@ class LossConfig:
         _check(self.head_margin >= 0, "loss.head_margin", self.head_margin, ">= 0 (radians)")
         _check(self.margin_warmup_epochs >= 0, "loss.margin_warmup_epochs",
                self.margin_warmup_epochs, ">= 0")
+        _check(self.memory_size >= 0, "loss.memory_size", self.memory_size, ">= 0 (0 = off)")
+        _check(self.memory_warmup_epochs >= 0, "loss.memory_warmup_epochs",
+               self.memory_warmup_epochs, ">= 0")
 
 
 @dataclass
@@ -174,6 +179,7 @@ class TrainConfig:
     log_every_steps: int = 50  # steps between host syncs (progress-bar loss, TensorBoard, non-finite check, stop vote); 0 = every step
     ema_decay: float = 0.0  # keep an exponential moving average of the weights (e.g. 0.999 per step, warmed up as min(decay, (1 + step) / (10 + step))), used for validation, best.pt and export; 0 = off
     tracker: Literal["none", "mlflow", "wandb"] = "none"  # also log params, epoch metrics and best.pt to an experiment tracker (rank 0): mlflow (MLFLOW_TRACKING_URI, else <run dir>/mlruns) or wandb (offline unless WANDB_MODE says otherwise); needs pip install mlflow-skinny / wandb
+    compile: bool = False  # torch.compile the embedder for training (static shapes; the first step compiles, minutes on a CPU, and is left out of samples/s); validation, evaluate, embed and export run it eagerly, checkpoints are unchanged
     final_epochs: int = 0  # the last N epochs train with clips.final_crop_seconds and loss.final_margin / final_head_margin where set (WeSpeaker's large-margin fine-tuning; the margin warm-up applies before them); 0 = off
 
     def __post_init__(self) -> None:

@@ -99,16 +99,21 @@ class EpochResult:
     stopped: bool  # a stop was requested (signal) before the epoch ended
     skipped_items: int = 0  # global items dropped from their batches (unreadable files)
     skipped_batches: int = 0  # global batches with nothing readable (dropped)
+    warmup_seconds: float = 0.0  # of `seconds`: the first step's compilation (train.compile)
+    warmup_samples: int = 0  # global samples of that step
 
     @property
     def samples_per_second(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else 0.0
+        """Global samples per second, the compilation step left out."""
+        seconds = self.seconds - self.warmup_seconds
+        return (self.samples - self.warmup_samples) / seconds if seconds > 0 else 0.0
 
 
 class TrainStep:
     """One rank's optimizer steps: micro-batches accumulated into updates.
 
-    `objective(model_output, labels)` returns the scalar loss. `accumulate` micro-batches make
+    `objective(model_output, labels, positions)` returns the scalar loss (positions: the rows'
+    places in the training split, on the CPU). `accumulate` micro-batches make
     one update (each backward scaled by 1 / accumulate). `batch_size` is the sampler's: a shorter
     batch lost unreadable items. `placeholder` (x, lengths of a few rows) stands in for a batch
     with no readable item.
@@ -119,7 +124,7 @@ class TrainStep:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         precision: Precision,
-        objective: Callable[[object, Tensor], Tensor],
+        objective: Callable[[object, Tensor, Tensor], Tensor],
         *,
         guard: NonFiniteGuard,
         accumulate: int = 1,
@@ -140,8 +145,10 @@ class TrainStep:
         self._saved_batchnorm: list[Tensor] | None = None  # set while an update is pending
         self._step_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         self._shown_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        # [loss sum, samples, skipped items, skipped batches], all-reduced by end_epoch
-        self._totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        # [loss sum, samples, skipped items, skipped batches, warm-up samples], all-reduced by
+        # end_epoch
+        self._totals = torch.zeros(5, dtype=torch.float64, device=self.device)
+        self._warmup_seconds = 0.0
 
     def start_epoch(self, placeholder: tuple[Tensor, Tensor] | None = None) -> None:
         """`placeholder`: this epoch's stand-in for a batch with no readable item (its crop
@@ -164,7 +171,7 @@ class TrainStep:
             self._step_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         x, lengths, labels, empty = self._inputs(batch)
         with distributed.no_sync(self.model, skip=not sync_grads):
-            loss = self._forward_backward(x, lengths, labels, empty)
+            loss = self._forward_backward(x, lengths, labels, batch[3], empty)
         finite = torch.isfinite(loss)
         rows = labels.numel()
         self._step_bad |= ~finite
@@ -192,14 +199,16 @@ class TrainStep:
             empty,
         )
 
-    def _forward_backward(self, x: Tensor, lengths: Tensor, labels: Tensor, empty: bool) -> Tensor:
+    def _forward_backward(
+        self, x: Tensor, lengths: Tensor, labels: Tensor, positions: Tensor, empty: bool
+    ) -> Tensor:
         """The scaled backward of one micro-batch's loss; returns the loss, detached."""
         before_forward = [b.clone() for b in self._batchnorm] if empty else []
         with self.precision.autocast():
             output = self.model(x, lengths)
         if empty:  # take part in the collectives, learn nothing
             output = _empty_output(output)
-        loss = self.objective(output, labels)
+        loss = self.objective(output, labels, positions)
         self.precision.scaler.scale(loss / self.accumulate).backward()
         for buffer, before in zip(self._batchnorm, before_forward):  # the placeholder's statistics
             buffer.copy_(before)  # after backward, which still needs the buffers as they were
@@ -260,16 +269,25 @@ class TrainStep:
         self.guard.check(consecutive, total, overflow, step)
         return halt > 0, loss
 
+    def mark_warmup(self, seconds: float) -> None:
+        """The steps so far (`seconds` of this epoch, a compilation) are left out of
+        samples/s."""
+        self._warmup_seconds = seconds
+        self._totals[4] = self._totals[1]
+
     def end_epoch(self, seconds: float, *, stopped: bool) -> EpochResult:
         """Drop a trailing incomplete accumulation group; the epoch's global totals
         (collective: every rank calls it)."""
         if self._saved_batchnorm is not None:
             self.optimizer.zero_grad()
             self._saved_batchnorm = None
-        loss_total, samples, skipped_items, skipped_batches = distributed.all_reduce_sum(
+        loss_total, samples, skipped_items, skipped_batches, warmup = distributed.all_reduce_sum(
             self._totals, device=self.device
         ).tolist()
+        warmup_seconds, self._warmup_seconds = self._warmup_seconds, 0.0
         return EpochResult(
+            warmup_seconds=warmup_seconds,
+            warmup_samples=int(warmup),
             loss=loss_total / samples if samples > 0 else math.nan,
             samples=int(samples),
             seconds=seconds,

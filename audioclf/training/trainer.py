@@ -272,7 +272,7 @@ class Trainer:
             find_unused_parameters=cfg.dist.find_unused_parameters,
             autocast_dtype=self.precision.dtype,
         )
-        self.loss_fn = build_loss(cfg)
+        self.loss_fn = build_loss(cfg, items=self.train.codes.item_codes)
         self.optimizer = build_optimizer(param_groups(net, cfg.optim), cfg.optim, env.device)
         self.schedule = LRSchedule(
             self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size), cfg.train.epochs
@@ -302,6 +302,9 @@ class Trainer:
             placeholder=self.train_set.placeholder(),
         )
         self.ema = averaging.build_ema(cfg, self.model)
+        self._compiling = cfg.train.compile  # until the first step has compiled
+        if cfg.train.compile:  # in place: the state dict keeps its keys; after the EMA's copy
+            net.embedder.compile(dynamic=False)  # static: a new crop length compiles anew
 
     def _checkpointer(self) -> checkpoint.Checkpointer:
         """The run's stateful parts, by name, in one Checkpointer (with "ema" when kept)."""
@@ -326,11 +329,13 @@ class Trainer:
         }
         if self.ema is not None:  # after "model": a checkpoint without one starts from it
             states["ema"] = self.ema
+        if self.loss_fn.memory is not None:  # the cross-batch memory (loss.memory_size)
+            states["loss_memory"] = self.loss_fn.memory
         classes, loader = self.train.classes, self.train_loader
         return checkpoint.Checkpointer(
             saver,
             states=states,
-            optional=("ema",),
+            optional=("ema", "loss_memory"),
             flat=[self.state, saver],
             meta=lambda: {
                 "config": to_dict(cfg),
@@ -437,6 +442,8 @@ class Trainer:
                 self.schedule.apply(state.step, epoch)
                 step.update()
                 state.step += 1
+                if self._compiling:
+                    self._compiled(start)
                 self._after_step()
                 if (state.step - first_step) % sync_every == 0 and self._sync(bar):
                     stopped = True
@@ -444,6 +451,19 @@ class Trainer:
         if (state.step - first_step) % sync_every != 0 and not stopped:
             step.sync(False, state.step)  # the epoch's last guard check
         return step.end_epoch(time.perf_counter() - start, stopped=stopped)
+
+    def _compiled(self, start: float) -> None:
+        """After the first step of train.compile (the epoch began at `start`): its time is left
+        out of samples/s."""
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        seconds = time.perf_counter() - start
+        self._compiling = False
+        self.step.mark_warmup(seconds)
+        log.info(
+            "train.compile: the first step took %.1f s with torch.compile (left out of samples/s)",
+            seconds,
+        )
 
     def _start_epoch(self, epoch: int) -> None:
         self.train_loader.set_epoch(epoch)

@@ -37,10 +37,17 @@ the same current margin as the triplet loss.
 Final epochs (`train.final_epochs=K`, WeSpeaker's large-margin fine-tuning): in the last K
 epochs (epoch >= train.epochs - K) the margins are `loss.final_margin` / `loss.final_head_margin`
 where set, in full (the warm-up ramp applies to the epochs before them).
+
+Cross-batch memory (`loss.memory_size=N`, from epoch `loss.memory_warmup_epochs` on): the
+triplet term mines each batch against the batch and a queue of the last N training embeddings
+(losses.memory: item-aware, filled with the global batch so every rank holds the same queue,
+kept in the checkpoint). It needs each row's item: `objective(output, labels, positions)`
+looks the items up by the rows' positions in the training split (build_loss's `items`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pytorch_metric_learning import distances, losses, miners
@@ -48,15 +55,18 @@ from torch import Tensor, nn
 
 from audioclf.config import Config, LossConfig, ModelConfig, choices
 from audioclf.distributed import all_gather_nograd, all_gather_with_grad
+from audioclf.losses.memory import CrossBatchMemory, mine_with_items
 from audioclf.models.heads import angular_margin_logits
 
 MINERS = choices(LossConfig, "miner")
 HEADS = tuple(h for h in choices(ModelConfig, "head") if h != "none")
 
 
-def build_loss(cfg: Config) -> WeightedLosses:
+def build_loss(cfg: Config, items: np.ndarray | None = None) -> WeightedLosses:
     """The run's objective: the triplet term, plus loss.ce_weight × the head's cross-entropy
-    when model.head is not none; their margins follow the warm-up and the final epochs."""
+    when model.head is not none; their margins follow the warm-up and the final epochs.
+    `items`: the item code of every training row (by position), which the cross-batch memory
+    (loss.memory_size) needs."""
     final_from = final_epochs_start(cfg)
     terms: dict[str, nn.Module] = {"triplet": TripletLoss(cfg.loss, final_from=final_from)}
     weights = {"triplet": 1.0}
@@ -70,7 +80,7 @@ def build_loss(cfg: Config) -> WeightedLosses:
             final_from=final_from,
         )
         weights["ce"] = cfg.loss.ce_weight
-    return WeightedLosses(terms, weights)
+    return WeightedLosses(terms, weights, items=items)
 
 
 def final_epochs_start(cfg: Config) -> int | None:
@@ -137,7 +147,9 @@ class TripletLoss(_MarginSchedule):
         if cfg.miner not in MINERS:  # a LossConfig edited after construction
             raise ValueError(f"loss.miner={cfg.miner!r} is invalid: use one of {', '.join(MINERS)}")
         super().__init__(cfg.margin, cfg.margin_warmup_epochs, cfg.final_margin, final_from)
-        self.cross_rank = cfg.cross_rank
+        self.cross_rank, self.kind = cfg.cross_rank, cfg.miner
+        self.memory = CrossBatchMemory(cfg.memory_size) if cfg.memory_size else None
+        self.memory_from = cfg.memory_warmup_epochs
         distance = distances.CosineSimilarity()
         self.triplet = losses.TripletMarginLoss(margin=cfg.margin, distance=distance)
         if cfg.miner == "batch_hard":
@@ -154,27 +166,58 @@ class TripletLoss(_MarginSchedule):
         if isinstance(self.miner, miners.TripletMarginMiner):
             self.miner.margin = self.margin
 
-    def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
-        return self.with_stats(embeddings, labels)[0]
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        logits: Tensor | None = None,
+        items: Tensor | None = None,
+    ) -> Tensor:
+        return self.with_stats(embeddings, labels, items=items)[0]
 
     def with_stats(
-        self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        logits: Tensor | None = None,
+        items: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        """(loss, {"triplets": mined triplets}); the count is a host sync."""
+        """(loss, {"triplets": mined triplets}); the count is a host sync. `items` (the rows'
+        item codes) are needed by the cross-batch memory only."""
         check_inputs(embeddings, labels)
         self._check_epoch()
         labels = labels.to(embeddings.device)
+        remember = self.memory is not None and (self.epoch or 0) >= self.memory_from
+        if remember and (items is None or items.shape != labels.shape):
+            raise ValueError("the cross-batch memory (loss.memory_size) needs each row's item")
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
             embeddings = embeddings.float()
+            rows = (labels, items.to(embeddings.device)) if remember else (labels,)
             if self.cross_rank:
-                embeddings, labels = _gather_global(embeddings, labels)
+                embeddings, *rows = _gather_global(embeddings, *rows)
+            if remember:
+                return self._with_memory(embeddings, *rows)
+            labels = rows[0]  # the global batch's, with cross_rank
             triplets = self.miner(embeddings, labels) if len(labels) else ()
-            n_triplets = int(triplets[0].shape[0]) if triplets else 0
-            if n_triplets == 0:
-                # Zero, yet connected to every embedding (and so every parameter and rank);
-                # "+ 0.0" turns a -0.0 into 0.0.
-                return embeddings.sum() * 0.0 + 0.0, {"triplets": 0.0}
-            return self.triplet(embeddings, labels, triplets), {"triplets": float(n_triplets)}
+            return self._triplet_loss(embeddings, labels, triplets)
+
+    def _with_memory(self, embeddings: Tensor, labels: Tensor, items: Tensor):
+        refs = self.memory.references(embeddings, labels, items)
+        triplets = mine_with_items(embeddings, labels, items, *refs, self.kind, self.margin)
+        loss, stats = self._triplet_loss(embeddings, labels, triplets, refs[:2])
+        # The global batch joins the queue (gathered here unless it already is).
+        batch = (embeddings.detach(), labels, items)
+        self.memory.enqueue(*(batch if self.cross_rank else _gather_global(*batch, grad=False)))
+        return loss, {**stats, "memory": float(len(self.memory))}
+
+    def _triplet_loss(self, embeddings, labels, triplets, refs=()):
+        n_triplets = int(triplets[0].shape[0]) if triplets else 0
+        if n_triplets == 0:
+            # Zero, yet connected to every embedding (and so every parameter and rank);
+            # "+ 0.0" turns a -0.0 into 0.0.
+            return embeddings.sum() * 0.0 + 0.0, {"triplets": 0.0}
+        loss = self.triplet(embeddings, labels, triplets, *refs)
+        return loss, {"triplets": float(n_triplets)}
 
 
 class MarginHeadLoss(_MarginSchedule):
@@ -237,7 +280,13 @@ class WeightedLosses(nn.Module):
     reports (the triplet term: "triplets") — host syncs, so the training loop calls forward.
     """
 
-    def __init__(self, terms: dict[str, nn.Module], weights: dict[str, float]):
+    def __init__(
+        self,
+        terms: dict[str, nn.Module],
+        weights: dict[str, float],
+        *,
+        items: np.ndarray | None = None,
+    ):
         super().__init__()
         if set(terms) != set(weights):
             raise ValueError(
@@ -245,6 +294,12 @@ class WeightedLosses(nn.Module):
             )
         self.terms = nn.ModuleDict(terms)
         self.weights = dict(weights)
+        self.items = None if items is None else torch.as_tensor(items, dtype=torch.int64)
+
+    @property
+    def memory(self) -> CrossBatchMemory | None:
+        """The triplet term's cross-batch memory (loss.memory_size), a checkpointed state."""
+        return self.terms["triplet"].memory if "triplet" in self.terms else None
 
     def set_epoch(self, epoch: int) -> None:
         """Call before every epoch: the terms' margins follow loss.margin_warmup_epochs and
@@ -255,10 +310,16 @@ class WeightedLosses(nn.Module):
     def forward(self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> Tensor:
         return self.with_stats(embeddings, labels, logits, stats=False)[0]
 
-    def objective(self, output: tuple[Tensor, Tensor | None], labels: Tensor) -> Tensor:
-        """The loss of an EmbeddingNet's output (embeddings, logits): what TrainStep calls."""
+    def objective(
+        self, output: tuple[Tensor, Tensor | None], labels: Tensor, positions: Tensor
+    ) -> Tensor:
+        """The loss of an EmbeddingNet's output (embeddings, logits) for the training rows at
+        `positions`: what TrainStep calls."""
         embeddings, logits = output
-        return self(embeddings, labels, logits)
+        items = None
+        if self.items is not None:
+            items = self.items[positions.cpu()].to(labels.device)
+        return self.with_stats(embeddings, labels, logits, items=items, stats=False)[0]
 
     def with_stats(
         self,
@@ -266,12 +327,14 @@ class WeightedLosses(nn.Module):
         labels: Tensor,
         logits: Tensor | None = None,
         *,
+        items: Tensor | None = None,
         stats: bool = True,
     ) -> tuple[Tensor, dict[str, float]]:
         check_inputs(embeddings, labels, logits)
         total, report = None, {}
         for name, term in self.terms.items():
-            value, term_stats = term.with_stats(embeddings, labels, logits)
+            extra = {"items": items} if isinstance(term, TripletLoss) else {}
+            value, term_stats = term.with_stats(embeddings, labels, logits, **extra)
             weighted = self.weights[name] * value
             total = weighted if total is None else total + weighted
             if stats:
@@ -279,23 +342,25 @@ class WeightedLosses(nn.Module):
         return total, report
 
 
-def _gather_global(embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """The global batch in rank order; this rank's rows keep their gradient.
+def _gather_global(embeddings: Tensor, *labels: Tensor, grad: bool = True) -> list[Tensor]:
+    """The global batch (embeddings, then each label tensor) in rank order; with `grad` this
+    rank's embedding rows keep their gradient.
 
     Ranks may hold different numbers of items (e.g. after skipped files): sizes are gathered
     first, and shorter batches are padded to the longest for the gather, then cut out again.
     Identity without a process group.
     """
+    gather = all_gather_with_grad if grad else all_gather_nograd
     sizes = all_gather_nograd(torch.tensor([embeddings.shape[0]], device=embeddings.device))
     largest = int(sizes.max())
     if int(sizes.min()) == largest:
-        return all_gather_with_grad(embeddings), all_gather_nograd(labels)
+        return [gather(embeddings), *(all_gather_nograd(t) for t in labels)]
     missing = largest - embeddings.shape[0]
     embeddings = F.pad(embeddings, (0, 0, 0, missing))
-    labels = torch.cat([labels, labels.new_full((missing,), -1)])
-    gathered, gathered_labels = all_gather_with_grad(embeddings), all_gather_nograd(labels)
+    labels = [torch.cat([t, t.new_full((missing,), -1)]) for t in labels]
+    gathered = [gather(embeddings), *(all_gather_nograd(t) for t in labels)]
     keep = (torch.arange(largest, device=sizes.device)[None, :] < sizes[:, None]).flatten()
-    return gathered[keep], gathered_labels[keep]
+    return [t[keep] for t in gathered]
 
 
 def check_inputs(embeddings: Tensor, labels: Tensor, logits: Tensor | None = None) -> None:
