@@ -15,7 +15,8 @@ Metrics:
                   the other items' clips of its class; loo_* are the leave-one-out figures
                   (own-item clips allowed), which flatter a model
   classification  kNN top-1 and nearest-centroid accuracy of the evaluated split
-  verification    EER and minDCF (p_target 0.01) on same/different-class pairs (--max-pairs)
+  verification    EER and minDCF (p_target 0.01) on same/different-class pairs (--max-pairs),
+                  raw and, with score normalisation, also eer_<m> and min_dcf_<m>
   clustering      NMI and AMI of k-means with one cluster per class
 
 Retrieval search (--search): each query's R nearest clips come from an audioclf.search index.
@@ -33,12 +34,21 @@ Classification gallery (--gallery):
                    evaluated class.
   none             no classification metrics.
 
+Score normalisation (--score-norm, off by default): each verification score minus each side's
+mean score against a cohort, over its standard deviation, averaged over the two sides; snorm
+over the whole cohort, asnorm over each side's --cohort-top highest (default 300, or a fifth of
+a cohort under 1,500 clips). --cohort train (the default cohort) is the train split: embedded
+for it alone in an open-set split, sharing every class in a closed one, hence off by default;
+--cohort SHEET is every row of a sheet, ideally of other classes (a shared class is noted).
+--cohort alone means asnorm, --score-norm alone the train split.
+
 Writes report.json, report.md and PNG plots (DET curve, per-class P@1, PCA/t-SNE projection,
 kNN confusion matrix) into --out (default <checkpoint folder>/eval), and prints a summary.
 Beside them: embeddings.tsv + metadata.tsv for https://projector.tensorflow.org and
 embeddings.html, a 2-D PCA scatter (class-stratified samples of at most 20,000 / 5,000 points).
 Exit status: 0 done; 2 bad input (missing or corrupt checkpoint, index errors, an empty split,
-a gallery without an evaluated class) with a one-line message and no report written.
+a gallery without an evaluated class, a bad --cohort sheet) with a one-line message and no
+report written.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from pathlib import Path
 from audioclf.cli import add_trust_flag, resolve_device
 from audioclf.config import ModelConfig, choices
 from audioclf.errors import run_cli
-from audioclf.evaluation.metrics import SEARCH_METHODS
+from audioclf.evaluation.metrics import SCORE_NORMS, SEARCH_METHODS, score_norm_options
 from audioclf.evaluation.run import (
     check_evaluation_options,
     evaluate_split,
@@ -72,10 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--checkpoint",
-        required=True,
-        type=Path,
-        help="audioclf checkpoint (e.g. runs/<name>/best.pt)",
+        "--checkpoint", required=True, type=Path, help="audioclf checkpoint (runs/<name>/best.pt)"
     )
     parser.add_argument(
         "--index", type=Path, help="evaluate another sheet (replaces data.index; split rules kept)"
@@ -86,14 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "data.root of the checkpoint, or the sheet's folder with --index)",
     )
     parser.add_argument(
-        "--split",
-        default="val",
-        help="split to evaluate: train, val, test, or all (every row); default val",
+        "--split", default="val", help="evaluated: train, val (default), test, or all (every row)"
     )
     parser.add_argument(
-        "--gallery",
-        default="train",
-        help="classification gallery: train (default), none, or PATH to a sheet",
+        "--gallery", default="train", help="classification gallery: train (default), none, or PATH"
     )
     parser.add_argument("--out", type=Path, help="report folder (default <checkpoint folder>/eval)")
     parser.add_argument("--batch-size", type=int, default=32, help="clips per batch (default 32)")
@@ -109,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1_000_000,
         help="verification pairs scored at most (default 1000000)",
     )
+    parser.add_argument("--score-norm", choices=SCORE_NORMS, help="none (default), snorm, asnorm")
+    parser.add_argument("--cohort", help="score normalisation cohort: train (default) or PATH")
+    parser.add_argument("--cohort-top", type=int, help="asnorm: top N kept a side (default 300)")
     parser.add_argument(
         "--search",
         choices=SEARCH_METHODS,
@@ -116,10 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="retrieval neighbour search (default auto = exact; ivf / hnsw on request)",
     )
     parser.add_argument(
-        "--projection",
-        choices=("pca", "tsne"),
-        default="pca",
-        help="2-D projection plot (default pca)",
+        "--projection", choices=("pca", "tsne"), default="pca", help="2-D projection (default pca)"
     )
     parser.add_argument(
         "--model-name",
@@ -132,10 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip unreadable files (counted in the log) instead of failing",
     )
     parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of pair sampling, k-means and the enrollment split (default 0)",
+        "--seed", type=int, default=0, help="seed of pairs, k-means and enrollment (default 0)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_trust_flag(parser)
@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         num_workers=args.num_workers,
         search=args.search,
     )
+    score_norm, cohort = score_norm_options(args.score_norm, args.cohort, args.cohort_top)
     device = resolve_device(args.device)
     net, cfg, ckpt = load_trained(
         args.checkpoint, device, model_name=args.model_name, trust=args.trust_checkpoint
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.skip_bad_files:
         cfg.data.skip_bad_files = True
     data = select_data(
-        cfg, index=args.index, root=args.root, split=args.split, gallery=args.gallery
+        cfg, index=args.index, root=args.root, split=args.split, gallery=args.gallery, cohort=cohort
     )
     out_dir = args.out if args.out is not None else args.checkpoint.parent / "eval"
     evaluation, rows = evaluate_split(
@@ -172,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         skip_hint=SKIP_HINT,
         search=args.search,
+        score_norm=score_norm,
+        cohort_top=args.cohort_top,
     )
     model = describe_checkpoint(ckpt, cfg)
     seconds = time.perf_counter() - start

@@ -19,6 +19,9 @@ log-mel .npy files in 64 classes on local disk:
     precision train.precision=auto picks (bf16 on Ampere and newer, fp16 before, fp32 on a CPU).
     The files fit one epoch and sit in the page cache: this measures the workers, not the disk.
     The GPU is busy `synthetic time / loader time` of the time.
+A "+compile" cell per model in --compile (default: cnn on a GPU, none on a CPU) trains with
+train.compile=true at the auto precision, synthetic batches only; its compilation falls in the
+warm-up steps.
 Each measurement times --steps steps after 3 warm-up steps (cuDNN autotuning, worker start-up).
 Peak memory is torch.cuda.max_memory_allocated over the synthetic run.
 
@@ -106,7 +109,7 @@ def build_cell(cfg: Config, device: torch.device) -> Trainer:
     wrapped model, loss, optimizer, schedule and TrainStep) in a throwaway run folder beside
     the feature set; close() it after."""
     cfg.train.runs_dir = str(Path(cfg.data.index).parent / "runs")
-    cfg.train.name = f"{cfg.model.name}-{cfg.train.precision}"
+    cfg.train.name = f"{cfg.model.name}-{cfg.train.precision}{'-compile' * cfg.train.compile}"
     return Trainer(cfg, distributed.DistEnv(device=device), StopRequested(), TrainHooks())
 
 
@@ -258,6 +261,12 @@ def main() -> int:
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument(
+        "--compile",
+        nargs="*",
+        choices=MODELS,
+        help="models measured also with train.compile=true (default: cnn on a GPU, none on a CPU)",
+    )
+    parser.add_argument(
         "--files", type=int, default=0, help="generated .npy files (default: one epoch's worth)"
     )
     parser.add_argument(
@@ -277,27 +286,33 @@ def main() -> int:
     if device.type == "cuda" and device.index is None:  # cuda:N, as the Trainer's ranks use
         device = torch.device("cuda", torch.cuda.current_device())
     loader_precision = auto_precision(device)[0]
+    compiled = args.compile if args.compile is not None else ["cnn"] * (device.type == "cuda")
     rows, problems = [], []
     with tempfile.TemporaryDirectory(prefix="audioclf_gpu_") as tmp:
         for model in args.models:
             shipped = recipe(model, "auto", device, Path(tmp) / "unused.csv", args.set)
             files = feature_files(shipped, args.steps, args.files)
             index = write_feature_set(shipped, Path(tmp) / model, files)
-            for precision in args.precisions:
-                cfg = recipe(model, precision, device, index, args.set)
-                row = {"model": model, "precision": precision, "synthetic_sps": math.nan}
+            cells = [(p, p, args.set) for p in args.precisions]
+            if model in compiled:
+                compile_set = [*args.set, "train.compile=true"]
+                cells.append((f"{loader_precision}+compile", loader_precision, compile_set))
+            for name, precision, overrides in cells:
+                cfg = recipe(model, precision, device, index, overrides)
+                row = {"model": model, "precision": name, "synthetic_sps": math.nan}
                 row.update(peak_gib=math.nan, loader_sps=math.nan, busy=math.nan)
                 rows.append(row)
                 refused = bf16_refused(cfg, device)
                 if refused:
-                    problems.append(f"SKIP {model} {precision}: {refused}")
+                    problems.append(f"SKIP {model} {name}: {refused}")
                     print(problems[-1], flush=True)
                     continue
                 try:
-                    row.update(measure(cfg, device, args.steps, precision == loader_precision))
+                    loader = name == loader_precision  # the auto precision, eager
+                    row.update(measure(cfg, device, args.steps, loader))
                 except Exception as exc:  # one cell's failure (an OOM, a kernel error) is a line
                     traceback.print_exc()
-                    problems.append(f"FAIL {model} {precision}: {type(exc).__name__}: {exc}")
+                    problems.append(f"FAIL {model} {name}: {type(exc).__name__}: {exc}")
                     print(problems[-1].splitlines()[0], flush=True)
                     continue
                 finally:

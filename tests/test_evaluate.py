@@ -447,3 +447,139 @@ def test_search_without_faiss_is_one_line_before_any_work(trained, tmp_path, cap
     code, stdout, err = run_cli(capsys, "--checkpoint", trained, "--out", out, "--search", "hnsw")
     assert code == 2 and stdout == "" and err.count("\n") == 1
     assert "--search hnsw needs faiss" in err and not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Score normalisation (--score-norm, --cohort, --cohort-top): verification raw and normalised
+
+
+@pytest.mark.slow
+def test_a_cohort_sheet_adds_normalised_verification_beside_the_raw(
+    trained, closed_set_sheet, tmp_path, capsys
+):
+    evaluated = select_data(load_trained(trained)[1]).evaluated.classes
+    table = pd.read_csv(closed_set_sheet, dtype=str)
+    cohort = tmp_path / "cohort.csv"  # the 9 classes of the train split: none evaluated
+    table[~table["a_cls"].isin(evaluated)].to_csv(cohort, index=False)
+    common = ["--checkpoint", trained, "--num-workers", 0, "--quiet", "--gallery", "none"]
+    code, _, err = run_cli(capsys, *common, "--out", tmp_path / "raw")
+    assert code == 0, err
+    code, stdout, err = run_cli(capsys, *common, "--out", tmp_path / "norm", "--cohort", cohort)
+    assert code == 0, err
+    raw, normalised = read_report(tmp_path / "raw"), read_report(tmp_path / "norm")
+    for key in ("eer", "min_dcf", "eer_threshold", "n_pairs", "precision_at_1"):
+        assert normalised["metrics"][key] == raw["metrics"][key], key
+    assert not {"eer_asnorm", "min_dcf_asnorm"} & set(raw["metrics"])
+    assert "score_norm" not in raw["evaluation"]
+    for key in ("eer_asnorm", "min_dcf_asnorm"):
+        assert math.isfinite(normalised["metrics"][key]), key
+        assert any(line.split()[:1] == [key] for line in stdout.splitlines()), key
+        assert f"| {key} |" in (tmp_path / "norm" / "report.md").read_text()
+    setup = normalised["evaluation"]
+    # 108 cohort clips: AS-norm keeps a fifth of them a side (fewer than 300).
+    assert (setup["score_norm"], setup["cohort"], setup["n_cohort"]) == ("asnorm", str(cohort), 108)
+    assert setup["cohort_top"] == 21 and "asnorm (top 21 of 108 cohort clips" in stdout
+    assert not any("cohort shares" in note for note in setup["notes"])
+
+
+@pytest.mark.slow
+def test_score_norm_alone_takes_the_train_split_and_notes_its_shared_classes(
+    trained, closed_set_sheet, tmp_path, capsys, monkeypatch
+):
+    from audioclf.evaluation import run as evaluation_run
+
+    embedded = []
+    embed_index = evaluation_run.embed_index
+    monkeypatch.setattr(
+        evaluation_run,
+        "embed_index",
+        lambda *args, **kwargs: (
+            embedded.append(kwargs["description"]) or embed_index(*args, **kwargs)
+        ),
+    )
+    out = tmp_path / "eval"
+    code, stdout, err = run_cli(
+        capsys, "--checkpoint", trained, "--index", closed_set_sheet, "--out", out,
+        "--num-workers", 0, "--quiet", "--score-norm", "snorm",
+    )  # fmt: skip
+    assert code == 0, err
+    assert embedded == ["embed val", "embed gallery"]  # the gallery's embeddings are the cohort's
+    report = read_report(out)
+    setup = report["evaluation"]
+    assert setup["cohort"] == f"train split of {closed_set_sheet}" and setup["n_cohort"] == 72
+    assert setup["score_norm"] == "snorm" and "cohort_top" not in setup
+    assert math.isfinite(report["metrics"]["eer_snorm"]) and "eer_asnorm" not in report["metrics"]
+    shared = [line for line in stdout.splitlines() if "cohort shares" in line]
+    assert len(shared) == 1 and "shares 12 of the 12 evaluated classes" in shared[0]
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing sheet", "nope.csv: no such sheet; use --cohort train, or a sheet that exists"),
+        ("not a sheet", "cohort.txt: no such sheet"),
+        ("sheet without class column", "no_class.csv: index file"),
+        ("one-row sheet", "has 1 row(s); it needs at least 2"),
+        ("train cohort of the train split", "--split train overlaps the train cohort"),
+        ("cohort with --score-norm none", "is unused with --score-norm none; drop one of them"),
+        ("top of 1", "--cohort-top 1: give N >= 2, and only with asnorm"),
+        ("top with snorm", "--cohort-top 50: give N >= 2, and only with asnorm"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:index file .* fewer than 2 items")  # the one-row sheet
+def test_a_bad_cohort_is_one_line_exit_2_and_writes_nothing(
+    trained, closed_set_sheet, tmp_path, capsys, case, message
+):
+    table = pd.read_csv(closed_set_sheet, dtype=str)
+    out = tmp_path / "out"
+    args = ["--checkpoint", trained, "--out", out, "--num-workers", 0, "--quiet"]
+    sheet = tmp_path / {"missing sheet": "nope.csv", "not a sheet": "cohort.txt"}.get(case, "c.csv")
+    if case == "not a sheet":
+        sheet.write_text("path\n")
+    elif case == "sheet without class column":
+        sheet = tmp_path / "no_class.csv"
+        table.drop(columns="a_cls").to_csv(sheet, index=False)
+    elif case == "one-row sheet":
+        table.head(1).to_csv(sheet, index=False)
+    args += {
+        "train cohort of the train split": ["--split", "train", "--gallery", "none", "--score-norm", "asnorm"],
+        "cohort with --score-norm none": ["--cohort", sheet, "--score-norm", "none"],
+        "top of 1": ["--cohort-top", 1],
+        "top with snorm": ["--cohort-top", 50, "--score-norm", "snorm"],
+    }.get(case, ["--cohort", sheet])  # fmt: skip
+    code, stdout, err = run_cli(capsys, *args)
+    assert code == 2 and stdout == ""
+    assert err.startswith("python -m audioclf.evaluate: error: ") and err.count("\n") == 1
+    assert message in err
+    if case == "sheet without class column":
+        assert "has no column 'a_cls'" in err and "Rename the column in the sheet" in err
+    assert not out.exists()
+
+
+def test_score_norm_and_cohort_default_from_each_other():
+    from audioclf.evaluation.metrics import score_norm_options
+
+    assert score_norm_options(None, None, None) == ("none", None)  # off by default
+    assert score_norm_options("none", None, None) == ("none", None)
+    assert score_norm_options("asnorm", None, None) == ("asnorm", "train")
+    assert score_norm_options("snorm", None, None) == ("snorm", "train")
+    assert score_norm_options(None, "cohort.csv", None) == ("asnorm", "cohort.csv")
+    assert score_norm_options(None, None, 50) == ("asnorm", "train")
+    assert score_norm_options("snorm", "cohort.csv", None) == ("snorm", "cohort.csv")
+
+
+def test_asnorm_keeps_300_cohort_scores_or_a_fifth_of_a_small_cohort():
+    from audioclf.evaluation.metrics import asnorm_top, compute_metrics
+
+    assert [asnorm_top(None, n) for n in (10_000, 1500, 1000, 108, 4)] == [300, 300, 200, 21, 2]
+    assert asnorm_top(50, 1000) == 50 and asnorm_top(50, 20) == 20  # at most the cohort: S-norm
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(40, 8)).astype(np.float32)
+    names = np.array([f"c{i % 4}" for i in range(40)], dtype=object)
+    evaluation = compute_metrics(
+        emb, names, cohort_emb=rng.normal(size=(60, 8)), score_norm="asnorm"
+    )
+    assert (evaluation.setup["n_cohort"], evaluation.setup["cohort_top"]) == (60, 12)
+    assert {"eer_asnorm", "min_dcf_asnorm"} <= set(evaluation.verification)
+    with pytest.raises(ValueError, match="use none, or snorm / asnorm with cohort_emb"):
+        compute_metrics(emb, names, score_norm="snorm")

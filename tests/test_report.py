@@ -95,6 +95,22 @@ def test_report_json_holds_the_given_numbers(tmp_path):
     assert scores == sorted(scores)  # worst first
 
 
+def test_normalised_verification_goes_beside_the_raw_figures(tmp_path):
+    embeddings, labels, class_names = synthetic()
+    cohort = np.random.default_rng(1).normal(size=(30, 16))
+    verification = verification_metrics(embeddings, labels, cohort=cohort, cohort_top=10)
+    evaluation = evaluated(embeddings, labels, class_names, verification=verification)
+    written = write_report(tmp_path / "report", evaluation)
+    metrics = json.loads(written["report.json"].read_text())["metrics"]
+    assert metrics["eer_asnorm"] == pytest.approx(verification["eer_asnorm"])
+    assert metrics["min_dcf_asnorm"] == pytest.approx(verification["min_dcf_asnorm"])
+    assert metrics["eer"] == pytest.approx(verification["eer"])
+    assert "fpr_asnorm" not in metrics and "fnr_asnorm" not in metrics  # arrays stay out
+    markdown = written["report.md"].read_text()
+    assert "| eer_asnorm | " in markdown and "| min_dcf_asnorm | " in markdown
+    assert written["det.png"].read_bytes().startswith(PNG_MAGIC)  # raw and asnorm curves
+
+
 def test_report_markdown_lists_metrics_and_images(tmp_path):
     written, results, _, _ = full_report(tmp_path)
     markdown = written["report.md"].read_text()

@@ -1,6 +1,7 @@
 """Every metric of one evaluated set: retrieval (cross-item and leave-one-out), kNN and
 nearest-centroid classification against a gallery or a half/half enrollment split, verification
-and clustering (see `python -m audioclf.evaluate --help`).
+(raw, and S-norm / AS-norm against a cohort) and clustering (see
+`python -m audioclf.evaluate --help`).
 
     evaluation = compute_metrics(emb, names, classification="gallery", items=items,
                                  gallery_emb=gallery_emb, gallery_names=gallery_names)
@@ -31,6 +32,10 @@ from audioclf.search import build, faiss_available, sampled_neighbour_recall
 
 CLASSIFICATIONS = ("gallery", "enrollment", "none")
 SEARCH_METHODS = ("auto", "exact", "ivf", "hnsw")
+SCORE_NORMS = ("none", "snorm", "asnorm")
+# AS-norm's cohort scores kept a side: 300 (WeSpeaker's VoxCeleb recipe), or a fifth of a cohort
+# smaller than 1,500 clips, so that it still picks the closest part of the cohort.
+COHORT_TOP = 300
 # Queries of the seeded sample on which an approximate search is scored against exact search.
 BIAS_QUERIES = 1000
 
@@ -60,6 +65,9 @@ def compute_metrics(
     device: torch.device | str = "cpu",
     search: str = "auto",
     progress: bool = False,
+    cohort_emb: np.ndarray | None = None,
+    score_norm: str = "none",
+    cohort_top: int | None = None,
 ) -> Evaluation:
     """Every metric of one evaluated set (embeddings and class name per row).
 
@@ -68,6 +76,8 @@ def compute_metrics(
     search: how retrieval finds each query's neighbours, one of SEARCH_METHODS (see
     choose_search); the setup records the method, the list depth k and, for approximate
     search, the neighbour recall against exact search on 1,000 seeded queries.
+    score_norm: "snorm" or "asnorm" scores the verification pairs against `cohort_emb` too (see
+    asnorm_top for `cohort_top`); "none" (the default) only raw.
     """
     if classification not in CLASSIFICATIONS:
         raise ValueError(f"classification={classification!r}: use gallery, enrollment or none")
@@ -79,6 +89,7 @@ def compute_metrics(
     evaluation = Evaluation(
         {}, emb, labels, class_names, None, None, {"n_samples": len(labels), "n_classes": n_classes}
     )
+    norm = _score_norm(evaluation.setup, score_norm, cohort_emb, cohort_top)  # checked first
     evaluation.results = _retrieval(evaluation, items, device, search, seed, progress)
     if classification == "gallery":
         sets = _gallery_sets(evaluation, names, gallery_emb, gallery_list, code)
@@ -89,8 +100,28 @@ def compute_metrics(
         sets = None
     if sets is not None:
         _classify(evaluation, *sets, per_sample=classification == "gallery", device=device)
-    _verification_and_clustering(evaluation, n_classes, max_pairs, seed)
+    _verification_and_clustering(evaluation, n_classes, max_pairs, seed, norm)
     return evaluation
+
+
+def asnorm_top(requested: int | None, n_cohort: int) -> int:
+    """AS-norm's cohort scores kept a side: `requested` (at most the cohort: then it is S-norm),
+    by default COHORT_TOP or a fifth of a smaller cohort, at least 2."""
+    if requested is not None:
+        return min(requested, n_cohort)
+    return max(2, min(COHORT_TOP, n_cohort // 5))
+
+
+def _score_norm(setup: dict, score_norm: str, cohort_emb, cohort_top: int | None) -> dict:
+    """verification_metrics' cohort arguments for `score_norm`, recorded in the setup."""
+    if score_norm not in SCORE_NORMS or (score_norm != "none") != (cohort_emb is not None):
+        raise ValueError(f"score_norm={score_norm!r}: use none, or snorm / asnorm with cohort_emb")
+    if score_norm == "none":
+        return {}
+    top = None if score_norm == "snorm" else asnorm_top(cohort_top, len(cohort_emb))
+    setup.update(score_norm=score_norm, n_cohort=len(cohort_emb))
+    setup.update({} if top is None else {"cohort_top": top})
+    return {"cohort": cohort_emb, "cohort_top": top}
 
 
 def check_search(search: str) -> None:
@@ -102,6 +133,22 @@ def check_search(search: str) -> None:
             f"--search {search} needs faiss, which is not installed: pip install faiss-cpu "
             "(or faiss-gpu), or use --search exact"
         )
+
+
+def score_norm_options(
+    score_norm: str | None, cohort: str | None, cohort_top: int | None
+) -> tuple[str, str | None]:
+    """(the normalisation, its cohort) from --score-norm / --cohort / --cohort-top, each
+    defaulting from the others: a cohort (or a top N) alone means asnorm, snorm / asnorm
+    alone the train split as cohort; none of them, raw scores only. ValueError otherwise."""
+    method = score_norm or ("asnorm" if cohort or cohort_top else "none")
+    if method not in SCORE_NORMS:
+        raise ValueError(f"--score-norm {method!r}: use one of {', '.join(SCORE_NORMS)}")
+    if method == "none" and cohort:
+        raise ValueError(f"--cohort {cohort} is unused with --score-norm none; drop one of them")
+    if cohort_top is not None and (method != "asnorm" or cohort_top < 2):
+        raise ValueError(f"--cohort-top {cohort_top}: give N >= 2, and only with asnorm")
+    return method, None if method == "none" else cohort or "train"
 
 
 def choose_search(search: str, n_samples: int, device) -> tuple[str, str | None]:
@@ -245,11 +292,13 @@ def _classify(
 
 
 def _verification_and_clustering(
-    evaluation: Evaluation, n_classes: int, max_pairs: int, seed: int
+    evaluation: Evaluation, n_classes: int, max_pairs: int, seed: int, norm: dict
 ) -> None:
     emb, labels = evaluation.embeddings, evaluation.labels
     try:
-        evaluation.verification = verification_metrics(emb, labels, max_pairs=max_pairs, seed=seed)
+        evaluation.verification = verification_metrics(
+            emb, labels, max_pairs=max_pairs, seed=seed, **norm
+        )
     except ValueError as exc:
         evaluation.notes.append(f"verification skipped: {exc}")
     if n_classes >= 2:

@@ -46,7 +46,13 @@ def plot_det(path: pathlib.Path, verification: dict) -> pathlib.Path:
     low, high = _DET_TICKS[0], _DET_TICKS[-1]
     # Probit axes: the DET convention, where Gaussian score distributions give straight lines.
     figure, axes = plt.subplots(figsize=(5.5, 5))
-    axes.plot(norm.ppf(np.clip(fpr, low, high)), norm.ppf(np.clip(fnr, low, high)), lw=1.5)
+    normalised = [method for method in ("snorm", "asnorm") if f"fpr_{method}" in verification]
+    raw = norm.ppf(np.clip(fpr, low, high)), norm.ppf(np.clip(fnr, low, high))
+    axes.plot(*raw, lw=1.5, label="raw" if normalised else None)
+    for method in normalised:  # the score-normalised curve, dashed
+        rates = [np.clip(verification[f"{rate}_{method}"], low, high) for rate in ("fpr", "fnr")]
+        eer = 100 * float(verification[f"eer_{method}"])
+        axes.plot(*norm.ppf(rates), "--", lw=1.5, label=f"{method}, EER {eer:.2f}%")
     if "eer" in verification:
         eer = float(np.clip(verification["eer"], low, high))
         axes.plot(

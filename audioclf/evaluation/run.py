@@ -73,6 +73,8 @@ class EvalData:
     gallery: Index | None  # with classification="gallery"
     gallery_source: str  # "train split of <sheet>", "<sheet>", or "none"
     missing_classes: list[str] = field(default_factory=list)  # evaluated, absent from the gallery
+    cohort: Index | None = None  # of score normalisation; the gallery itself when both are train
+    cohort_source: str = "none"
 
 
 def data_config(cfg: Config, index: Path | None, root: str | None) -> DataConfig:
@@ -98,33 +100,27 @@ def select_data(
     root: str | None = None,
     split: str = "val",
     gallery: str = "train",
+    cohort: str | None = None,
 ) -> EvalData:
-    """The evaluated split and how it is classified; ValueError / IndexValidationError on bad
-    input, all before anything is embedded."""
+    """The evaluated split, how it is classified and the score-normalisation cohort (None,
+    "train" or a sheet); ValueError / IndexValidationError on bad input, all before anything is
+    embedded."""
     data = data_config(cfg, index, root)
     full = load_index(data)
     splits = split_index(full, data)
     evaluated = _evaluated_split(full, splits, split, data)
+    chosen = {}
+    if cohort is not None:
+        rows, source = _train_or_sheet("--cohort", cohort, full, splits, split, data, root)
+        if len(rows) < 2:
+            raise ValueError(f"the cohort ({source}) has {len(rows)} row(s); it needs at least 2")
+        chosen = {"cohort": rows, "cohort_source": source}
     if gallery == "none":
-        return EvalData(evaluated, split, "none", None, "none")
-    if gallery == "train":
-        if split in ("train", "all"):
-            raise ValueError(
-                f"--split {split} overlaps the train gallery; pass --gallery none or --gallery PATH"
-            )
-        gallery_index, source = splits["train"], f"train split of {full.source}"
-    else:
-        if Path(gallery).suffix.lower() not in SHEET_SUFFIXES:
-            raise ValueError(
-                f"--gallery {gallery!r}: use train, none, or a sheet (.xlsx, .csv, .parquet)"
-            )
-        gallery_index = load_index(
-            dataclasses.replace(data, index=str(Path(gallery)), root=root or "")
-        )
-        source = str(gallery_index.source)
+        return EvalData(evaluated, split, "none", None, "none", **chosen)
+    gallery_index, source = _train_or_sheet("--gallery", gallery, full, splits, split, data, root)
     missing = sorted(set(evaluated.classes) - set(gallery_index.classes))
     if not missing:
-        return EvalData(evaluated, split, "gallery", gallery_index, source)
+        return EvalData(evaluated, split, "gallery", gallery_index, source, **chosen)
     if gallery != "train":
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -134,7 +130,29 @@ def select_data(
             "--gallery none"
         )
     # An open-set split: the train split cannot classify these classes; enroll from the split.
-    return EvalData(evaluated, split, "enrollment", None, source, missing)
+    return EvalData(evaluated, split, "enrollment", None, source, missing, **chosen)
+
+
+def _train_or_sheet(flag: str, value: str, full: Index, splits, split: str, data, root):
+    """(rows, where they come from) of a --gallery / --cohort value: the train split, or every
+    row of a sheet, read with the model's column settings."""
+    other = "--gallery none, " if flag == "--gallery" else ""
+    if value == "train":
+        if split in ("train", "all"):
+            raise ValueError(
+                f"--split {split} overlaps the train {flag[2:]}; pass {other}{flag} SHEET"
+            )
+        return splits["train"], f"train split of {full.source}"
+    if Path(value).suffix.lower() not in SHEET_SUFFIXES or not Path(value).is_file():
+        raise ValueError(
+            f"{flag} {value}: no such sheet; use {flag} train, {other}or a sheet that exists "
+            "(.xlsx, .csv, .parquet)"
+        )
+    try:
+        sheet = load_index(dataclasses.replace(data, index=value, root=root or ""))
+    except ValueError as exc:
+        raise ValueError(f"{flag} {value}: {exc}") from None
+    return sheet, str(sheet.source)
 
 
 def _evaluated_split(full: Index, splits: dict[str, Index], split: str, data: DataConfig) -> Index:
@@ -204,9 +222,12 @@ def evaluate_split(
     seed: int,
     skip_hint: str | None = None,
     search: str = "auto",
+    score_norm: str = "none",
+    cohort_top: int | None = None,
 ) -> tuple[Evaluation, pd.DataFrame]:
-    """Embed the evaluated split (and the gallery), then every metric (retrieval searched with
-    `search`, see compute_metrics); returns the evaluation and the index rows of its
+    """Embed the evaluated split (and the gallery, and the cohort), then every metric
+    (retrieval searched with `search`, verification also normalised by `score_norm` against
+    data.cohort, see compute_metrics); returns the evaluation and the index rows of its
     embeddings. ValueError when fewer than 2 files could be read."""
     common = dict(
         batch_size=batch_size,
@@ -216,12 +237,9 @@ def evaluate_split(
         skip_hint=skip_hint,
     )
     emb, rows = embed_index(net, data.evaluated, cfg, description=f"embed {data.split}", **common)
-    gallery_emb = gallery_names = None
-    if data.gallery is not None:
-        gallery_emb, gallery_rows = embed_index(
-            net, data.gallery, cfg, description="embed gallery", **common
-        )
-        gallery_names = gallery_rows["cls"].to_numpy(dtype=object)
+    gallery_emb, gallery_names, cohort_emb, cohort_note = _gallery_and_cohort(
+        net, cfg, data, rows, common
+    )
     if len(rows) < 2:
         raise ValueError(
             f"only {len(rows)} file(s) of the {data.split} split could be read; "
@@ -239,7 +257,12 @@ def evaluate_split(
         device=device,
         search=search,
         progress=progress,
+        cohort_emb=cohort_emb,
+        score_norm=score_norm,
+        cohort_top=cohort_top,
     )
+    if cohort_note:
+        evaluation.notes.append(cohort_note)
     skipped = len(data.evaluated) - len(rows)
     if skipped:
         evaluation.notes.append(
@@ -257,6 +280,26 @@ def evaluate_split(
             ),
         )
     return evaluation, rows
+
+
+def _gallery_and_cohort(net, cfg: Config, data: EvalData, rows: pd.DataFrame, common: dict):
+    """(gallery embeddings, their classes, cohort embeddings, a note or None) of evaluate_split:
+    a train cohort reuses a train gallery's embeddings; the note says when the cohort shares
+    classes with the evaluated `rows`."""
+    gallery = cohort = (None, None)
+    if data.gallery is not None:
+        gallery = embed_index(net, data.gallery, cfg, description="embed gallery", **common)
+    if data.cohort is data.gallery:
+        cohort = gallery
+    elif data.cohort is not None:
+        cohort = embed_index(net, data.cohort, cfg, description="embed cohort", **common)
+    names = None if gallery[1] is None else gallery[1]["cls"].to_numpy(dtype=object)
+    shared = set() if cohort[1] is None else set(cohort[1]["cls"]) & set(rows["cls"])
+    note = (
+        f"the cohort shares {len(shared)} of the {rows['cls'].nunique()} evaluated classes; "
+        "score normalisation expects a cohort of other classes (--cohort SHEET)"
+    )
+    return gallery[0], names, cohort[0], note if shared else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +365,7 @@ def evaluation_setup(
         "index": str(data.evaluated.source),
         "split": data.split,
         "gallery": data.gallery_source,
+        **({} if data.cohort is None else {"cohort": data.cohort_source}),
         **evaluation.setup,
         "device": str(device),
         "seconds": round(seconds, 2),
@@ -353,11 +397,19 @@ def summary_lines(evaluation: Evaluation, setup: dict, out_dir: Path) -> list[st
     ]
     if "search" in setup:
         rows.append(("search", search_line(setup)))
+    if "score_norm" in setup:
+        top = f"top {setup['cohort_top']} of " if "cohort_top" in setup else ""
+        cohort = f"{top}{setup['n_cohort']} cohort clips, {setup['cohort']}"
+        rows.append(("score norm", f"{setup['score_norm']} ({cohort})"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{key:<{width}}  {value}" for key, value in rows]
     lines += [f"{'note':<{width}}  {note}" for note in evaluation.notes]
     lines += ["", f"{'metric':<18} value"]
-    for name in SUMMARY_METRICS:
+    names = list(SUMMARY_METRICS)
+    if "score_norm" in setup:  # the normalised verification figures after the raw ones
+        at = names.index("min_dcf") + 1
+        names[at:at] = [f"eer_{setup['score_norm']}", f"min_dcf_{setup['score_norm']}"]
+    for name in names:
         value = evaluation.results.get(name)
         if value is None and evaluation.verification is not None:
             value = evaluation.verification.get(name)

@@ -10,7 +10,8 @@ did. Nothing in this package talks to ``torch.distributed``; callers gather firs
 - ``knn_accuracy`` / ``centroid_accuracy`` (classification.py): classify queries against a
   labelled gallery; ``class_centroids``: the per-class centroids the latter uses.
 - ``verification_metrics`` (verification.py): same/different pairs scored by cosine
-  similarity (EER, minDCF).
+  similarity (EER, minDCF), also normalised against a cohort; ``normalised_scores``: S-norm
+  and AS-norm of any trials.
 - ``clustering_metrics`` (clustering.py): k-means with one cluster per class (NMI, AMI).
 - ``check_embeddings`` (checks.py): the input checks all of them run.
 """
@@ -26,7 +27,11 @@ from audioclf.metrics.retrieval import (
     retrieval_metrics,
     retrieval_summary,
 )
-from audioclf.metrics.verification import verification_metrics, verification_pairs
+from audioclf.metrics.verification import (
+    normalised_scores,
+    verification_metrics,
+    verification_pairs,
+)
 
 __all__ = [
     "KMEANS_N_INIT",
@@ -38,6 +43,7 @@ __all__ = [
     "clustering_metrics",
     "knn_accuracy",
     "neighbour_lists",
+    "normalised_scores",
     "relevance",
     "retrieval_metrics",
     "retrieval_summary",

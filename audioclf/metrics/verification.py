@@ -1,4 +1,5 @@
-"""Verification: same/different-class pairs scored by cosine similarity (EER, minDCF)."""
+"""Verification: same/different-class pairs scored by cosine similarity (EER, minDCF), raw
+and, against a cohort, score-normalised (S-norm, AS-norm)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import torch
 import torch.nn.functional as F
 from sklearn.metrics import roc_curve
 
-from audioclf.metrics.checks import as_label_array, check_embeddings
+from audioclf.metrics.checks import _as_embedding_tensor, as_label_array, check_embeddings
 
 # Pairs scored per step in verification_metrics (bounds the gathered [pairs, D] copies).
 _PAIR_CHUNK = 65536
+# Cohort scores held at once by normalised_scores (rows x cohort size; 64 MB of float64).
+_COHORT_BLOCK = 1 << 23
 
 
 def verification_pairs(labels, *, max_pairs: int = 1_000_000, seed: int = 0):
@@ -85,6 +88,8 @@ def verification_metrics(
     p_target: float = 0.01,
     c_miss: float = 1.0,
     c_fa: float = 1.0,
+    cohort=None,
+    cohort_top: int | None = None,
 ) -> dict:
     """Speaker-verification style scores on same/different-class pairs.
 
@@ -100,7 +105,10 @@ def verification_metrics(
       / min(c_miss * p_target, c_fa * (1 - p_target)).
 
     Returns ``{"eer", "eer_threshold", "min_dcf", "fpr", "fnr", "n_pairs", "n_target_pairs"}``
-    where ``fpr``/``fnr`` are the ROC operating points (for a DET plot).
+    where ``fpr``/``fnr`` are the ROC operating points (for a DET plot). With ``cohort``
+    (embeddings [C, D], ideally of other classes) the same pairs are also scored normalised
+    (``normalised_scores``: S-norm, or AS-norm over ``cohort_top`` cohort scores a side), and
+    ``eer_<m>``, ``min_dcf_<m>``, ``fpr_<m>``, ``fnr_<m>`` are added, m = snorm or asnorm.
     """
     if not 0.0 < p_target < 1.0:
         raise ValueError(f"p_target must be in (0, 1), got {p_target}")
@@ -108,15 +116,101 @@ def verification_metrics(
         raise ValueError(f"c_miss and c_fa must be positive, got c_miss={c_miss}, c_fa={c_fa}")
     emb, lab = check_embeddings(embeddings, labels)
     first, second, is_target = verification_pairs(lab, max_pairs=max_pairs, seed=seed)
-
     normed = F.normalize(emb, p=2, dim=1)
+    costs = (is_target, p_target, c_miss, c_fa)
+    result = _detection(_pair_scores(normed, normed, first, second), *costs)
+    result.update(n_pairs=int(len(is_target)), n_target_pairs=int(is_target.sum()))
+    if cohort is not None:
+        method = "snorm" if cohort_top is None else "asnorm"
+        scores = normalised_scores(emb, emb, (first, second), cohort, top_n=cohort_top)
+        normalised = _detection(scores, *costs)
+        result.update(
+            {f"{key}_{method}": normalised[key] for key in ("eer", "min_dcf", "fpr", "fnr")}
+        )
+    return result
+
+
+def normalised_scores(
+    enrol, test, trials, cohort, *, top_n: int | None = None, chunk: int | None = None
+) -> np.ndarray:
+    """The cosine scores of the ``trials`` (enrol rows, test rows) normalised against a cohort:
+    0.5 * ((s - mu_e) / sd_e + (s - mu_t) / sd_t), where mu / sd are the mean and (population)
+    standard deviation of one side's scores against every cohort embedding (S-norm, top_n
+    None) or against its top_n highest (AS-norm; top_n >= the cohort size is S-norm), all in
+    float64: an AS-norm deviation can be small enough to magnify float32 rounding.
+
+    enrol [E, D], test [T, D] and cohort [C, D] embeddings (numpy or torch); ``test`` may be
+    ``enrol`` itself (trials inside one set). Each embedding in a trial is scored against the
+    cohort once, ``chunk`` embeddings at a time (default: what keeps a block at 2**23 scores),
+    so memory never grows with the number of trials. Returns float64 scores [len(trials[0])].
+    """
+    one_set = test is enrol
+    enrol, cohort = (_unit_rows(enrol, "enrol"), _unit_rows(cohort, "cohort"))
+    test = enrol if one_set else _unit_rows(test, "test")
+    first, second = (np.ascontiguousarray(rows, dtype=np.int64) for rows in trials)
+    if top_n is not None and (not isinstance(top_n, int) or top_n < 2):
+        raise ValueError(f"top_n must be None (S-norm) or an integer >= 2, got {top_n!r}")
+    if len(cohort) < 2 or not torch.isfinite(cohort).all() or cohort.shape[1] != enrol.shape[1]:
+        raise ValueError(
+            f"cohort needs >= 2 finite rows of dimension {enrol.shape[1]}, got {tuple(cohort.shape)}"
+        )
+    if first.shape != second.shape or first.ndim != 1 or test.shape[1] != enrol.shape[1]:
+        raise ValueError(
+            f"trials need 1-D rows of one length ({first.shape}, {second.shape}) into enrol and "
+            f"test embeddings of one dimension ({tuple(enrol.shape)}, {tuple(test.shape)})"
+        )
+    for rows, side, name in ((first, enrol, "enrol"), (second, test, "test")):
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(side)):
+            raise ValueError(
+                f"trial {name} rows must be in [0, {len(side)}), got {rows.min()}..{rows.max()}"
+            )
+    top = len(cohort) if top_n is None else min(top_n, len(cohort))
+    chunk = chunk or max(1, _COHORT_BLOCK // len(cohort))
+    if one_set:  # each embedding's statistics once, whichever side of a trial it is on
+        mean, std = _cohort_stats(enrol, np.concatenate([first, second]), cohort, top, chunk)
+        (mean_e, mean_t), (std_e, std_t) = np.split(mean, 2), np.split(std, 2)
+    else:
+        mean_e, std_e = _cohort_stats(enrol, first, cohort, top, chunk)
+        mean_t, std_t = _cohort_stats(test, second, cohort, top, chunk)
+    if not (np.all(std_e > 0) and np.all(std_t > 0)):
+        raise ValueError(
+            "some trial embeddings have no spread (or NaN) in their cohort scores; use a cohort "
+            "of distinct clips, or a larger top_n"
+        )
+    raw = _pair_scores(enrol, test, first, second)
+    return 0.5 * ((raw - mean_e) / std_e + (raw - mean_t) / std_t)
+
+
+def _unit_rows(embeddings, name: str) -> torch.Tensor:
+    return F.normalize(_as_embedding_tensor(embeddings, name).double(), dim=1)
+
+
+def _cohort_stats(emb: torch.Tensor, rows: np.ndarray, cohort: torch.Tensor, top: int, chunk: int):
+    """Mean and population std of the `top` highest cohort scores of each emb[rows], per row
+    of `rows`, each distinct row scored once (`chunk` rows at a time)."""
+    distinct, inverse = np.unique(rows, return_inverse=True)
+    mean, std = np.empty(len(distinct)), np.empty(len(distinct))
+    for start in range(0, len(distinct), chunk):
+        block = emb[torch.from_numpy(distinct[start : start + chunk])] @ cohort.T
+        if top < len(cohort):
+            block = block.topk(top, dim=1).values
+        mean[start : start + chunk] = block.mean(dim=1).numpy()
+        std[start : start + chunk] = block.std(dim=1, correction=0).numpy()
+    return mean[inverse], std[inverse]
+
+
+def _pair_scores(a: torch.Tensor, b: torch.Tensor, first: np.ndarray, second: np.ndarray):
+    """Cosine scores of the pairs (a[first], b[second]) of L2-normalised rows, in chunks."""
     first_t, second_t = torch.from_numpy(first), torch.from_numpy(second)
     scores = np.empty(len(first), dtype=np.float64)
     for start in range(0, len(first), _PAIR_CHUNK):
         stop = start + _PAIR_CHUNK
-        pair_scores = (normed[first_t[start:stop]] * normed[second_t[start:stop]]).sum(dim=1)
-        scores[start:stop] = pair_scores.numpy()
+        scores[start:stop] = (a[first_t[start:stop]] * b[second_t[start:stop]]).sum(dim=1).numpy()
+    return scores
 
+
+def _detection(scores, is_target, p_target: float, c_miss: float, c_fa: float) -> dict:
+    """EER (with its threshold), minDCF and the ROC operating points of scored pairs."""
     fpr, tpr, thresholds = roc_curve(is_target, scores)
     fnr = 1.0 - tpr
     # roc_curve starts at (FPR 0, FNR 1) with threshold +inf, so the crossing index is >= 1.
@@ -134,6 +228,4 @@ def verification_metrics(
         "min_dcf": float(detection_cost.min() / default_cost),
         "fpr": fpr,
         "fnr": fnr,
-        "n_pairs": int(len(is_target)),
-        "n_target_pairs": int(is_target.sum()),
     }
