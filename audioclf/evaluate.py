@@ -66,6 +66,7 @@ from audioclf.evaluation.run import (
     check_evaluation_options,
     evaluate_split,
     evaluation_setup,
+    out_lock,
     select_data,
     summary_lines,
     write_evaluation,
@@ -152,38 +153,34 @@ def run(args: argparse.Namespace) -> int:
     )
     score_norm, cohort = score_norm_options(args.score_norm, args.cohort, args.cohort_top)
     device = resolve_device(args.device)
-    net, cfg, ckpt = load_trained(
-        args.checkpoint, device, model_name=args.model_name, trust=args.trust_checkpoint
-    )
-    if args.skip_bad_files:
-        cfg.data.skip_bad_files = True
-    data = select_data(
-        cfg, index=args.index, root=args.root, split=args.split, gallery=args.gallery, cohort=cohort
-    )
     out_dir = args.out if args.out is not None else args.checkpoint.parent / "eval"
-    evaluation, rows = evaluate_split(
-        net,
-        cfg,
-        data,
-        batch_size=args.batch_size,
-        device=device,
-        num_workers=cfg.data.num_workers if args.num_workers is None else args.num_workers,
-        progress=not args.quiet,
-        max_pairs=args.max_pairs,
-        seed=args.seed,
-        skip_hint=SKIP_HINT,
-        search=args.search,
-        score_norm=score_norm,
-        cohort_top=args.cohort_top,
-    )
-    model = describe_checkpoint(ckpt, cfg)
-    seconds = time.perf_counter() - start
-    setup = evaluation_setup(
-        args.checkpoint, model, data, evaluation, device=device, seconds=seconds
-    )
-    write_evaluation(
-        out_dir, evaluation, projection=args.projection, seed=args.seed, setup=setup, rows=rows
-    )
+    with out_lock(out_dir):  # from the start: a second evaluate into --out is refused at once
+        net, cfg, ckpt = load_trained(
+            args.checkpoint, device, model_name=args.model_name, trust=args.trust_checkpoint
+        )
+        cfg.data.skip_bad_files |= args.skip_bad_files
+        data = select_data(cfg, index=args.index, root=args.root, split=args.split,
+                           gallery=args.gallery, cohort=cohort)  # fmt: skip
+        evaluation, rows = evaluate_split(
+            net,
+            cfg,
+            data,
+            batch_size=args.batch_size,
+            device=device,
+            num_workers=cfg.data.num_workers if args.num_workers is None else args.num_workers,
+            progress=not args.quiet,
+            max_pairs=args.max_pairs,
+            seed=args.seed,
+            skip_hint=SKIP_HINT,
+            search=args.search,
+            score_norm=score_norm,
+            cohort_top=args.cohort_top,
+        )
+        model, seconds = describe_checkpoint(ckpt, cfg), time.perf_counter() - start
+        setup = evaluation_setup(args.checkpoint, model, data, evaluation, device=device,
+                                 seconds=seconds)  # fmt: skip
+        write_evaluation(out_dir, evaluation, projection=args.projection, seed=args.seed,
+                         setup=setup, rows=rows, locked=True)  # fmt: skip
     print("\n".join(summary_lines(evaluation, setup, out_dir)))
     if (tracker := attach_report(args.checkpoint.parent, out_dir)) is not None:
         print(f"report.json and report.md added to the training's {tracker} run")

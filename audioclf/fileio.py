@@ -1,8 +1,10 @@
 """Atomic file writes: a temporary file in the same folder, then os.replace.
 
-A crash or an error mid-write leaves the previous file (or none), never half a file, and no
-temporary file behind. Temporary names are unique per process and call, and files are created
-with the usual umask (not mkstemp's 0600), so reports stay readable by others.
+An error mid-write leaves the previous file (or none), never half a file, and no temporary file
+behind; a killed writer leaves its hidden temporary file, which the next writer of that output
+removes (remove_temporaries, remove_stale_temps). Temporary names are unique per process and
+call, and files are created with the usual umask (not mkstemp's 0600), so reports stay readable
+by others.
 
 Also `tsv_cell`, the one way a value becomes a cell of the TSV files the projectors read.
 """
@@ -10,11 +12,13 @@ Also `tsv_cell`, the one way a value becomes a cell of the TSV files the project
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -39,34 +43,53 @@ def atomic_write(
     A write that fails on the disk (ENOSPC, EROFS, EACCES, ...) raises DiskWriteError; the
     temporary file is removed and any previous `path` stays as it was.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    return atomic_write_together({Path(path): write}, sync=sync)[0]
+
+
+def atomic_write_together(
+    writes: Mapping[Path, Callable[[IO[bytes]], None]], *, sync: bool = False
+) -> list[Path]:
+    """Files that are read together (PREFIX.npy with PREFIX.parquet, an index with its data):
+    each written to a temporary file in the order given; once all are complete the previous
+    versions of all but the first are removed, then each is moved into place. A reader (or a
+    kill, or a full disk) thus meets the previous set, the new one, or one with a file missing,
+    which it refuses: never a new file beside an old one. Errors as atomic_write."""
+    temps: dict[Path, Path] = {}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb") as handle:
-            write(handle)
-            if sync:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        for path, write in writes.items():
+            path = Path(path)
+            temps[path] = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(temps[path], "xb") as handle:
+                write(handle)
+                if sync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+        for path in list(temps)[1:]:
+            path.unlink(missing_ok=True)
+        for path, tmp in temps.items():
+            os.replace(tmp, path)
     except OSError as exc:
         if isinstance(exc, DiskWriteError):
             raise
+        failed = next(reversed(temps))
         raise DiskWriteError(
-            exc.errno, write_failure_message(path, exc.strerror or str(exc))
+            exc.errno, write_failure_message(failed, exc.strerror or str(exc))
         ) from exc
     except RuntimeError as exc:
         if not any(marker in str(exc) for marker in _TORCH_WRITE_FAILURES):
             raise
+        failed = next(reversed(temps))
         raise DiskWriteError(
-            errno.EIO, write_failure_message(path, "the write stopped short (is the disk full?)")
+            errno.EIO, write_failure_message(failed, "the write stopped short (is the disk full?)")
         ) from exc
     finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:  # e.g. a read-only file system: the error above is the one to report
-            pass
-    return path
+        for tmp in temps.values():
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # e.g. a read-only file system: the error above is the one to report
+                pass
+    return list(temps)
 
 
 def write_failure_message(path: Path, reason: str) -> str:
@@ -77,8 +100,8 @@ def write_failure_message(path: Path, reason: str) -> str:
         free = f"free space on {folder} unknown"
     kept = "the previous file is unchanged" if path.exists() else "nothing was written"
     return (
-        f"cannot write {path}: {reason} ({free}); {kept}. Free some space or write to "
-        "another folder (train.runs_dir, --out)"
+        f"cannot write {path}: {reason} ({free}); {kept}. Free some space there, or write "
+        "to another folder"
     )
 
 
@@ -94,6 +117,23 @@ def remove_stale_temps(folder: str | Path) -> list[Path]:
             except OSError:  # read-only: the write that follows will say so
                 continue
             removed.append(tmp)
+    return removed
+
+
+def remove_temporaries(*paths: str | Path) -> list[Path]:
+    """Delete the temporary files atomic_write left for `paths` (a killed writer's); returns
+    them. Only for the holder of the lock of these files: no other live process writes them
+    (unlike remove_stale_temps, it needs no pid, which another host's writer would not share)."""
+    removed = []
+    for path in map(Path, paths):
+        shape = re.compile(rf"\.{re.escape(path.name)}\.\d+\.[0-9a-f]{{8}}\.tmp")
+        for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+            try:
+                if shape.fullmatch(tmp.name):
+                    tmp.unlink(missing_ok=True)
+                    removed.append(tmp)
+            except OSError:  # read-only: the write that follows will say so
+                continue
     return removed
 
 

@@ -159,10 +159,17 @@ class FolderLock:
         if self.remove and not _still_at(handle, self.path):  # its holder removed it meanwhile
             handle.close()
             return self.acquire()
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(_holder()).encode() + b"\n")
-        handle.flush()
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps(_holder()).encode() + b"\n")
+            handle.flush()
+        except OSError as exc:  # a full disk has no room even for the holder's line
+            self._handle = handle
+            self.release()
+            raise DiskWriteError(
+                exc.errno, write_failure_message(self.path, exc.strerror or str(exc))
+            ) from exc
         self._handle = handle
         return self
 

@@ -1,6 +1,6 @@
 """The fault matrix: what a user sees, and what is left on disk, when things go wrong.
 
-    .venv/bin/python benchmarks/faults.py                    # every case (about 7 min, 2 cores)
+    .venv/bin/python benchmarks/faults.py                    # every case (about 9 min, 2 cores)
     .venv/bin/python benchmarks/faults.py --cases 4,nan-wav  # a subset, by number or name
     .venv/bin/python benchmarks/faults.py --keep /tmp/faults # keep the work folder
 
@@ -19,6 +19,17 @@ with the opt-in; two runs into one folder (two trains a second apart, a resume i
 and twice, under ./run.sh --nproc 2 and plain python; a sheet with an upper-case header and
 one with a title row above the header, against the plain sheet; the GPU recipes on a CPU
 (precision auto, and an explicit bf16).
+
+Cases 20-23 are the outputs users keep (issue 28): a second writer into an embed --index
+PREFIX, a search index, a prepare shard and an evaluate --out (refused, naming the holder,
+before any work); kill -9 halfway through a write of embed --index's assembly, search build, prepare and
+evaluate --out (through the hidden worker mode's kill-in-write: a file handle that writes half
+its first write and SIGKILLs its process), then a later read (never a half or mixed set taken as
+whole) and a rerun (equal to a clean run, the killed run's temporary files gone); a full disk
+and a read-only folder under embed --index, search build and evaluate; every artefact cut in
+half and given to its reader (search index data, PREFIX.npy / .parquet, a part file, TorchScript
+/ ONNX exports and a sidecar, prepare.json, a feature file, the run's tracker.json) and a
+gallery cache replaced by garbage.
 
 One line per case:
 
@@ -41,7 +52,7 @@ console in <work>/<case>/jobs/.
 Exit status: 0 every row as expected, 1 otherwise.
 
 The full-disk and read-only cases mount small tmpfs folders (needs root; otherwise they fall
-back to monkeypatched ENOSPC / EROFS errors inside the run, and say so).
+back to monkeypatched ENOSPC / EROFS errors inside the run or tool, and say so).
 """
 
 from __future__ import annotations
@@ -49,6 +60,8 @@ from __future__ import annotations
 import argparse
 import builtins
 import errno
+import fnmatch
+import importlib
 import io
 import os
 import re
@@ -109,6 +122,8 @@ class Work:
     use_mounts: bool
     index: Path | None = None
     base: Path | None = None  # a finished 2-epoch run (best.pt, last.pt)
+    embedded: Path | None = None  # PREFIX of embed --index of the demo with base/best.pt
+    prepared: Path | None = None  # a prepare output folder of the demo
     mounts: list[Path] = field(default_factory=list)
 
     def short(self, text: str) -> str:
@@ -1692,8 +1707,11 @@ def holding(lock_file: Path) -> subprocess.Popen:
     return proc
 
 
-def refused_while_held(name: str, lock_file: Path, cmd: list[str], what: str) -> Row:
-    """`cmd` run while another process holds `lock_file`: exit 2, one line naming the holder."""
+def refused_while_held(
+    name: str, lock_file: Path, cmd: list[str], what: str, *, at_once: bool = False
+) -> Row:
+    """`cmd` run while another process holds `lock_file`: exit 2, one line naming the holder;
+    `at_once`: before any work (`cmd` shows progress bars: none may have run)."""
     row = Row(name)
     holder = holding(lock_file)
     try:
@@ -1708,6 +1726,8 @@ def refused_while_held(name: str, lock_file: Path, cmd: list[str], what: str) ->
         f"in use by another {what} (pid {holder.pid} on {socket.gethostname()}" in row.message,
         "the holder (pid, host, start) is not named",
     )
+    row.expect(not at_once or "%|" not in result.console, "refused only after the work (a "
+               "progress bar ran first), not at once")  # fmt: skip
     return row
 
 
@@ -1788,6 +1808,439 @@ def gallery_cache_garbage(model: Path, work: Work, case_dir: Path) -> Row:
     return row
 
 
+# Kill -9 in the middle of a write, full and read-only disks, every artefact cut in half: the
+# outputs users keep (embed --index, search build, prepare, evaluate --out, export).
+
+
+def ensure_embedded(work: Work) -> Path:
+    """PREFIX of `embed --index` of the demo sheet with the base model (read only by the cases)."""
+    if work.embedded is None:
+        prefix = work.root / "embedded" / "emb"
+        model = ensure_base(work) / "best.pt"
+        result = run(
+            tool("embed", "--model", model, "--index", work.index, "--save", prefix, "--quiet")
+        )
+        if result.code != 0:
+            raise RuntimeError("embed --index of the demo failed:\n" + result.err[-3000:])
+        work.embedded = prefix
+    return work.embedded
+
+
+def ensure_prepared(work: Work) -> Path:
+    """A `prepare` output folder of the demo sheet, one worker (read only by the cases)."""
+    if work.prepared is None:
+        out = work.root / "prepared"
+        result = run(
+            tool("prepare", "--index", ensure_demo(work), "--out", out, "--workers", 1, "--quiet")
+        )
+        if result.code != 0:
+            raise RuntimeError("prepare of the demo failed:\n" + result.err[-3000:])
+        work.prepared = out
+    return work.prepared
+
+
+def copy_pair(prefix: Path, folder: Path) -> Path:
+    """PREFIX.npy / .parquet copied into `folder` (their times kept: an index records them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for suffix in (".npy", ".parquet"):
+        shutil.copy2(f"{prefix}{suffix}", folder / f"{prefix.name}{suffix}")
+    return folder / prefix.name
+
+
+def contents(folder: Path, pattern: str = "*") -> dict[str, bytes]:
+    """The bytes of the files in `folder` matching `pattern` (a glob: "**/*.npy" for every
+    level), lock files aside."""
+    files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.suffix != ".lock")
+    return {str(p.relative_to(folder)): p.read_bytes() for p in files}
+
+
+def later_read(prefix: Path, method: str | None = None) -> tuple[str, tuple | None]:
+    """What a later `search query PREFIX` meets: ("", (PREFIX.npy, PREFIX.parquet bytes))
+    when it reads PREFIX (and its `method` index) as whole, else (its one error line, None)."""
+    from audioclf.errors import one_line
+    from audioclf.search.collection import Collection, open_index
+
+    try:
+        open_index(Collection.open(prefix), method, device="cpu")
+    except (OSError, ValueError) as exc:
+        return one_line(exc), None
+    return "", tuple(Path(f"{prefix}{s}").read_bytes() for s in (".npy", ".parquet"))
+
+
+def killed_in(name: str, pattern: str, *args: object, at: int = 1) -> list[str]:
+    """`python -m audioclf.<name> args`, SIGKILLed from inside halfway through the first write
+    of the at-th file it opens whose name matches `pattern` (an fnmatch glob)."""
+    options = ("--tool", name, "--file", pattern, "--at", str(at))
+    return worker("kill-in-write", [str(a) for a in args], *options)
+
+
+def expect_killed(row: Row, result: Result, folder: Path, pattern: str) -> None:
+    """Killed by the injection (exit -9), which left its half file under a temporary name."""
+    row.expect(result.code == -signal.SIGKILL, f"the killed run exited {result.code}, not -9")
+    row.expect(bool(list(folder.rglob(pattern))), f"no {pattern}: the kill missed the write")
+
+
+def expect_nothing_left(row: Row, folder: Path) -> None:
+    left = leftovers(folder) + [str(p.relative_to(folder)) for p in folder.rglob(".*.partial-*")]
+    if left:
+        row.lost = "yes"
+        row.problems.append(f"half-written file(s) left: {', '.join(left)}")
+
+
+def case_artefacts_kill(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    model = ensure_base(work) / "best.pt"
+    rows = kill_embed_rows(work, model, case_dir / "embed")
+    rows += [kill_search_row(work, case_dir / "search"), kill_prepare_row(work, case_dir)]
+    return rows + kill_evaluate_rows(model, case_dir / "evaluate")
+
+
+def kill_embed_rows(work: Work, model: Path, folder: Path) -> list[Row]:
+    """Over an earlier run's PREFIX, embed --index of the same rows in another order (as many
+    rows: a mixed pair would pass Collection.open's row count) killed writing PREFIX.parquet."""
+    import pandas as pd
+
+    prefix = copy_pair(ensure_embedded(work), folder)
+    earlier = contents(folder)
+    table = pd.read_excel(work.index, dtype=str, engine="openpyxl")
+    table["path"] = [str(work.index.parent / p) for p in table["path"]]
+    sheet = folder / "reordered.csv"
+    table.iloc[::-1].to_csv(sheet, index=False)
+    embed = ("--model", model, "--index", sheet, "--quiet", "--save")
+    clean = run(tool("embed", *embed, folder / "clean" / "emb"))
+    killed = run(killed_in("embed", ".emb.parquet.*", *embed, prefix))
+    error, pair = later_read(prefix)
+    whole = {
+        tuple(earlier.values()): "the earlier run's",
+        tuple(contents(folder / "clean").values()): "the new",
+    }
+    row = Row("21a kill -9 writing PREFIX.parquet (embed --index, over an earlier run)")
+    row.code = str(killed.code)
+    row.message = "then search query: " + (error or f"{whole.get(pair, 'A MIXED')} pair, whole")
+    row.expect(clean.code == 0, f"the clean run exited {clean.code}")
+    expect_killed(row, killed, folder, ".emb.parquet.*.tmp")
+    row.expect(
+        bool(error) or pair in whole,
+        "a later read takes the new PREFIX.npy beside the earlier run's PREFIX.parquet as one run",
+    )
+
+    part = folder / "emb.parts" / "chunk-000000.npz"
+    rerun = Row("21b its rerun, the part file cut in half first")
+    if not rerun.expect(part.is_file(), f"no {part.name}: the killed run left no part"):
+        return [row, rerun]
+    cut_in_half(part)
+    result = run(tool("embed", *embed, prefix))
+    warned = [line for line in console_lines(result.err) if "embedding its rows again" in line]
+    rerun.code, rerun.message = str(result.code), (warned or [first_error_line(result.err)])[0]
+    rerun.expect(result.code == 0, f"exit {result.code}, expected 0")
+    rerun.expect(
+        len(warned) == 1 and part.name in warned[0], "no one line says the part is embedded again"
+    )
+    now = contents(folder, "emb.*")
+    rerun.expect(now == contents(folder / "clean"), "the output differs from a clean run's")
+    expect_nothing_left(rerun, folder)
+    return [row, rerun]
+
+
+def kill_search_row(work: Work, folder: Path) -> Row:
+    prefix, clean = (copy_pair(ensure_embedded(work), folder / name) for name in ("a", "clean"))
+    build = ("build", "--method", "hnsw", "--quiet")
+    run(tool("search", *build, clean))
+    killed = run(killed_in("search", ".emb.hnsw.faiss.*", *build, prefix))
+    row = Row("21c kill -9 writing the index data (search build --method hnsw), rerun")
+    expect_killed(row, killed, prefix.parent, ".emb.hnsw.faiss.*.tmp")
+    error, _ = later_read(prefix, "hnsw")
+    rerun = run(tool("search", *build, prefix))
+    row.code, row.message = f"-9, then {rerun.code}", f"then search query: {error or 'whole'}"
+    row.expect("no hnsw index" in error, "a later read did not refuse the unfinished index")
+    row.expect(rerun.code == 0, f"the rerun exited {rerun.code}")
+    indexes = [contents(p.parent, "emb.hnsw.*") for p in (prefix, clean)]
+    row.expect(
+        len(indexes[0]) == 2 and indexes[0] == indexes[1],
+        "the rerun's index (json, faiss) differs from a clean build's",
+    )
+    expect_nothing_left(row, folder)
+    return row
+
+
+def kill_prepare_row(work: Work, case_dir: Path) -> Row:
+    import json
+
+    import pandas as pd
+
+    from audioclf.precompute.files import complete_frames
+
+    clean, out = ensure_prepared(work), case_dir / "prepare"
+    args = ("--index", work.index, "--out", out, "--workers", 1, "--quiet")
+    killed = run(killed_in("prepare", ".*.npy.tmp", *args, at=5))
+    row = Row("21d kill -9 writing the 5th feature file (prepare --workers 1), rerun")
+    expect_killed(row, killed, out, ".*.npy.tmp")
+    n_mels = json.loads(read(clean / "prepare.json"))["features"]["n_mels"]
+    named = [p for p in (out / "features").rglob("*.npy") if not p.name.startswith(".")]
+    row.expect(
+        len(named) == 4 and all(complete_frames(p, n_mels) for p in named),
+        f"{len(named)} feature files under their names, expected 4 complete ones",
+    )
+    row.expect(not (out / "index.xlsx").exists(), "the killed run wrote an index")
+    rerun = run(tool("prepare", *args))
+    row.code = f"-9, then {rerun.code}"
+    row.message = first_error_line(rerun.console) or (console_lines(rerun.out) or ["-"])[0]
+    row.expect(rerun.code == 0, f"the rerun exited {rerun.code}")
+    row.expect(", 4 already present" in row.message, "the rerun does not take the 4 files")
+    row.expect(
+        contents(out, "**/*.npy") == contents(clean, "**/*.npy"),
+        "the features differ from a clean run's",
+    )
+    row.expect(
+        contents(out, "**/*.json") == contents(clean, "**/*.json"),
+        "prepare.json or the shard record differs from a clean run's",
+    )
+    tables = [
+        pd.read_excel(p / "index.xlsx", dtype=str, engine="openpyxl")
+        for p in (out, clean)
+        if (p / "index.xlsx").is_file()
+    ]
+    row.expect(
+        len(tables) == 2 and tables[0].equals(tables[1]), "the index differs from a clean run's"
+    )
+    expect_nothing_left(row, out)
+    return row
+
+
+def report_figures(out: Path) -> dict:
+    """What evaluate --out must write the same each time: report.json but its run time, and the
+    projector files."""
+    import json
+
+    report = json.loads(read(out / "report.json") or "{}")
+    report.get("evaluation", {}).pop("seconds", None)
+    return {"report.json": report, **contents(out, "*.tsv")}
+
+
+def kill_evaluate_rows(model: Path, folder: Path) -> list[Row]:
+    out, clean = folder / "eval", folder / "eval_clean"
+    evaluate = ("--checkpoint", model, "--quiet", "--out")
+    run(tool("evaluate", *evaluate, clean))
+    killed = run(killed_in("evaluate", ".report.json.*", *evaluate, out))
+    row = Row("21e kill -9 writing report.json (evaluate --out), rerun")
+    expect_killed(row, killed, folder, ".report.json.*.tmp")
+    row.expect(not (out / "report.json").exists(), "a report.json is in --out after the kill")
+    rerun = run(tool("evaluate", *evaluate, out))
+    row.code = f"-9, then {rerun.code}"
+    row.message = first_error_line(rerun.console) or (console_lines(rerun.out) or ["-"])[-1]
+    row.expect(rerun.code == 0, f"the rerun exited {rerun.code}")
+    row.expect(
+        report_figures(out) == report_figures(clean) != {"report.json": {}},
+        "the rerun's report (figures, projector files) differs from a clean run's",
+    )
+    expect_nothing_left(row, folder)
+
+    before = contents(out)  # without --quiet: a progress bar shows the work done before the lock
+    held = refused_while_held(
+        "21f evaluate --out into a folder another evaluate writes",
+        out / ".evaluate.lock",
+        tool("evaluate", *evaluate[:2], "--out", out),
+        "evaluate",
+        at_once=True,
+    )
+    held.expect(contents(out) == before, "the refused run changed --out")
+    return [row, held]
+
+
+def fill(ballast: Path, free_kb: int) -> None:
+    """Fill the disk of `ballast`'s folder up to `free_kb` KiB free, as another job's output would."""
+    free = shutil.disk_usage(ballast.parent).free - free_kb * 1024
+    with open(ballast, "wb") as handle:
+        while free > 0:
+            chunk = min(free, 1 << 20)
+            handle.write(b"\0" * chunk)
+            free -= chunk
+
+
+# (row name, tool, its arguments for the folder, KiB left free on the full disk: room for the
+# lock and the first small files, not for the output)
+DISK_RUNS = (
+    (
+        "embed --index",
+        "embed",
+        lambda m, w, d: ["--model", m, "--index", w.index, "--save", d / "emb", "--quiet"],
+        8,
+    ),
+    (
+        "search build",
+        "search",
+        lambda m, w, d: ["build", d / "emb", "--method", "hnsw", "--quiet"],
+        16,
+    ),
+    (
+        "evaluate",
+        "evaluate",
+        lambda m, w, d: ["--checkpoint", m, "--out", d / "eval", "--quiet"],
+        64,
+    ),
+)
+
+
+def case_artefacts_disk(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    runs = [(run_, fault) for run_ in DISK_RUNS for fault in ("full disk", "read-only folder")]
+    return [
+        disk_row(work, f"22{letter} {run_[0]}: {fault}", run_, fault, case_dir / letter, keep)
+        for letter, (run_, fault) in zip("abcdef", runs)
+    ]
+
+
+def disk_row(work: Work, name: str, run_: tuple, fault: str, folder: Path, keep: bool) -> Row:
+    """The tool run with its output folder on a full (or read-only) tmpfs, PREFIX.npy /
+    .parquet there (search build's input; embed --index's earlier run)."""
+    _, name_, arguments, free_kb = run_
+    model, row = ensure_base(work) / "best.pt", Row(name)
+    mounted = mount_tmpfs(work, folder, "2m")
+    try:
+        prefix = copy_pair(ensure_embedded(work), folder)
+        inputs = contents(folder)
+        args = [str(a) for a in arguments(model, work, folder)]
+        cmd = tool(name_, *args)
+        if mounted and fault == "full disk":
+            fill(folder / "ballast.bin", free_kb)
+        elif not (mounted and remount_read_only(folder)):
+            mode, errno_name = ("full-disk", "ENOSPC") if "full" in fault else ("erofs", "EROFS")
+            row.case += f" [no tmpfs: {errno_name} patched]"
+            cmd = worker(mode, args, "--tool", name_, "--under", str(folder))
+        expect_disk_refusal(row, run(cmd), folder, fault)
+        now = {name: data for name, data in contents(folder).items() if name in inputs}
+        row.expect(now == inputs, "PREFIX.npy / .parquet changed")
+        if name_ != "search":
+            row.intact, _, why = checkpoint_intact(model)
+            row.expect(row.intact == "yes", why)
+        error, _ = later_read(prefix, "hnsw" if name_ == "search" else None)
+        if name_ == "embed":
+            row.expect(not error, f"a later read does not take the earlier run's pair: {error}")
+        elif name_ == "search":
+            row.expect("no hnsw index" in error, f"a later read: {error or 'an index, whole'}")
+        row.expect(not (folder / "eval" / "report.json").exists(), "a report.json was written")
+        expect_nothing_left(row, folder)
+    finally:
+        unmount(work, folder, keep)
+    return row
+
+
+def expect_disk_refusal(row: Row, result: Result, folder: Path, fault: str) -> None:
+    """Exit 2, one line naming a file in `folder`, what happened, and the fix."""
+    row.code, row.message = str(result.code), first_error_line(result.console)
+    row.expect(result.code == 2, f"exit {result.code}, expected 2")
+    row.expect(len(error_lines(result.console)) == 1, "not one error line")
+    row.expect(not audioclf_tracebacks(result.console), "a traceback")
+    said = "No space left" if fault == "full disk" else "Read-only"
+    row.expect(
+        f"cannot write {folder}" in row.message and said in row.message,
+        f"the message does not name the file in {folder.name} and {said!r}",
+    )
+    row.expect("write to another folder" in row.message, "the message names no fix")
+
+
+def case_artefacts_damage(work: Work, case_dir: Path, keep: bool) -> list[Row]:
+    model = ensure_base(work) / "best.pt"
+    prefix = copy_pair(ensure_embedded(work), case_dir)
+    cut_in_half(Path(f"{prefix}.npy"))
+    query = tool("search", "query", prefix, "--query-prefix", ensure_embedded(work))
+    rows = [
+        one_line_for_damage(
+            "23a PREFIX.npy cut in half, queried",
+            query,
+            Path(f"{prefix}.npy"),
+            "audioclf.embed --index",
+        )
+    ]
+    return rows + damaged_export_rows(work, model, case_dir) + damaged_prepare_rows(work, case_dir)
+
+
+def damaged_export_rows(work: Work, model: Path, case_dir: Path) -> list[Row]:
+    """Each file of a TorchScript and an ONNX export cut in half, given to embed --model."""
+    from audioclf.inference.exporting import export_model
+    from audioclf.inference.sidecar import sidecar_path
+
+    clip = sorted((work.index.parent / "wav").rglob("*.wav"))[0]
+    rows = []
+    for letter, (fmt, name, damaged) in zip(
+        "bcd",
+        [
+            ("torchscript", "model.pt", "model"),
+            ("torchscript", "model.pt", "sidecar"),
+            ("onnx", "model.onnx", "model"),
+        ],
+    ):
+        out = case_dir / fmt / name
+        if not out.is_file():
+            with open(os.devnull, "w") as quiet:  # the exporters' own progress lines
+                saved, sys.stdout = sys.stdout, quiet
+                try:
+                    export_model(model, fmt, out)
+                finally:
+                    sys.stdout = saved
+        path = out if damaged == "model" else sidecar_path(out)
+        whole = path.read_bytes()
+        cut_in_half(path)
+        embed = tool("embed", "--model", out, "--gallery", work.index, "--quiet", clip)
+        rows.append(
+            one_line_for_damage(
+                f"23{letter} {fmt} export: {path.name} cut in half, embed --model",
+                embed,
+                path,
+                "export the model again",
+            )
+        )
+        path.write_bytes(whole)
+    return rows
+
+
+def damaged_prepare_rows(work: Work, case_dir: Path) -> list[Row]:
+    """prepare.json and a feature file cut in half, given to the next prepare."""
+    clean, out = ensure_prepared(work), case_dir / "prepared"
+    shutil.copytree(clean, out)
+    again = tool("prepare", "--index", work.index, "--out", out, "--workers", 1, "--quiet")
+    manifest = out / "prepare.json"
+    whole = manifest.read_bytes()
+    cut_in_half(manifest)
+    rows = [
+        one_line_for_damage(
+            "23e prepare.json cut in half, the next prepare", again, manifest, f"delete {out}"
+        )
+    ]
+    manifest.write_bytes(whole)
+    feature = sorted((out / "features").rglob("*.npy"))[7]
+    cut_in_half(feature)
+    result = run(again)
+    row = Row("23f a feature file cut in half, the next prepare")
+    row.code = str(result.code)
+    row.message = first_error_line(result.console) or (console_lines(result.out) or ["-"])[0]
+    row.expect(result.code == 0, f"exit {result.code}, expected 0")
+    rows_ = len(list((clean / "features").rglob("*.npy")))
+    row.expect(
+        f": 1 files written, {rows_ - 1} already present" in row.message,
+        "the next prepare does not rewrite exactly the damaged file",
+    )
+    row.expect(
+        contents(out, "**/*.npy") == contents(clean, "**/*.npy"),
+        "the features differ from a clean run's",
+    )
+    expect_nothing_left(row, out)
+    return rows + [row, damaged_tracker_row(work, case_dir)]
+
+
+def damaged_tracker_row(work: Work, case_dir: Path) -> Row:
+    """evaluate reads one file of the run folder back besides the checkpoint: tracker.json (the
+    MLflow / W&B run to attach its report to)."""
+    run_dir = copy_run(ensure_base(work), case_dir / "runs")
+    tracker = run_dir / "tracker.json"
+    tracker.write_text('{"mlflow": "0123456789abcdef0123456789abcdef"}\n')
+    cut_in_half(tracker)
+    evaluate = tool(
+        "evaluate", "--checkpoint", run_dir / "best.pt", "--out", case_dir / "eval", "--quiet"
+    )
+    return one_line_for_damage(
+        "23g tracker.json of the run cut in half, evaluate", evaluate, tracker, "tracker.json"
+    )
+
+
 CASES: list[tuple[str, Callable[[Work, Path, bool], list[Row]]]] = [
     ("nan-wav", case_nan_wav),
     ("export-nan", case_export_nan),
@@ -1809,6 +2262,9 @@ CASES: list[tuple[str, Callable[[Work, Path, bool], list[Row]]]] = [
     ("sheet-header", case_sheet_header),
     ("precision-cpu", case_precision_cpu),
     ("artefacts", case_artefacts),
+    ("artefacts-kill", case_artefacts_kill),
+    ("artefacts-disk", case_artefacts_disk),
+    ("artefacts-damage", case_artefacts_damage),
 ]
 
 
@@ -1825,18 +2281,22 @@ def worker_main(argv: list[str]) -> int:
 
     cut = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="faults.py --worker")
-    parser.add_argument(
-        "--worker",
-        required=True,
-        choices=("fill-disk", "enospc", "erofs", "kill-in-save", "stop-at"),
-    )
+    parser.add_argument("--worker", required=True, choices=(*TRAIN_FAULTS, *WRITE_FAULTS))
+    parser.add_argument("--tool", default="train", help="the audioclf tool run (write faults)")
     parser.add_argument("--at", type=int, default=0)
     parser.add_argument("--at-epoch", type=int, default=0)
     parser.add_argument("--ballast", type=Path)
     parser.add_argument("--free-kb", type=int, default=64)
     parser.add_argument("--under", type=Path)
+    parser.add_argument("--file", default="*", help="kill-in-write: an fnmatch of the file name")
     args = parser.parse_args(argv[:cut])
-    train_args_ = argv[cut + 1 :]
+    tool_args = argv[cut + 1 :]
+    if args.worker in WRITE_FAULTS:
+        patch_writes(write_fault(args))
+        if args.tool != "train":
+            module = "audioclf.search.cli" if args.tool == "search" else f"audioclf.{args.tool}"
+            return importlib.import_module(module).main(tool_args)
+        return train_main(tool_args)
     hooks = None
     real_save = torch.save
     saves = []
@@ -1846,20 +2306,14 @@ def worker_main(argv: list[str]) -> int:
         def on_step(trainer):
             if trainer.state.epoch + 1 == args.at_epoch and not saves:
                 saves.append(1)
-                free = shutil.disk_usage(args.ballast.parent).free - args.free_kb * 1024
-                with open(args.ballast, "wb") as handle:
-                    handle.truncate(0)
-                    while free > 0:
-                        chunk = min(free, 1 << 20)
-                        handle.write(b"\0" * chunk)
-                        free -= chunk
+                fill(args.ballast, args.free_kb)
 
         hooks = TrainHooks(on_step=on_step)
     elif args.worker == "stop-at":
         from tests.train_hooks import stop_at
 
         hooks = stop_at(args.at)
-    elif args.worker in ("enospc", "kill-in-save"):
+    else:  # enospc, kill-in-save
 
         def save(obj, f, *a, **k):
             saves.append(1)
@@ -1875,32 +2329,90 @@ def worker_main(argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
 
         torch.save = save
-    elif args.worker == "erofs":
-        import pathlib
-
-        import audioclf.fileio as fileio
-
-        under = str(args.under.resolve())
-        real_mkdir, real_open = pathlib.Path.mkdir, open
-
-        def refuse(path):
-            if str(Path(path).resolve()).startswith(under):
-                raise OSError(errno.EROFS, "Read-only file system", str(path))
-
-        def mkdir(self, *a, **k):
-            if not self.exists():
-                refuse(self)
-            return real_mkdir(self, *a, **k)
-
-        def open_(path, mode="r", *a, **k):
-            if any(c in mode for c in "wxa+"):
-                refuse(path)
-            return real_open(path, mode, *a, **k)
-
-        pathlib.Path.mkdir = mkdir
-        fileio.open = open_
     assert checkpoint.save_atomic  # the module that calls torch.save is imported
-    return train_main(train_args_, hooks=hooks)
+    return train_main(tool_args, hooks=hooks)
+
+
+# Faults inside a training run (torch.save, the trainer's hooks), and in the files any tool
+# writes (patch_writes).
+TRAIN_FAULTS = ("fill-disk", "enospc", "kill-in-save", "stop-at")
+WRITE_FAULTS = ("erofs", "full-disk", "kill-in-write")
+
+
+class DiesMidWrite:
+    """A file whose first write writes half its bytes, flushes, and SIGKILLs the process."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.close()
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        self.handle.write(data[: len(data) // 2])
+        self.handle.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+        return 0
+
+
+class OnAFullDisk(DiesMidWrite):
+    """A file on a disk with no room left."""
+
+    def write(self, data) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def write_fault(args: argparse.Namespace) -> Callable[[Path], type | None]:
+    """For a file about to be opened for writing: the class to wrap its handle in (None: none);
+    raises EROFS for a file or folder under --under (erofs)."""
+    under = str(args.under.resolve()) if args.under else None
+    matched = []
+
+    def fault(path: Path) -> type | None:
+        inside = under is not None and str(path.resolve()).startswith(under)
+        if args.worker == "erofs" and inside:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        if args.worker == "full-disk":
+            return OnAFullDisk if inside else None
+        if args.worker == "kill-in-write" and fnmatch.fnmatch(path.name, args.file):
+            matched.append(path)
+            return DiesMidWrite if len(matched) == args.at else None
+        return None
+
+    return fault
+
+
+def patch_writes(fault: Callable[[Path], type | None]) -> None:
+    """Every file audioclf writes (fileio's atomic writes, the output locks, prepare's feature
+    files, folders) meets `fault` first."""
+    import pathlib
+
+    import audioclf.fileio
+    import audioclf.outputs
+    import audioclf.precompute.files
+
+    real_mkdir, real_open = pathlib.Path.mkdir, builtins.open
+
+    def mkdir(self, *a, **k):
+        if not self.exists():
+            fault(self)
+        return real_mkdir(self, *a, **k)
+
+    def open_(path, mode="r", *a, **k):
+        wrapper = fault(Path(path)) if any(c in mode for c in "wxa+") else None
+        handle = real_open(path, mode, *a, **k)
+        return handle if wrapper is None else wrapper(handle)
+
+    pathlib.Path.mkdir = mkdir
+    for module in (audioclf.fileio, audioclf.outputs, audioclf.precompute.files):
+        module.open = open_
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,13 @@ ru_maxrss) after an untimed warm-up, and reports:
 
 - build time, time to search the held-out queries top --k, and recall@1 / @k of those lists
   against the exact backend's;
-- evaluation's cross-item P@1 / MAP@R from its neighbour lists (retrieval_metrics(index=)
-  over every row), the time of build + that pass, and its neighbour recall on 1,000 queries.
+- evaluation's cross-item P@1 / MAP@R / R-precision from its neighbour lists
+  (retrieval_metrics(index=) over every row), the time of build + that pass, and its
+  neighbour recall on 1,000 queries.
+
+A last row at every size is `evaluate`'s default, `--search auto`, resolved by the function
+evaluate itself calls (audioclf.evaluation.metrics.choose_search) and measured like the others,
+so the table shows its |delta| against exact search on every metric.
 
 Real embeddings (--real PREFIX ...): the rows of PREFIX.npy / .parquet written by
 `audioclf.embed --index` (class and item from the parquet); --queries seeded rows are held out
@@ -55,6 +60,7 @@ sys.path.insert(
     0, str(pathlib.Path(__file__).resolve().parents[1])
 )  # run as a script from anywhere
 
+from audioclf.evaluation.metrics import choose_search  # noqa: E402
 from audioclf.metrics import retrieval_metrics  # noqa: E402
 from audioclf.search import build, neighbour_recall, sampled_neighbour_recall  # noqa: E402
 from audioclf.search.collection import Collection  # noqa: E402
@@ -65,6 +71,7 @@ TARGET_SPEEDUP = 20.0
 TARGET_DELTA = 0.005
 TARGET_QUERY_S = 2.0
 TARGET_RECALL = 0.95
+METRICS = ("precision_at_1", "map_at_r", "r_precision")  # the table's evaluation figures
 WARMUP_ROWS = 512
 
 
@@ -80,10 +87,20 @@ class Data:
 class Backend:
     method: str
     params: dict[str, int]
+    label: str = ""  # shown instead of the method and parameters
 
     @property
     def name(self) -> str:
-        return " ".join([self.method, *(f"{key}={value}" for key, value in self.params.items())])
+        parts = [self.method, *(f"{key}={value}" for key, value in self.params.items())]
+        return self.label or " ".join(parts)
+
+
+def evaluate_default(n: int) -> Backend:
+    """What `evaluate --search auto` (its default) uses for n samples on this CPU."""
+    method, note = choose_search("auto", n, torch.device("cpu"))
+    if note:
+        print(f"  evaluate's note at {n}: {note}")
+    return Backend(method, {}, label=f"evaluate default (--search auto = {method})")
 
 
 def make_data(n: int, args: argparse.Namespace) -> Data:
@@ -236,14 +253,11 @@ def metrics_seconds(
 
 
 def metric_cells(values: dict | None, reference: dict) -> list[str]:
-    """P@1, MAP@R and their distance to the exact figures on the same queries."""
+    """P@1, MAP@R, R-precision and their distance to the exact figures on the same queries."""
     if not values:
-        return ["—"] * 4
-    return [
-        fmt(values["precision_at_1"], 4),
-        fmt(values["map_at_r"], 4),
-        fmt(abs(values["precision_at_1"] - reference["precision_at_1"]), 4),
-        fmt(abs(values["map_at_r"] - reference["map_at_r"]), 4),
+        return ["—"] * 2 * len(METRICS)
+    return [fmt(values[key], 4) for key in METRICS] + [
+        fmt(abs(values[key] - reference[key]), 4) for key in METRICS
     ]
 
 
@@ -268,7 +282,7 @@ def table_row(
         fmt(neighbour_recall(result["ids"], truth)),
         fmt(result["peak_mib"], 0),
         fmt(metrics_s, 1, estimated),
-        fmt(speedup, 1, estimated or today_estimated) + "x",
+        fmt(speedup, 1, estimated or today_estimated) + ("x" if speedup else ""),
     ]
     cells += metric_cells(result.get(reference["key"]), reference)
     recall = (result.get("full") or {}).get("neighbour_recall")
@@ -287,14 +301,17 @@ HEADER = [
     "speed-up vs today",
     "P@1",
     "MAP@R",
+    "R-prec",
     "|ΔP@1|",
     "|ΔMAP@R|",
+    "|ΔR-prec|",
     "neighbour recall (1k queries)",
 ]
 
 
 def print_table(rows: list[list[str]], args: argparse.Namespace) -> None:
-    header = [cell.format(q=args.queries, k=args.k) for cell in HEADER]
+    # Markdown: a | inside a cell is escaped
+    header = [cell.format(q=args.queries, k=args.k).replace("|", "\\|") for cell in HEADER]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
@@ -304,15 +321,18 @@ def print_table(rows: list[list[str]], args: argparse.Namespace) -> None:
 def print_targets(
     n: int, backends: list[Backend], results: list[dict], truth, reference, today_s
 ) -> None:
-    """Which of issue 20's targets each approximate backend meets at this size (they are set at 400k)."""
+    """Which of issue 20's targets each approximate backend meets at this size (they are set at
+    400k); for evaluate's default, issue 28's: every metric within TARGET_DELTA of exact."""
     for backend, result in zip(backends, results):
+        values = result.get(reference["key"]) or {}
+        worst = max(abs(values.get(key, np.nan) - reference[key]) for key in METRICS)
+        if backend.label:
+            verdict = "met" if worst <= TARGET_DELTA else "MISSED"
+            print(f"  {n} {backend.name}: max |delta| {worst:.4f} <= {TARGET_DELTA} {verdict}")
+            continue
         if backend.method == "exact":
             continue
-        values = result.get(reference["key"]) or {}
         speedup = today_s / result["metrics_s"] if result.get("metrics_s") else float("nan")
-        worst = max(
-            abs(values.get(key, np.nan) - reference[key]) for key in ("precision_at_1", "map_at_r")
-        )
         recall_k = neighbour_recall(result["ids"], truth)
         checks = [
             (f"metrics {speedup:.1f}x >= {TARGET_SPEEDUP:g}x", speedup >= TARGET_SPEEDUP),
@@ -362,10 +382,11 @@ def run_size(
             np.random.default_rng(args.seed).choice(n, size=sample_size, replace=False)
         )
         reference["key"] = "sample"
-    backends = backends_from(args)
+    backends = [*backends_from(args), evaluate_default(n)]
     results = []
     for backend in backends:
-        full = backend.method != "exact" or (sample_rows is None and not args.skip_exact_metrics)
+        skip = args.skip_exact_metrics and not backend.label  # the default is always measured
+        full = backend.method != "exact" or (sample_rows is None and not skip)
         results.append(in_child(measure_backend, backend, data, args.k, full, sample_rows))
         if backend.method == "exact" and sample_rows is not None:
             reference.update(results[0]["sample"])

@@ -4,8 +4,10 @@ file and the fix (a damaged cache is rebuilt with a warning)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +231,122 @@ def test_a_damaged_gallery_cache_is_rebuilt_with_one_warning(tmp_path, caplog, d
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "damaged" in warnings[0].getMessage()
     assert "embedding the gallery again" in warnings[0].getMessage()
+
+
+def test_an_onnx_export_cut_in_half_is_one_line_saying_export_again(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from audioclf.inference import artefacts
+    from audioclf.inference.sidecar import ExportSidecar, sidecar_path
+
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"\x08\x07\x12\x07pytorch" * 50)  # the first bytes of an ONNX file, cut
+    fields = dict.fromkeys(("inputs", "outputs", "features", "model", "data_columns"), {})
+    meta = ExportSidecar("onnx", model.name, "waveform", **fields, output_names=["embeddings"],
+                         embedding_dim=16, sample_rate=16000, classes=[], checkpoint={},
+                         parity={}, versions={})  # fmt: skip
+    sidecar_path(model).write_text(meta.to_json())
+    with pytest.raises(artefacts.ArtefactError, match=rf"{model} is not a loadable onnx .*export"):
+        artefacts.load_embedder(model, "cpu")
+
+
+# ------------------------------------------------------------------------------------ writers
+
+
+class FullDisk:
+    """A file whose writes reach a full disk: flush raises ENOSPC."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_lock_on_a_full_disk_is_one_line_naming_it_and_holds_nothing(tmp_path, monkeypatch):
+    from audioclf import outputs
+    from audioclf.fileio import DiskWriteError
+
+    path = tmp_path / "emb.lock"
+    monkeypatch.setattr(outputs, "open", lambda *a: FullDisk(open(*a)), raising=False)
+    with pytest.raises(DiskWriteError, match=rf"cannot write {path}: No space left"):
+        FolderLock(path, what="x", by="y", fix="z").acquire()
+    monkeypatch.undo()
+    assert not path.exists()
+    FolderLock(path, what="x", by="y", fix="z").acquire().release()  # the failed one let go
+
+
+def test_a_search_index_is_saved_with_its_data_or_not_at_all(tmp_path, monkeypatch):
+    from audioclf.search import base, build, load
+
+    rng = np.random.default_rng(0)
+    first, second = (rng.standard_normal((20, 4)).astype(np.float32) for _ in range(2))
+    build(first).save(tmp_path / "ix.json")
+    stale = tmp_path / ".ix.json.4242.0123abcd.tmp"  # what a killed save left
+    stale.write_bytes(b"{half")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(base.json, "dumps", full_disk)
+    with pytest.raises(OSError, match=r"ix\.json: No space left"):
+        build(second).save(tmp_path / "ix.json")
+    monkeypatch.undo()
+    assert np.allclose(load(tmp_path / "ix.json").search(first, 1)[0], 1.0)  # the first one's rows
+
+
+@pytest.mark.slow
+def test_search_build_removes_what_a_killed_build_left(tmp_path):
+    from audioclf.search.collection import Collection, build_saved
+
+    found = Collection.open(collection(tmp_path))
+    stale = [tmp_path / f".emb.exact.{name}.4242.0123abcd.tmp" for name in ("json", "npy")]
+    for path in stale:
+        path.write_bytes(b"half")
+    build_saved(found, "exact", progress=False)
+    assert not [path for path in stale if path.exists()]
+
+
+@pytest.mark.slow
+def test_evaluate_into_a_held_out_folder_is_refused_before_any_work(tmp_path, capsys):
+    from audioclf.evaluate import main
+
+    out = tmp_path / "eval"
+    with Holder(out / ".evaluate.lock") as holder:
+        # the checkpoint does not exist: a refusal that came after the loading would say so
+        code = main(["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(out)])
+        err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert re.search(busy_line(holder, f"--out {out}"), err) and "missing.pt" not in err
+
+
+def test_write_evaluation_removes_the_staging_folders_of_killed_runs(tmp_path, monkeypatch):
+    from audioclf.evaluation import run
+
+    stale = tmp_path / ".eval.partial-99999"  # a killed evaluate's
+    (stale / "report.json").parent.mkdir(parents=True)
+    (stale / ".report.json.99999.tmp").write_text("{")
+    other = tmp_path / ".evaluation.partial-1"  # of another --out: not this one's to remove
+    other.mkdir()
+
+    def write_report(staging, *args, **kwargs):
+        staging.mkdir()
+        (staging / "report.json").write_text("{}")
+        return ["report.json"]
+
+    monkeypatch.setattr(run, "write_report", write_report)
+    out = run.write_evaluation(tmp_path / "eval", None, projection="none", seed=0, setup={})
+    assert (out / "report.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".evaluation.partial-1", "eval"]
+
+
+def test_a_damaged_tracker_id_is_one_line_naming_it(tmp_path):
+    from audioclf.training.trackers import attach_report
+
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "report.json").write_text("{}")
+    (tmp_path / "tracker.json").write_text('{"mlflow": "0123')
+    with pytest.raises(ValueError, match=r"tracker\.json \(the training's tracker run\) is unread"):
+        attach_report(tmp_path, tmp_path / "eval")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 from pathlib import Path
 
@@ -421,6 +422,33 @@ def test_a_killed_run_resumes_without_recomputing_finished_chunks(
     np.testing.assert_array_equal(embeddings, reference)
     pd.testing.assert_frame_equal(rows, reference_rows)
     assert not parts.exists()
+
+
+def test_an_assembly_that_fails_leaves_the_earlier_pair_and_a_rerun_its_temporaries(
+    setup, sheet, capsys, tmp_path, monkeypatch
+):
+    prefix = tmp_path / "all"
+    assert index_cli(capsys, setup, sheet, prefix)[0] == 0
+    earlier = {suffix: Path(f"{prefix}{suffix}").read_bytes() for suffix in (".npy", ".parquet")}
+    reordered = tmp_path / "reordered.csv"  # the same rows in another order: as many rows
+    pd.read_csv(sheet, dtype=str).iloc[::-1].to_csv(reordered, index=False)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", full_disk)
+    code, _, err = index_cli(capsys, setup, reordered, prefix)
+    assert code == 2 and f"cannot write {prefix}.parquet: No space left" in err
+    assert earlier == {s: Path(f"{prefix}{s}").read_bytes() for s in earlier}  # one run's pair
+    monkeypatch.undo()
+    killed = [tmp_path / f".all{suffix}.4242.0123abcd.tmp" for suffix in earlier]
+    for path in killed:  # what a run killed while assembling leaves
+        path.write_bytes(b"half")
+    assert index_cli(capsys, setup, reordered, prefix)[0] == 0
+    assert not [path for path in killed if path.exists()]
+    embeddings, rows = saved(prefix)
+    assert rows["id"].tolist() == pd.read_csv(reordered, dtype=str)["a_id"].tolist()
+    np.testing.assert_allclose(embeddings[::-1], np.load(io.BytesIO(earlier[".npy"])), atol=1e-6)
 
 
 def test_unreadable_files_stop_the_run_or_are_skipped(setup, sheet, capsys, tmp_path):

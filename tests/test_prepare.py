@@ -425,3 +425,15 @@ def test_segment_rows_are_prepared_from_their_span(demo, tmp_path, capsys):
             load_audio(table["path"].iloc[0], cfg.features.sample_rate, (start, end)), cfg.features
         )
         np.testing.assert_allclose(np.load(row.path), expected, atol=1e-5)
+
+
+def test_shard_records_of_another_sheet_do_not_make_an_index(demo, tmp_path, capsys):
+    sheet, edited, out = demo.with_suffix(".csv"), tmp_path / "edited.csv", tmp_path / "out"
+    table = pd.read_csv(sheet, dtype=str)
+    table.loc[0, "a_id"] = "renamed"  # shard 0's row: shard 1 writes the same files as before
+    table.to_csv(edited, index=False)
+    for shard, index in (("1/2", sheet), ("0/2", edited)):
+        code, out_text, err = prepare(capsys, "--index", index, "--out", out, "--shard", shard,
+                                      "--workers", 1, "--root", demo.parent)  # fmt: skip
+        assert code == 0, err
+    assert "waiting for shard(s) 1/2" in out_text and not (out / "index.csv").exists()

@@ -20,7 +20,12 @@ import numpy as np
 import pandas as pd
 
 from audioclf.data.index import Index
-from audioclf.fileio import atomic_write, atomic_write_bytes, file_stamp
+from audioclf.fileio import (
+    atomic_write_bytes,
+    atomic_write_together,
+    file_stamp,
+    remove_temporaries,
+)
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.outputs import (
     FolderLock,
@@ -88,11 +93,12 @@ def parts_manifest(model: LoadedEmbedder, chunk_rows: int) -> dict:
 
 
 def open_parts(outputs: IndexOutputs, manifest: dict, lock: FolderLock | None = None) -> None:
-    """Take `lock` (outputs.lock(), rank 0 only: the ranks are one writer), then create
-    PREFIX.parts/ with its manifest, or check that an earlier run's parts were made by the same
-    model, features and chunk size."""
+    """Take `lock` (outputs.lock(), rank 0 only: the ranks are one writer) and remove the
+    temporary files a killed run left, then create PREFIX.parts/ with its manifest, or check
+    that an earlier run's parts were made by the same model, features and chunk size."""
     if lock is not None:
         lock.acquire()
+        remove_temporaries(outputs.npy, outputs.parquet, outputs.skipped)
     path = outputs.parts / "manifest.json"
     try:
         if check_manifest(path, manifest):
@@ -196,7 +202,6 @@ def assemble(outputs: IndexOutputs, index: Index, chunks: int) -> tuple[int, int
             with np.load(outputs.part(chunk), allow_pickle=False) as part:
                 handle.write(part["embeddings"].astype("<f4", copy=False).tobytes())
 
-    atomic_write(outputs.npy, write_npy)
     rows = table.iloc[positions]
     frame = pd.DataFrame(
         {
@@ -207,7 +212,10 @@ def assemble(outputs: IndexOutputs, index: Index, chunks: int) -> tuple[int, int
             "path": rows["path"].to_numpy(),
         }
     )
-    atomic_write(outputs.parquet, lambda handle: frame.to_parquet(handle, index=False))
+    # Together: a reader never meets a new PREFIX.npy beside an earlier run's PREFIX.parquet.
+    atomic_write_together(
+        {outputs.npy: write_npy, outputs.parquet: lambda h: frame.to_parquet(h, index=False)}
+    )
     # The manifest goes last: a run killed here leaves a folder that a rerun completes.
     for chunk in range(chunks):
         outputs.part(chunk).unlink(missing_ok=True)

@@ -11,9 +11,11 @@ metrics (computed in metrics.py), the report folder and the printed summary (see
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -306,6 +308,25 @@ def _gallery_and_cohort(net, cfg: Config, data: EvalData, rows: pd.DataFrame, co
 # The report folder and the printed summary
 
 
+@contextlib.contextmanager
+def out_lock(out_dir: Path) -> Iterator[None]:
+    """Holds the lock of an --out folder (one evaluate writes it; evaluate takes it at its
+    start); a folder made for the lock alone is removed again when nothing was written."""
+    made = not Path(out_dir).exists()
+    try:
+        with FolderLock(
+            Path(out_dir) / ".evaluate.lock",
+            what=f"--out {out_dir}",
+            by="another evaluate",
+            fix="wait for it to finish, or choose another --out",
+        ):
+            yield
+    finally:
+        if made:
+            with contextlib.suppress(OSError):
+                Path(out_dir).rmdir()  # only when empty
+
+
 def write_evaluation(
     out_dir: Path,
     evaluation: Evaluation,
@@ -314,21 +335,19 @@ def write_evaluation(
     seed: int,
     setup: dict,
     rows: pd.DataFrame | None = None,
+    locked: bool = False,
 ) -> Path:
-    """write_report into a staging folder, then move each file into out_dir. `rows`: the
-    index rows of the evaluated embeddings (their item, id and path go into metadata.tsv)."""
+    """write_report into a staging folder, then each file into out_dir, under its lock (held
+    by the caller when `locked`). `rows`: the evaluated rows (metadata.tsv's item, id, path)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    lock = FolderLock(
-        out_dir / ".evaluate.lock",
-        what=f"--out {out_dir}",
-        by="another evaluate",
-        fix="wait for it to finish, or choose another --out",
-    )
-    try:
-        lock.acquire()
+    with contextlib.ExitStack() as held:
+        if not locked:
+            held.enter_context(out_lock(out_dir))
+        for stale in out_dir.parent.glob(f".{out_dir.name}.partial-*"):  # of killed runs
+            shutil.rmtree(stale, ignore_errors=True)  # the lock holder is the only writer
+        held.callback(shutil.rmtree, staging, ignore_errors=True)  # before the lock's release
         written = write_report(
             staging,
             evaluation,
@@ -343,9 +362,6 @@ def write_evaluation(
                 (out_dir / name).unlink(missing_ok=True)
         for name in written:
             os.replace(staging / name, out_dir / name)
-    finally:
-        lock.release()
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from audioclf.checkpoint import CheckpointError
 from audioclf.config import Config, DataConfig, FeaturesConfig
+from audioclf.errors import one_line
 from audioclf.inference.checkpoints import describe_checkpoint, load_trained
 from audioclf.inference.extract import EmbedFn, input_kind_of
 from audioclf.inference.formats import load_onnx, load_torchscript
@@ -106,8 +107,12 @@ def _load_export(
     loader = load_torchscript if fmt == "torchscript" else load_onnx
     try:
         run = loader(path, device)
-    except (RuntimeError, ValueError) as exc:
-        raise ArtefactError(f"{flag} {path} is not a loadable {fmt} export ({exc})") from None
+    except (RuntimeError, ValueError) as exc:  # a damaged file: the first sentence says how
+        reason = one_line(exc).split(". ")[0].rstrip(".")
+        raise ArtefactError(
+            f"{flag} {path} is not a loadable {fmt} export ({reason}); export the model again "
+            "with python -m audioclf.export"
+        ) from None
 
     def embed_fn(x: Tensor, lengths: Tensor) -> Tensor:
         return run(x, lengths)[0].to(x.device)  # the embeddings (logits come second)

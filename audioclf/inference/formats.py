@@ -128,7 +128,12 @@ def write_onnx(
 def load_onnx(path: Path, device: str | torch.device = "cpu") -> LoadedArtefact:
     """An onnxruntime session on the CPU as `(x, lengths) -> outputs` (device is ignored)."""
     _, ort = onnx_modules()
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's errors (InvalidProtobuf, ...) are plain Exceptions
+        if not type(exc).__module__.startswith("onnxruntime"):
+            raise
+        raise ValueError(str(exc).rsplit(" failed:", 1)[-1].strip()) from None
     names = [i.name for i in session.get_inputs()]
 
     def run(x: Tensor, lengths: Tensor) -> tuple[Tensor, ...]:

@@ -29,7 +29,7 @@ from audioclf.config import Config, DataConfig, FeaturesConfig, load_config
 from audioclf.data.index import Index, load_index, read_table
 from audioclf.data.index.table import FIRST_DATA_ROW, rows_text
 from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError
-from audioclf.fileio import atomic_write, atomic_write_bytes
+from audioclf.fileio import atomic_write, atomic_write_bytes, remove_temporaries
 from audioclf.outputs import (
     FolderLock,
     ManifestMismatch,
@@ -106,6 +106,7 @@ def _run_key(source: Path, cfg: Config) -> str:
     ]
     digest = hashlib.blake2b(source.read_bytes(), digest_size=16)
     digest.update(json.dumps(shaping, sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 def _check_sources(index: Index, skip_bad: bool) -> dict[int, str]:
@@ -308,9 +309,9 @@ def prepare(
     settings = feature_settings(cfg.features)
     # the shards of one folder run side by side, each shard once
     with _prepare_out_dir(out_dir, settings, out_index, index.source, shard):
+        remove_temporaries(_record_path(out_dir, shard), _skipped_path(out_dir, shard))
         key = _run_key(index.source, cfg)
         _record_path(out_dir, shard).unlink(missing_ok=True)  # this shard is not finished any more
-
         table = index.table
         paths = feature_paths(table["cls"].tolist(), table["id"].tolist())
         mine = shard.positions(len(table))

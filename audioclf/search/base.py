@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from audioclf.fileio import atomic_write, atomic_write_bytes, file_stamp
+from audioclf.fileio import atomic_write_together, file_stamp
 
 # Version of the JSON description written by save(); load() refuses others.
 META_FORMAT = 1
@@ -193,29 +193,37 @@ class SearchIndex(ABC):
 
         The description records the method, dimension, size, parameters, `info` (plain JSON
         data) and the size and modification time of the embeddings file the index was built
-        from, so load() detects an index that no longer matches its embeddings. Both writes
-        are atomic.
+        from, so load() detects an index that no longer matches its embeddings. Both files are
+        written atomically, together (fileio.atomic_write_together).
         """
         path = Path(path)
         if path.suffix != ".json":
             raise ValueError(f"index path must end in .json (its data goes beside it), got {path}")
         data = self.data_file(path)
-        if data is not None:
-            atomic_write(data, self._write_data)
-        meta = {
-            "format": META_FORMAT,
-            "method": self.method,
-            "dim": self.dim,
-            "size": self.size,
-            "params": self.params,
-            "data": data.name if data is not None else None,
-            # load() checks it: a data file cut short, or of another save, is refused
-            "data_bytes": data.stat().st_size if data is not None else None,
-            "source": None
-            if self.source is None
-            else file_stamp(self.source, relative_to=path.parent),
-            "info": self.info,
-        }
-        atomic_write_bytes(path, json.dumps(meta, indent=2).encode() + b"\n")
+        data_bytes = []
+
+        def write_data(handle: IO[bytes]) -> None:
+            self._write_data(handle)
+            data_bytes.append(handle.tell())
+
+        def write_meta(handle: IO[bytes]) -> None:
+            meta = {
+                "format": META_FORMAT,
+                "method": self.method,
+                "dim": self.dim,
+                "size": self.size,
+                "params": self.params,
+                "data": data.name if data is not None else None,
+                # load() checks it: a data file cut short, or of another save, is refused
+                "data_bytes": data_bytes[0] if data is not None else None,
+                "source": None
+                if self.source is None
+                else file_stamp(self.source, relative_to=path.parent),
+                "info": self.info,
+            }
+            handle.write(json.dumps(meta, indent=2).encode() + b"\n")
+
+        # together: a description never names a data file of another build
+        atomic_write_together({data: write_data, path: write_meta} if data else {path: write_meta})
         self.path = path
         return path

@@ -23,7 +23,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from audioclf.fileio import file_stamp
+from audioclf.errors import one_line
+from audioclf.fileio import file_stamp, remove_temporaries
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.sidecar import ExportSidecar, sidecar_path
 from audioclf.outputs import FolderLock
@@ -60,11 +61,14 @@ class Collection:
                 f"{flag} {prefix}: {' and '.join(missing)} not found; write both with "
                 f"python -m audioclf.embed --model MODEL --index SHEET --save {prefix}"
             )
-        shape = _npy_shape(npy)
+        again = f"write {prefix} again with python -m audioclf.embed --index"
+        shape = _npy_shape(npy, again)
         try:
             rows = pd.read_parquet(parquet)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"{parquet} is not a readable parquet table ({exc})") from None
+            raise ValueError(
+                f"{parquet} is not a readable parquet table ({one_line(exc)}); {again}"
+            ) from None
         lacking = [column for column in ROW_COLUMNS if column not in rows.columns]
         if lacking:
             raise ValueError(
@@ -89,11 +93,11 @@ class Collection:
         return [method for method in METHODS if self.index_file(method).is_file()]
 
 
-def _npy_shape(npy: Path) -> tuple[int, int]:
+def _npy_shape(npy: Path, again: str) -> tuple[int, int]:
     try:
         array = np.load(npy, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{npy} is not a readable .npy array ({exc})") from None
+        raise ValueError(f"{npy} is not a readable .npy array ({one_line(exc)}); {again}") from None
     if array.ndim != 2 or not np.issubdtype(array.dtype, np.floating) or 0 in array.shape:
         raise ValueError(
             f"{npy} holds a {array.dtype} array of shape {array.shape}; expected float "
@@ -132,6 +136,8 @@ def build_saved(
         by="another search build",
         fix="wait for it to finish (its index is the same), or build another --method",
     ):
+        # what a killed build left (held by this lock, no other live writer has them)
+        remove_temporaries(path, *(path.with_suffix(s) for s in (".faiss", ".npy")))
         index = build(collection.npy, method, progress=progress, **params)
         embeddings = {
             "rows": collection.size,

@@ -143,7 +143,13 @@ def attach_report(run_dir: Path, out_dir: Path) -> str | None:
     files = [out_dir / name for name in ("report.json", "report.md") if (out_dir / name).is_file()]
     if not id_file.is_file() or not files:
         return None
-    (kind, run_id), *_ = json.loads(id_file.read_text()).items()
+    try:
+        (kind, run_id), *_ = json.loads(id_file.read_text()).items()
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(
+            f"{id_file} (the training's tracker run) is unreadable ({exc}); the report is in "
+            f"{out_dir}, not attached: restore tracker.json, or delete it to stop attaching"
+        ) from None
     module = _import(kind)
     if kind == "mlflow":
         if not os.environ.get("MLFLOW_TRACKING_URI"):
