@@ -12,6 +12,8 @@ import torch
 
 from audioclf.export import main
 from audioclf.inference import exporting, load_trained
+from audioclf.inference.artefacts import load_embedder
+from audioclf.inference.checkpoints import CheckpointError
 from audioclf.spectrogram import log_mel
 from tests.helpers import make_checkpoint
 
@@ -310,3 +312,27 @@ def test_parity_counts_nan_in_the_artefact_as_a_failure():
     assert exporting.parity_difference(
         lambda *_: torch.zeros(2, 3), lambda *_: (torch.full((2, 3), float("nan")),), [x]
     ) == float("inf")
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit")
+def test_an_export_stopped_before_its_sidecar_leaves_no_stale_one(tmp_path, capsys, monkeypatch):
+    # A killed export (before its sidecar) must not leave the new model beside the sidecar of
+    # the earlier export, which would describe another model; the next export removes the
+    # killed one's temporary file.
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    out = tmp_path / "export" / "model.pt"
+    assert run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out", out)[0] == 0
+    (out.parent / ".model.pt.tmp99999").write_bytes(b"half of a killed export")
+
+    def killed(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(exporting, "atomic_write_bytes", killed)
+    code, _, err = run_cli(
+        capsys, "--checkpoint", ckpt, "--format", "torchscript", "--no-frontend", "--out", out
+    )
+    assert code == 2 and err.count("\n") == 1
+    assert out.is_file() and not Path(f"{out}.json").exists()
+    assert leftovers(out.parent) == []
+    with pytest.raises(CheckpointError, match="needs its sidecar model.pt.json"):
+        load_embedder(out, "cpu")

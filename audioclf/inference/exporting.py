@@ -10,6 +10,7 @@ random input at two lengths; only within the tolerance is it moved into place an
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -232,6 +233,8 @@ def export_model(
             )
 
     with export_lock(out):  # creates out's folder
+        for stale in out.parent.glob(f".{glob.escape(out.name)}.tmp*"):  # of killed exports
+            stale.unlink(missing_ok=True)  # the lock holder is the only writer of out
         tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
         try:
             loaded = _write_and_load(
@@ -255,6 +258,7 @@ def export_model(
                     f"(max abs, tolerance {tolerance:g}; inf: an output is NaN/inf or of another "
                     f"shape); nothing was written to {out}"
                 )
+            sidecar_path(out).unlink(missing_ok=True)  # never the new model beside an old one's
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
