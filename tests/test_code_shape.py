@@ -31,6 +31,10 @@ MODULE_BUDGETS = {
         "embed --index: the rank protocol (chunks dealt, a failure vote per round, rank 0 "
         "assembles) reads top-down in one module",
     ),
+    "audioclf.inference.exporting": (
+        410,
+        "export: the exported module, the parity check, the sidecar, the write under its lock",
+    ),
     "audioclf.data.demo": (430, "the generated demo dataset: procedural sources, items, sheet"),
     "audioclf.evaluation.run": (
         440,

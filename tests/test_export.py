@@ -322,7 +322,7 @@ def test_an_export_stopped_before_its_sidecar_leaves_no_stale_one(tmp_path, caps
     ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
     out = tmp_path / "export" / "model.pt"
     assert run_cli(capsys, "--checkpoint", ckpt, "--format", "torchscript", "--out", out)[0] == 0
-    (out.parent / ".model.pt.tmp99999").write_bytes(b"half of a killed export")
+    (out.parent / ".model.pt.99999.0123abcd.tmp").write_bytes(b"half of a killed export")
 
     def killed(path, data):
         raise OSError(28, "No space left on device")

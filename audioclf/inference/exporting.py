@@ -10,7 +10,6 @@ random input at two lengths; only within the tolerance is it moved into place an
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 from audioclf import checkpoint
 from audioclf.checkpoint import CheckpointError
 from audioclf.config import Config, FeaturesConfig, to_dict
-from audioclf.fileio import atomic_write_bytes
+from audioclf.fileio import atomic_write_bytes, remove_temporaries
 from audioclf.inference.checkpoints import load_trained
 from audioclf.inference.extract import WAVEFORM, input_kind_of
 from audioclf.inference.formats import (
@@ -233,9 +232,8 @@ def export_model(
             )
 
     with export_lock(out):  # creates out's folder
-        for stale in out.parent.glob(f".{glob.escape(out.name)}.tmp*"):  # of killed exports
-            stale.unlink(missing_ok=True)  # the lock holder is the only writer of out
-        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+        remove_temporaries(out)  # of killed exports: the lock holder is out's only writer
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
             loaded = _write_and_load(
                 fmt,
