@@ -88,7 +88,7 @@ def _accumulation_worker(rank, world):
         _, steps = run_epoch(
             model,
             loader,
-            nn.functional.cross_entropy,
+            lambda output, labels, positions: nn.functional.cross_entropy(output, labels),
             opt,
             resolve_precision(TrainConfig(), torch.device("cpu")),
             accumulate=accumulate,
