@@ -176,6 +176,25 @@ def test_audio_queries_through_a_checkpoint(embedded, capsys):
         assert len(query["neighbours"]) == 3
 
 
+def test_the_api_search_takes_a_cohort_as_the_cli_does(embedded, tmp_path, capsys):
+    from audioclf.api import load as load_model
+
+    prefix, model = embedded["prefix"], embedded["model"]
+    model_api = load_model(model, device="cpu")
+    table = model_api.search([embedded["queries"]], prefix, k=3, cohort=prefix, cohort_top=5)
+    out_json = tmp_path / "normed.json"
+    code, _, err = run_cli(
+        capsys, "query", prefix, embedded["queries"], "--model", model, "--k", 3, "--cohort",
+        prefix, "--cohort-top", 5, "--json", out_json, "--device", "cpu", "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    queries = json.loads(out_json.read_text())["queries"]
+    cli = {(q["query"], n["id"]): n["norm_score"] for q in queries for n in q["neighbours"]}
+    api = {(q, i): s for q, i, s in zip(table["query"], table["id"], table["norm_score"])}
+    assert len(table) == len(cli) == 9 and api.keys() == cli.keys()
+    assert all(np.isfinite(api[key]) and api[key] == pytest.approx(cli[key]) for key in cli)
+
+
 def test_a_query_model_of_another_file_is_a_warning(embedded, tmp_path, capsys):
     other = make_checkpoint(tmp_path / "other.pt", "conformer", seed=1)
     code, _, err = run_cli(capsys, "build", embedded["prefix"], "--model", embedded["model"])
@@ -205,6 +224,75 @@ def test_query_prefix_of_another_dimension_is_one_line(prefixes, tmp_path, capsy
     code, out, err = run_cli(capsys, "query", prefixes[0], "--query-prefix", other, "--quiet")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "are 8-d but the index" in err and "is 16-d" in err and "other.npy" in err
+
+
+def normalised_reference(queries, rows, cohort, top) -> np.ndarray:
+    """S-norm / AS-norm of every (query, row) cosine, written out: each side's mean and
+    population std over its `top` highest cosines against the cohort."""
+
+    def stats(emb):
+        against = np.sort(emb.astype(np.float64) @ cohort.T.astype(np.float64), axis=1)[:, -top:]
+        return against.mean(axis=1, keepdims=True), against.std(axis=1, keepdims=True)
+
+    (mean_q, std_q), (mean_r, std_r) = stats(queries), stats(rows)
+    raw = queries.astype(np.float64) @ rows.T.astype(np.float64)
+    return 0.5 * ((raw - mean_q) / std_q + (raw - mean_r.T) / std_r.T)
+
+
+@pytest.mark.parametrize("norm", ["asnorm", "snorm"])
+def test_a_cohort_adds_normalised_scores_and_keeps_the_ranking(prefixes, tmp_path, capsys, norm):
+    index_prefix, query_prefix = prefixes
+    cohort = write_prefix(tmp_path / "cohort", 60, seed=2)
+    plain, normed = tmp_path / "plain.csv", tmp_path / "normed.json"
+    query = ["query", index_prefix, "--query-prefix", query_prefix, "--k", 4, "--quiet"]
+    assert run_cli(capsys, *query, "--csv", plain)[0] == 0
+    flags = ["--cohort-top", 10] if norm == "asnorm" else ["--score-norm", "snorm"]
+    code, out, err = run_cli(capsys, *query, "--cohort", cohort, *flags, "--json", normed)
+    assert code == 0, err
+    top = 10 if norm == "asnorm" else 60
+    assert f"norm_score: {norm} (" in out and ("top 10 of 60 rows" in out) == (norm == "asnorm")
+    result = json.loads(normed.read_text())
+    assert result["score_norm"] == {"method": norm, "cohort": str(cohort), **(
+        {"top": 10} if norm == "asnorm" else {}
+    )}  # fmt: skip
+    neighbours = [n for q in result["queries"] for n in q["neighbours"]]
+    before = pd.read_csv(plain)
+    assert [n["id"] for n in neighbours] == before["id"].tolist()  # the ranking stays by cosine
+    np.testing.assert_allclose([n["score"] for n in neighbours], before["score"], atol=1e-6)
+    rows, queries = np.load(tmp_path / "big.npy"), np.load(tmp_path / "new.npy")
+    reference = normalised_reference(queries, rows, np.load(tmp_path / "cohort.npy"), top)
+    hit = before["id"].str.removeprefix("big_").astype(int).to_numpy()
+    expected = reference[np.repeat(np.arange(25), 4), hit]
+    np.testing.assert_allclose([n["norm_score"] for n in neighbours], expected, atol=1e-6)
+    assert list(neighbours[0]) == ["rank", "score", "norm_score", "class", "item", "id", "path"]
+    code, out, _ = run_cli(capsys, *query, "--cohort", cohort, *flags)  # the table shows it
+    assert code == 0 and out.splitlines()[2].split()[:3] == ["rank", "score", "norm_score"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--score-norm", "asnorm"], "--score-norm asnorm needs --cohort C"),
+        (["--cohort", "COHORT", "--score-norm", "none"], "is unused with --score-norm none"),
+        (["--cohort", "COHORT", "--score-norm", "snorm", "--cohort-top", 5], "only with asnorm"),
+        (["--cohort", "COHORT", "--cohort-top", 1], "give N >= 2"),
+        (["--cohort", "NOPE"], "--cohort "),
+        (["--cohort", "OTHER_DIM"], "the cohort (60 rows of"),
+        (["--cohort", "ONE_ROW"], "it needs >= 2"),
+    ],
+)
+def test_score_norm_flags_that_do_not_fit_are_one_line(prefixes, tmp_path, capsys, flags, message):
+    index_prefix, query_prefix = prefixes
+    named = {
+        "COHORT": write_prefix(tmp_path / "cohort", 60, seed=2),
+        "NOPE": tmp_path / "nope",
+        "OTHER_DIM": write_prefix(tmp_path / "other", 60, dim=8),
+        "ONE_ROW": write_prefix(tmp_path / "one", 1),
+    }
+    flags = [named.get(flag, flag) for flag in flags]
+    code, out, err = run_cli(capsys, "query", index_prefix, "--query-prefix", query_prefix, *flags)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("python -m audioclf.search: error: ") and message in err
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ import torch
 
 from audioclf.metrics import (
     RETRIEVAL_KEYS,
+    asnorm_top,
     centroid_accuracy,
     clustering_metrics,
     knn_accuracy,
@@ -33,9 +34,6 @@ from audioclf.search import build, faiss_available, sampled_neighbour_recall
 CLASSIFICATIONS = ("gallery", "enrollment", "none")
 SEARCH_METHODS = ("auto", "exact", "ivf", "hnsw")
 SCORE_NORMS = ("none", "snorm", "asnorm")
-# AS-norm's cohort scores kept a side: 300 (WeSpeaker's VoxCeleb recipe), or a fifth of a cohort
-# smaller than 1,500 clips, so that it still picks the closest part of the cohort.
-COHORT_TOP = 300
 # Queries of the seeded sample on which an approximate search is scored against exact search.
 BIAS_QUERIES = 1000
 
@@ -102,14 +100,6 @@ def compute_metrics(
         _classify(evaluation, *sets, per_sample=classification == "gallery", device=device)
     _verification_and_clustering(evaluation, n_classes, max_pairs, seed, norm)
     return evaluation
-
-
-def asnorm_top(requested: int | None, n_cohort: int) -> int:
-    """AS-norm's cohort scores kept a side: `requested` (at most the cohort: then it is S-norm),
-    by default COHORT_TOP or a fifth of a smaller cohort, at least 2."""
-    if requested is not None:
-        return min(requested, n_cohort)
-    return max(2, min(COHORT_TOP, n_cohort // 5))
 
 
 def _score_norm(setup: dict, score_norm: str, cohort_emb, cohort_top: int | None) -> dict:

@@ -11,7 +11,7 @@ did. Nothing in this package talks to ``torch.distributed``; callers gather firs
   labelled gallery; ``class_centroids``: the per-class centroids the latter uses.
 - ``verification_metrics`` (verification.py): same/different pairs scored by cosine
   similarity (EER, minDCF), also normalised against a cohort; ``normalised_scores``: S-norm
-  and AS-norm of any trials.
+  and AS-norm of any trials (``asnorm_top``: how many cohort scores AS-norm keeps by default).
 - ``clustering_metrics`` (clustering.py): k-means with one cluster per class (NMI, AMI).
 - ``check_embeddings`` (checks.py): the input checks all of them run.
 """
@@ -28,15 +28,19 @@ from audioclf.metrics.retrieval import (
     retrieval_summary,
 )
 from audioclf.metrics.verification import (
+    COHORT_TOP,
+    asnorm_top,
     normalised_scores,
     verification_metrics,
     verification_pairs,
 )
 
 __all__ = [
+    "COHORT_TOP",
     "KMEANS_N_INIT",
     "RETRIEVAL_KEYS",
     "NeighbourIndex",
+    "asnorm_top",
     "centroid_accuracy",
     "check_embeddings",
     "class_centroids",

@@ -130,6 +130,19 @@ def verification_metrics(
     return result
 
 
+# AS-norm's cohort scores kept a side: 300 (WeSpeaker's VoxCeleb recipe), or a fifth of a cohort
+# smaller than 1,500 clips, so that it still picks the closest part of the cohort.
+COHORT_TOP = 300
+
+
+def asnorm_top(requested: int | None, n_cohort: int) -> int:
+    """AS-norm's cohort scores kept a side: `requested` (at most the cohort: then it is S-norm),
+    by default COHORT_TOP or a fifth of a smaller cohort, at least 2."""
+    if requested is not None:
+        return min(requested, n_cohort)
+    return max(2, min(COHORT_TOP, n_cohort // 5))
+
+
 def normalised_scores(
     enrol, test, trials, cohort, *, top_n: int | None = None, chunk: int | None = None
 ) -> np.ndarray:

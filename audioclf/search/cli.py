@@ -24,6 +24,12 @@ query PREFIX  the --k nearest rows of each query by cosine similarity, best firs
               index (default: the one saved; exact when none is). --exclude-same-item (with
               --query-prefix) never returns a row of the query's own item (class + item): the
               same sound in other recordings, e.g. to find duplicates.
+              --cohort C adds a norm_score column: each hit's cosine normalised against
+              every row of C.npy / C.parquet (another embed --index run, e.g. of the training
+              set: clips of other classes), as evaluate's --score-norm: --score-norm asnorm
+              (the default with --cohort) over each side's --cohort-top highest cohort scores
+              (default 300, or a fifth of a cohort under 1,500 rows), snorm over all of them.
+              One threshold on norm_score fits every query; the ranking stays by cosine.
 Memory stays bounded: queries are searched in chunks. Exit status: 0 done; 1 done, but some
 audio files could not be read (each named on stderr); 2 bad input (a missing PREFIX file, a
 model or dimension that does not match the index, faiss missing) with a one-line message.
@@ -51,6 +57,8 @@ from audioclf.search.collection import (
 )
 from audioclf.search.index import METHODS
 from audioclf.search.queries import (
+    SCORE_NORMS,
+    ScoreNorm,
     audio_queries,
     prefix_queries,
     search_neighbours,
@@ -89,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     query.add_argument(
         "--exclude-same-item", action="store_true", help="skip rows of the query's own item"
     )
+    query.add_argument("--cohort", metavar="C", help="normalise scores against every row of C.npy")
+    query.add_argument(
+        "--score-norm", choices=("none", *SCORE_NORMS), help="asnorm with --cohort, else none"
+    )
+    query.add_argument("--cohort-top", type=int, help="asnorm: top N kept a side (default 300)")
     query.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV")
     query.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     query.add_argument("--nprobe", type=int, help="ivf / ivfpq: lists visited per query")
@@ -145,6 +158,23 @@ def check_query_args(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
+    method = args.score_norm or ("asnorm" if args.cohort else "none")
+    if (method == "none") == bool(args.cohort):
+        raise UsageError(
+            f"--score-norm {method} needs --cohort C" if args.cohort is None
+            else f"--cohort {args.cohort} is unused with --score-norm none; drop one of them"
+        )  # fmt: skip
+    if args.cohort_top is not None and (method != "asnorm" or args.cohort_top < 2):
+        raise UsageError(f"--cohort-top {args.cohort_top}: give N >= 2, and only with asnorm")
+    args.score_norm = method
+
+
+def score_norm_of(args: argparse.Namespace) -> ScoreNorm | None:
+    """The --cohort / --score-norm / --cohort-top normalisation (checked), or None."""
+    if args.score_norm == "none":
+        return None
+    cohort = Collection.open(args.cohort, flag="--cohort")
+    return ScoreNorm.of(cohort, args.score_norm, args.cohort_top)
 
 
 def run_query(args: argparse.Namespace) -> int:
@@ -154,6 +184,7 @@ def run_query(args: argparse.Namespace) -> int:
     index = open_index(
         collection, args.method, device=device, nprobe=args.nprobe, ef_search=args.ef_search
     )
+    score_norm = score_norm_of(args)
     if args.query_prefix:
         queries = prefix_queries(Collection.open(args.query_prefix, flag="--query-prefix"))
     else:
@@ -174,14 +205,19 @@ def run_query(args: argparse.Namespace) -> int:
         queries,
         args.k,
         exclude_same_item=args.exclude_same_item,
+        score_norm=score_norm,
         progress=not args.quiet,
     )
     own = ", own item excluded" if args.exclude_same_item else ""
-    print(f"index {index.describe()}; queries: {queries.source}; top {args.k}{own}")
+    norm = f"; norm_score: {score_norm.describe()}" if score_norm else ""
+    print(f"index {index.describe()}; queries: {queries.source}; top {args.k}{own}{norm}")
     if args.csv:
         print(f"wrote {len(table)} rows to {write_csv(table, args.csv)}")
     if args.json:
         about = {"index": str(index.path or collection.npy), "method": index.method, "k": args.k}
+        if score_norm is not None:
+            about["score_norm"] = {"method": score_norm.method, "cohort": str(args.cohort)}
+            about["score_norm"].update({} if score_norm.top is None else {"top": score_norm.top})
         print(f"wrote {len(queries.labels)} queries to {write_json(table, args.json, about)}")
     if not (args.csv or args.json):
         print("\n".join(table_lines(table)))

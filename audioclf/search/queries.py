@@ -4,11 +4,19 @@
     queries = prefix_queries(Collection.open("out/new"))
     table = search_neighbours(index, collection, queries, k=10, exclude_same_item=False)
     print("\n".join(table_lines(table)))      # or write_csv(table, path) / write_json(...)
+    norm = ScoreNorm.of(Collection.open("out/train"), "asnorm")   # also a norm_score column:
+    table = search_neighbours(index, collection, queries, k=10, score_norm=norm)
 
 Audio files are found and embedded as `audioclf.embed` does (audioclf.embedding.gallery:
 folders searched recursively, unreadable files named and left out). The neighbour table has one
-row per (query, rank): the query's columns, then rank, score and the index row's class, item,
-id and path.
+row per (query, rank): the query's columns, then rank, score (and with a ScoreNorm norm_score)
+and the index row's class, item, id and path.
+
+Normalised scores are for verification-style questions ("is this hit the query's class?"): a
+hit's cosine minus each side's mean score against a cohort (embeddings of other clips, ideally
+of other classes), over its standard deviation, averaged over both sides (S-norm over the whole
+cohort, AS-norm over each side's top N: audioclf.metrics.normalised_scores, as evaluate's
+--score-norm). They make one threshold fit every query; the ranking stays by cosine.
 """
 
 from __future__ import annotations
@@ -24,10 +32,13 @@ import pandas as pd
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.inputs import embed_inputs
+from audioclf.metrics import asnorm_top, normalised_scores
 from audioclf.search.base import SearchIndex
 from audioclf.search.collection import Collection
 
 NEIGHBOUR_COLUMNS = ("rank", "score", "class", "item", "id", "path")
+NORM_COLUMN = "norm_score"  # after score, when the scores are normalised
+SCORE_NORMS = ("snorm", "asnorm")
 
 
 @dataclass
@@ -82,6 +93,41 @@ def prefix_queries(collection: Collection) -> Queries:
     return Queries(collection.embeddings(), labels, source)
 
 
+@dataclass(frozen=True)
+class ScoreNorm:
+    """How search_neighbours normalises its hits' scores: against `cohort` [C, D] (unit rows),
+    over the whole cohort (top None: S-norm) or each side's `top` highest scores (AS-norm)."""
+
+    cohort: np.ndarray
+    top: int | None
+    source: str  # what the cohort is, for messages
+
+    @classmethod
+    def of(cls, collection: Collection, method: str, top: int | None = None) -> ScoreNorm:
+        """S-norm or AS-norm (`top` by default audioclf.metrics.asnorm_top: 300, or a fifth
+        of a smaller cohort) against every row of an embedded collection."""
+        if method not in SCORE_NORMS:
+            raise ValueError(f"score normalisation {method!r}: use one of {', '.join(SCORE_NORMS)}")
+        if collection.size < 2:
+            raise ValueError(
+                f"the cohort {collection.npy} has {collection.size} row(s); it needs >= 2"
+            )
+        if method == "snorm" and top is not None:
+            raise ValueError(f"a top N ({top}) is AS-norm's; snorm scores against the whole cohort")
+        if top is not None and top < 2:
+            raise ValueError(f"the cohort top N must be >= 2, got {top}")
+        top = None if method == "snorm" else asnorm_top(top, collection.size)
+        return cls(collection.embeddings(), top, f"{collection.size} rows of {collection.npy}")
+
+    @property
+    def method(self) -> str:
+        return "snorm" if self.top is None else "asnorm"
+
+    def describe(self) -> str:
+        top = "" if self.top is None else f"top {self.top} of "
+        return f"{self.method} ({top}{self.source})"
+
+
 def check_query_dim(queries: Queries, index: SearchIndex) -> None:
     """One line naming both sides when the queries and the index differ in dimension."""
     dim = queries.embeddings.shape[1]
@@ -121,12 +167,19 @@ def search_neighbours(
     k: int,
     *,
     exclude_same_item: bool = False,
+    score_norm: ScoreNorm | None = None,
     progress: bool = False,
 ) -> pd.DataFrame:
     """The k nearest index rows of each query, best first (fewer where the index has fewer):
     one table row per (query, rank). With `exclude_same_item` a query never gets a row of
-    its own item (class + item)."""
+    its own item (class + item); with `score_norm` each row also has its normalised score
+    (norm_score, float64), computed for the returned hits only."""
     check_query_dim(queries, index)
+    if score_norm is not None and score_norm.cohort.shape[1] != index.dim:
+        raise ValueError(
+            f"the cohort ({score_norm.source}) is {score_norm.cohort.shape[1]}-d but the index "
+            f"{index.describe()} is {index.dim}-d; embed both with the same model"
+        )
     groups: dict[str, Any] = {}
     if exclude_same_item:
         groups["query_groups"], groups["index_groups"] = _group_codes(queries, collection)
@@ -136,19 +189,42 @@ def search_neighbours(
     table = queries.labels.iloc[query_at].reset_index(drop=True)
     table["rank"] = rank_at + 1
     table["score"] = scores[query_at, rank_at].astype(np.float64)
+    if score_norm is not None:
+        table[NORM_COLUMN] = _normalised(queries, collection, query_at, found, score_norm)
     neighbours = collection.rows.iloc[found][["class", "item", "id", "path"]]
     return pd.concat([table, neighbours.reset_index(drop=True)], axis=1)
+
+
+def _normalised(
+    queries: Queries, collection: Collection, query_at: np.ndarray, found: np.ndarray,
+    norm: ScoreNorm,
+) -> np.ndarray:  # fmt: skip
+    """The normalised scores of the hits (query_at[i], found[i]): only the hit rows of the
+    index are read (memory-mapped) and scored against the cohort."""
+    hit_rows, hit_at = np.unique(found, return_inverse=True)
+    hits = np.load(collection.npy, mmap_mode="r", allow_pickle=False)[hit_rows]
+    return normalised_scores(
+        queries.embeddings, hits, (query_at, hit_at.reshape(-1)), norm.cohort, top_n=norm.top
+    )
+
+
+def neighbour_columns(table: pd.DataFrame) -> tuple[str, ...]:
+    """The neighbour columns of `table`: NEIGHBOUR_COLUMNS, with norm_score after score."""
+    if NORM_COLUMN not in table.columns:
+        return NEIGHBOUR_COLUMNS
+    return ("rank", "score", NORM_COLUMN, *NEIGHBOUR_COLUMNS[2:])
 
 
 def _by_query(table: pd.DataFrame) -> list[dict[str, Any]]:
     """Per query (in order): its columns, and "neighbours", its table rows' neighbour columns.
     A query's rows start at rank 1, so two queries of one name stay apart."""
     query_columns = [c for c in table.columns if c.startswith("query")]
+    columns = neighbour_columns(table)
     queries: list[dict[str, Any]] = []
     for record in table.to_dict("records"):  # plain Python values
         if record["rank"] == 1:
             queries.append({**{c: record[c] for c in query_columns}, "neighbours": []})
-        queries[-1]["neighbours"].append({c: record[c] for c in NEIGHBOUR_COLUMNS})
+        queries[-1]["neighbours"].append({c: record[c] for c in columns})
     return queries
 
 
@@ -158,13 +234,13 @@ def table_lines(table: pd.DataFrame) -> list[str]:
         return ["no neighbours found"]
 
     def cell(column: str, value: Any) -> str:
-        return f"{value:.4f}" if column == "score" else str(value)
+        return f"{value:.4f}" if column in ("score", NORM_COLUMN) else str(value)
 
+    columns = neighbour_columns(table)
     widths = {
-        c: max(len(c), int(table[c].map(lambda v, c=c: len(cell(c, v))).max()))
-        for c in NEIGHBOUR_COLUMNS
+        c: max(len(c), int(table[c].map(lambda v, c=c: len(cell(c, v))).max())) for c in columns
     }
-    header = ("  " + "  ".join(f"{c:<{widths[c]}}" for c in NEIGHBOUR_COLUMNS)).rstrip()
+    header = ("  " + "  ".join(f"{c:<{widths[c]}}" for c in columns)).rstrip()
     lines = []
     for query in _by_query(table):
         about = ", ".join(
@@ -172,9 +248,7 @@ def table_lines(table: pd.DataFrame) -> list[str]:
         )
         lines += [f"query {query['query']}" + (f" ({about})" if about else ""), header]
         lines += [
-            (
-                "  " + "  ".join(f"{cell(c, row[c]):<{widths[c]}}" for c in NEIGHBOUR_COLUMNS)
-            ).rstrip()
+            ("  " + "  ".join(f"{cell(c, row[c]):<{widths[c]}}" for c in columns)).rstrip()
             for row in query["neighbours"]
         ]
     return lines
