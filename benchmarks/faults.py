@@ -1690,35 +1690,17 @@ def case_precision_cpu(work: Work, case_dir: Path, keep: bool) -> list[Row]:
 # ---------------------------------------------------------------------------------------------
 # Outputs users keep (issue 28): one writer per output, damaged artefacts met by their readers
 
-HOLD_LOCK = (
-    "import sys, time\nfrom audioclf.outputs import FolderLock\n"
-    "lock = FolderLock(sys.argv[1], what='x', by='y', fix='z').acquire()\n"
-    "print('held', flush=True)\ntime.sleep(120)\n"
-)
-
-
-def holding(lock_file: Path) -> subprocess.Popen:
-    """Another process holding `lock_file` (the lock a writer of that output takes)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD_LOCK, str(lock_file)], cwd=ROOT, env=env(),
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    proc.stdout.readline()
-    return proc
-
 
 def refused_while_held(
     name: str, lock_file: Path, cmd: list[str], what: str, *, at_once: bool = False
 ) -> Row:
     """`cmd` run while another process holds `lock_file`: exit 2, one line naming the holder;
     `at_once`: before any work (`cmd` shows progress bars: none may have run)."""
+    from tests.helpers import LockHolder
+
     row = Row(name)
-    holder = holding(lock_file)
-    try:
+    with LockHolder(lock_file, env=env()) as holder:
         result = run(cmd)
-    finally:
-        holder.kill()
-        holder.wait()
     row.code, row.message = str(result.code), first_error_line(result.console)
     row.expect(result.code == 2, f"exit {result.code}, expected 2")
     row.expect(len(error_lines(result.console)) == 1, "not one error line")

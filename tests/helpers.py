@@ -12,6 +12,7 @@ import pickle
 import signal
 import socket
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -496,3 +497,39 @@ def make_files(frame: pd.DataFrame, root: Path) -> None:
     for rel in frame["path"]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).touch()
+
+
+_HOLD_LOCK = (
+    "import sys, time\nfrom audioclf.outputs import FolderLock\n"
+    "lock = FolderLock(sys.argv[1], what='x', by='y', fix='z').acquire()\n"
+    "print('held', flush=True)\ntime.sleep(float(sys.argv[2]))\n"
+)
+
+
+class LockHolder:
+    """Another process holding the lock file `path` (outputs.FolderLock, as every writer of an
+    output and a run's RunLock take it) until killed: the kernel then frees it. A context
+    manager; `pid` is the holder's, which the refusals name."""
+
+    def __init__(self, path: Path, *, env: dict | None = None, seconds: float = 120):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_LOCK, str(path), str(seconds)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        if self.proc.stdout.readline().strip() != "held":
+            self.release()
+            raise RuntimeError(f"the lock holder of {path} did not start")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def release(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self) -> LockHolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

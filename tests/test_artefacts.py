@@ -8,8 +8,6 @@ import errno
 import json
 import logging
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +16,7 @@ import pytest
 
 from audioclf.embedding.parts import IndexOutputs, open_parts, read_part, rows_digest, write_part
 from audioclf.outputs import FolderBusy, FolderLock
-
-ROOT = Path(__file__).resolve().parents[1]
-HOLD = (
-    "import sys, time\nfrom audioclf.outputs import FolderLock\n"
-    "lock = FolderLock(sys.argv[1], what='x', by='y', fix='z').acquire()\nprint('held', flush=True)\n"
-    "time.sleep(60)\n"
-)
+from tests.helpers import LockHolder
 
 
 def cut_in_half(path: Path) -> Path:
@@ -54,31 +46,14 @@ def collection(tmp_path: Path, rows: int = 300, dim: int = 8) -> Path:
 # ------------------------------------------------------------------------------------- locks
 
 
-class Holder:
-    """Another process holding the lock file `path` until killed (the kernel then frees it)."""
-
-    def __init__(self, path: Path):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOLD, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
-        )
-        assert self.proc.stdout.readline().strip() == "held"
-
-    def __enter__(self) -> Holder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-def busy_line(holder: Holder, what: str) -> str:
-    return rf"{what} is in use by another .*\(pid {holder.proc.pid} on .*, started .* UTC\); "
+def busy_line(holder: LockHolder, what: str) -> str:
+    return rf"{what} is in use by another .*\(pid {holder.pid} on .*, started .* UTC\); "
 
 
 @pytest.mark.slow
 def test_a_second_embed_index_into_one_prefix_is_refused_until_the_first_dies(tmp_path):
     outputs = IndexOutputs.of(tmp_path / "out" / "big")
-    with Holder(outputs.lock().path) as holder:
+    with LockHolder(outputs.lock().path) as holder:
         with pytest.raises(FolderBusy, match=busy_line(holder, "--save .*big") + "wait"):
             open_parts(outputs, {"version": 1}, outputs.lock())
         assert not outputs.parts.exists()  # refused before anything was written
@@ -93,7 +68,7 @@ def test_a_second_search_build_of_one_index_is_refused(tmp_path):
     from audioclf.search.collection import Collection, build_saved
 
     found = Collection.open(collection(tmp_path))
-    with Holder(found.index_file("exact").with_suffix(".lock")) as holder:
+    with LockHolder(found.index_file("exact").with_suffix(".lock")) as holder:
         with pytest.raises(FolderBusy, match=busy_line(holder, "the exact index of .*emb")):
             build_saved(found, "exact", progress=False)
         assert not found.index_file("exact").exists()
@@ -115,8 +90,8 @@ def test_prepare_evaluate_and_export_outputs_are_locked(tmp_path):
         ),
     }
     for name, lock in locks.items():
-        with Holder(lock.path) as holder:
-            with pytest.raises(FolderBusy, match=rf"another {name} \(pid {holder.proc.pid} "):
+        with LockHolder(lock.path) as holder:
+            with pytest.raises(FolderBusy, match=rf"another {name} \(pid {holder.pid} "):
                 lock.acquire()
             other = shard_lock(out, Shard(2, 4)) if name == "prepare" else None
             if other is not None:  # the other shards of one folder run side by side
@@ -131,7 +106,7 @@ def test_write_evaluation_refuses_a_held_out_folder(tmp_path):
     from audioclf.evaluation.run import write_evaluation
 
     out = tmp_path / "eval"
-    with Holder(out / ".evaluate.lock") as holder:
+    with LockHolder(out / ".evaluate.lock") as holder:
         with pytest.raises(FolderBusy, match=busy_line(holder, f"--out {out}")):
             write_evaluation(out, None, projection="none", seed=0, setup={})
     assert not [p for p in out.iterdir() if p.name != ".evaluate.lock"]
@@ -314,7 +289,7 @@ def test_evaluate_into_a_held_out_folder_is_refused_before_any_work(tmp_path, ca
     from audioclf.evaluate import main
 
     out = tmp_path / "eval"
-    with Holder(out / ".evaluate.lock") as holder:
+    with LockHolder(out / ".evaluate.lock") as holder:
         # the checkpoint does not exist: a refusal that came after the loading would say so
         code = main(["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(out)])
         err = capsys.readouterr().err

@@ -254,8 +254,13 @@ class MarginHeadLoss(_MarginSchedule):
         return self.with_stats(embeddings, labels, logits)[0]
 
     def with_stats(
-        self, embeddings: Tensor, labels: Tensor, logits: Tensor | None = None
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        logits: Tensor | None = None,
+        items: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
+        """(loss, {}); `items` is taken as every term's and not used (no cross-item rule)."""
         if logits is None:
             raise ValueError(
                 f"model.head={self.head} needs classifier logits: build EmbeddingNet with "
@@ -333,8 +338,7 @@ class WeightedLosses(nn.Module):
         check_inputs(embeddings, labels, logits)
         total, report = None, {}
         for name, term in self.terms.items():
-            extra = {"items": items} if isinstance(term, TripletLoss) else {}
-            value, term_stats = term.with_stats(embeddings, labels, logits, **extra)
+            value, term_stats = term.with_stats(embeddings, labels, logits, items=items)
             weighted = self.weights[name] * value
             total = weighted if total is None else total + weighted
             if stats:
