@@ -64,7 +64,7 @@ def installed(tmp_path_factory) -> dict:
 
 def test_the_wheel_holds_the_recipes_and_the_report_template(installed):
     files = {p.relative_to(installed["target"]).as_posix() for p in installed["target"].rglob("*")}
-    for name in ("cpu_small", "demo_cnn", "demo_conformer", "cnn", "conformer"):
+    for name in ("cpu_small", "demo_cnn", "demo_conformer", "cnn", "conformer", "ecapa"):
         assert f"audioclf/recipes/{name}.yaml" in files
     assert "audioclf/evaluation/embeddings.html" in files and "bin/audioclf" in files
 
