@@ -150,21 +150,18 @@ class Model:
         method: str | None = None,
         batch_size: int = 32,
         cohort: str | Path | None = None,
-        score_norm: str = "asnorm",
+        score_norm: str | None = None,
         cohort_top: int | None = None,
     ) -> pd.DataFrame:
         """The k nearest clips of a collection (the PREFIX of `audioclf embed --index --save
         PREFIX`) for each audio file, best first: one row per (query, rank) with score, class,
         item, id and path, as `audioclf search query` prints them. With `cohort` (another
         collection's PREFIX, e.g. the training set's) a norm_score column too: each score
-        normalised against it by `score_norm` ("asnorm" over each side's `cohort_top` highest
-        cohort scores, by default 300 or a fifth of a smaller cohort; "snorm" over all)."""
+        normalised against it by `score_norm` (by default "asnorm", over each side's `cohort_top`
+        highest cohort scores: 300 or a fifth of a smaller cohort; "snorm" over all)."""
         opened = collections.Collection.open(collection)
         index = collections.open_index(opened, method, device=self.loaded.device)
-        norm = None
-        if cohort is not None:
-            cohort_rows = collections.Collection.open(cohort, flag="cohort")
-            norm = search_queries.ScoreNorm.of(cohort_rows, score_norm, cohort_top)
+        norm = search_queries.ScoreNorm.from_options(cohort, score_norm, cohort_top)
         queries = search_queries.audio_queries(
             self.loaded, list(inputs), batch_size=batch_size, progress=False
         )

@@ -60,7 +60,11 @@ PACKAGE_BUDGETS = {
     ),
     "audioclf.inference": (1350, "loading artefacts, extraction, the export formats"),
     "audioclf.search": (1600, "exact and faiss indexes, the search tool"),
-    "audioclf.metrics": (760, "the metric definitions, score normalisation of verification"),
+    "audioclf.metrics": (
+        775,
+        "the metric definitions, score normalisation of verification (and its cohort top N, "
+        "shared by evaluate and search)",
+    ),
     "audioclf.models": (950, "front end, embedders (cnn, resnet, conformer, ecapa), heads"),
     "audioclf.config": (950, "the typed config, its loading and generated reference"),
     "audioclf.distributed": (860, "the only talker to torch.distributed; the local launcher"),

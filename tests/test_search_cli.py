@@ -272,10 +272,11 @@ def test_a_cohort_adds_normalised_scores_and_keeps_the_ranking(prefixes, tmp_pat
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--score-norm", "asnorm"], "--score-norm asnorm needs --cohort C"),
+        (["--score-norm", "asnorm"], "score normalisation (asnorm) needs a cohort: --cohort C"),
+        (["--cohort-top", 5], "score normalisation (asnorm) needs a cohort: --cohort C"),
         (["--cohort", "COHORT", "--score-norm", "none"], "is unused with --score-norm none"),
-        (["--cohort", "COHORT", "--score-norm", "snorm", "--cohort-top", 5], "only with asnorm"),
-        (["--cohort", "COHORT", "--cohort-top", 1], "give N >= 2"),
+        (["--cohort", "COHORT", "--score-norm", "snorm", "--cohort-top", 5], "is AS-norm's"),
+        (["--cohort", "COHORT", "--cohort-top", 1], "--cohort-top must be >= 2"),
         (["--cohort", "NOPE"], "--cohort "),
         (["--cohort", "OTHER_DIM"], "the cohort (60 rows of"),
         (["--cohort", "ONE_ROW"], "it needs >= 2"),

@@ -24,12 +24,9 @@ query PREFIX  the --k nearest rows of each query by cosine similarity, best firs
               index (default: the one saved; exact when none is). --exclude-same-item (with
               --query-prefix) never returns a row of the query's own item (class + item): the
               same sound in other recordings, e.g. to find duplicates.
-              --cohort C adds a norm_score column: each hit's cosine normalised against
-              every row of C.npy / C.parquet (another embed --index run, e.g. of the training
-              set: clips of other classes), as evaluate's --score-norm: --score-norm asnorm
-              (the default with --cohort) over each side's --cohort-top highest cohort scores
-              (default 300, or a fifth of a cohort under 1,500 rows), snorm over all of them.
-              One threshold on norm_score fits every query; the ranking stays by cosine.
+              --cohort C adds norm_score: each hit's cosine AS-norm-normalised (or
+              --score-norm snorm) against every row of C.npy (e.g. the training set embedded),
+              as evaluate's --score-norm; one threshold fits every query, ranks stay by cosine.
 Memory stays bounded: queries are searched in chunks. Exit status: 0 done; 1 done, but some
 audio files could not be read (each named on stderr); 2 bad input (a missing PREFIX file, a
 model or dimension that does not match the index, faiss missing) with a one-line message.
@@ -51,7 +48,6 @@ from audioclf.search.collection import (
     Collection,
     build_saved,
     check_model,
-    model_dim,
     model_record,
     open_index,
 )
@@ -98,9 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--exclude-same-item", action="store_true", help="skip rows of the query's own item"
     )
     query.add_argument("--cohort", metavar="C", help="normalise scores against every row of C.npy")
-    query.add_argument(
-        "--score-norm", choices=("none", *SCORE_NORMS), help="asnorm with --cohort, else none"
-    )
+    query.add_argument("--score-norm", choices=("none", *SCORE_NORMS), help="default asnorm")
     query.add_argument("--cohort-top", type=int, help="asnorm: top N kept a side (default 300)")
     query.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV")
     query.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
@@ -127,13 +121,7 @@ def run_build(args: argparse.Namespace) -> int:
     record = None
     if args.model is not None:
         model = load_embedder(args.model, torch.device("cpu"), trust=args.trust_checkpoint)
-        dim = model_dim(model)
-        if dim is not None and dim != collection.dim:
-            raise UsageError(
-                f"--model {args.model} makes {dim}-d embeddings but {collection.npy} holds "
-                f"{collection.dim}-d ones: it did not make them; pass the model that did"
-            )
-        record = model_record(model)
+        record = model_record(model, collection)
     params = {name: getattr(args, name) for name in BUILD_PARAMS}
     index = build_saved(
         collection, args.method, model=record, progress=not args.quiet, seed=args.seed, **params
@@ -158,23 +146,6 @@ def check_query_args(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
-    method = args.score_norm or ("asnorm" if args.cohort else "none")
-    if (method == "none") == bool(args.cohort):
-        raise UsageError(
-            f"--score-norm {method} needs --cohort C" if args.cohort is None
-            else f"--cohort {args.cohort} is unused with --score-norm none; drop one of them"
-        )  # fmt: skip
-    if args.cohort_top is not None and (method != "asnorm" or args.cohort_top < 2):
-        raise UsageError(f"--cohort-top {args.cohort_top}: give N >= 2, and only with asnorm")
-    args.score_norm = method
-
-
-def score_norm_of(args: argparse.Namespace) -> ScoreNorm | None:
-    """The --cohort / --score-norm / --cohort-top normalisation (checked), or None."""
-    if args.score_norm == "none":
-        return None
-    cohort = Collection.open(args.cohort, flag="--cohort")
-    return ScoreNorm.of(cohort, args.score_norm, args.cohort_top)
 
 
 def run_query(args: argparse.Namespace) -> int:
@@ -184,7 +155,7 @@ def run_query(args: argparse.Namespace) -> int:
     index = open_index(
         collection, args.method, device=device, nprobe=args.nprobe, ef_search=args.ef_search
     )
-    score_norm = score_norm_of(args)
+    score_norm = ScoreNorm.from_options(args.cohort, args.score_norm, args.cohort_top)
     if args.query_prefix:
         queries = prefix_queries(Collection.open(args.query_prefix, flag="--query-prefix"))
     else:
@@ -193,21 +164,13 @@ def run_query(args: argparse.Namespace) -> int:
         if warning:
             print(f"{PROG}: {warning}", file=sys.stderr)
         queries = audio_queries(
-            model,
-            args.inputs,
-            batch_size=args.batch_size,
-            num_workers=args.num_workers,
+            model, args.inputs, batch_size=args.batch_size, num_workers=args.num_workers,
             progress=not args.quiet,
-        )
+        )  # fmt: skip
     table = search_neighbours(
-        index,
-        collection,
-        queries,
-        args.k,
-        exclude_same_item=args.exclude_same_item,
-        score_norm=score_norm,
-        progress=not args.quiet,
-    )
+        index, collection, queries, args.k, exclude_same_item=args.exclude_same_item,
+        score_norm=score_norm, progress=not args.quiet,
+    )  # fmt: skip
     own = ", own item excluded" if args.exclude_same_item else ""
     norm = f"; norm_score: {score_norm.describe()}" if score_norm else ""
     print(f"index {index.describe()}; queries: {queries.source}; top {args.k}{own}{norm}")
@@ -215,9 +178,7 @@ def run_query(args: argparse.Namespace) -> int:
         print(f"wrote {len(table)} rows to {write_csv(table, args.csv)}")
     if args.json:
         about = {"index": str(index.path or collection.npy), "method": index.method, "k": args.k}
-        if score_norm is not None:
-            about["score_norm"] = {"method": score_norm.method, "cohort": str(args.cohort)}
-            about["score_norm"].update({} if score_norm.top is None else {"top": score_norm.top})
+        about.update({} if score_norm is None else {"score_norm": score_norm.record()})
         print(f"wrote {len(queries.labels)} queries to {write_json(table, args.json, about)}")
     if not (args.csv or args.json):
         print("\n".join(table_lines(table)))

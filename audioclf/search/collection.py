@@ -201,14 +201,21 @@ def model_dim(model: LoadedEmbedder) -> int | None:
     return int(model.cfg.model.embedding_dim) if model.knows_splits else None
 
 
-def model_record(model: LoadedEmbedder) -> dict[str, Any]:
-    """What an index remembers of the model that made its embeddings."""
+def model_record(model: LoadedEmbedder, collection: Collection | None = None) -> dict[str, Any]:
+    """What an index remembers of the model that made its embeddings; with `collection`, a
+    ValueError first when the model makes embeddings of another dimension than it holds."""
+    dim = model_dim(model)
+    if collection is not None and dim is not None and dim != collection.dim:
+        raise ValueError(
+            f"--model {model.path} makes {dim}-d embeddings but {collection.npy} holds "
+            f"{collection.dim}-d ones: it did not make them; pass the model that did"
+        )
     return {
         **file_stamp(model.path),
         "description": model.description,
         "input_kind": model.input_kind,
         "features": dataclasses.asdict(model.features),
-        "dim": model_dim(model),
+        "dim": dim,
     }
 
 

@@ -101,6 +101,25 @@ class ScoreNorm:
     cohort: np.ndarray
     top: int | None
     source: str  # what the cohort is, for messages
+    prefix: str = ""  # the cohort collection's PREFIX, as given
+
+    @classmethod
+    def from_options(
+        cls, cohort: str | Path | None, method: str | None = None, top: int | None = None
+    ) -> ScoreNorm | None:
+        """search query's --cohort / --score-norm / --cohort-top (and Model.search's): None
+        without a cohort, else the cohort PREFIX's rows by `method` (asnorm by default); a
+        ValueError for options that do not fit, before any work."""
+        if cohort is None:
+            if method not in (None, "none") or top is not None:
+                raise ValueError(
+                    f"score normalisation ({method or 'asnorm'}) needs a cohort: --cohort C, "
+                    "the PREFIX of another embed --index run (e.g. of the training set)"
+                )
+            return None
+        if method == "none":
+            raise ValueError(f"the cohort {cohort} is unused with --score-norm none; drop one")
+        return cls.of(Collection.open(cohort, flag="--cohort"), method or "asnorm", top)
 
     @classmethod
     def of(cls, collection: Collection, method: str, top: int | None = None) -> ScoreNorm:
@@ -113,15 +132,24 @@ class ScoreNorm:
                 f"the cohort {collection.npy} has {collection.size} row(s); it needs >= 2"
             )
         if method == "snorm" and top is not None:
-            raise ValueError(f"a top N ({top}) is AS-norm's; snorm scores against the whole cohort")
+            raise ValueError(f"--cohort-top {top} is AS-norm's; snorm scores the whole cohort")
         if top is not None and top < 2:
-            raise ValueError(f"the cohort top N must be >= 2, got {top}")
+            raise ValueError(f"--cohort-top must be >= 2, got {top}")
         top = None if method == "snorm" else asnorm_top(top, collection.size)
-        return cls(collection.embeddings(), top, f"{collection.size} rows of {collection.npy}")
+        source = f"{collection.size} rows of {collection.npy}"
+        return cls(collection.embeddings(), top, source, str(collection.prefix))
 
     @property
     def method(self) -> str:
         return "snorm" if self.top is None else "asnorm"
+
+    def record(self) -> dict[str, Any]:
+        """What a --json result records of the normalisation: method, cohort (and top)."""
+        return {
+            "method": self.method,
+            "cohort": self.prefix,
+            **({} if self.top is None else {"top": self.top}),
+        }
 
     def describe(self) -> str:
         top = "" if self.top is None else f"top {self.top} of "
