@@ -3,7 +3,9 @@
 #
 #   ./run.sh demo [--stage N] [--stop-stage N]   generate demo data, train, evaluate, export, embed
 #   ./run.sh test [pytest args...]               lint (ruff check + format check), then the tests
-#                                                (-m "not slow": the fast tier, about a minute)
+#                                                in one worker per core, at most 4 (pytest-xdist;
+#                                                -n 0: one process, e.g. for --pdb); -m "not slow":
+#                                                the fast tier, about a minute
 #   ./run.sh [--bg] [--nproc N] CONFIG [key=value ...]   train with torchrun (N processes)
 #   ./run.sh stop NAME                           stop a background run started with --bg
 #   ./run.sh setup                               only create/refresh .venv
@@ -218,7 +220,7 @@ main() {
         -h|--help|help) usage ;;
         setup) setup_venv ;;
         demo) shift; setup_venv; cmd_demo "$@" ;;
-        test) shift; setup_venv; cmd_lint; exec "$PY" -m pytest "$@" ;;
+        test) shift; setup_venv; cmd_lint; exec "$PY" -m pytest -n auto --maxprocesses 4 "$@" ;;
         stop) shift; cmd_stop "$@" ;;
         *) setup_venv; cmd_train "$@" ;;
     esac
