@@ -26,6 +26,7 @@ import pickle
 import platform
 import random
 import re
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -255,6 +256,15 @@ TRUST_HINT = (
 )
 
 
+def _is_torchscript(path: Path) -> bool:
+    """A torch.jit.save archive: a zip holding constants.pkl (a checkpoint's zip does not)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/constants.pkl") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
 def load(
     path: str | Path, map_location: str | torch.device = "cpu", *, trust: bool = False
 ) -> dict:
@@ -266,6 +276,10 @@ def load(
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check the path or the run name")
+    if _is_torchscript(path):  # torch.load would hand it to torch.jit.load, with a warning
+        raise CheckpointError(
+            f"{path} is a TorchScript export, not an audioclf checkpoint; {_OTHER_CHECKPOINT}"
+        )
     try:
         with torch.serialization.safe_globals(_EARLIER_RELEASE):
             ckpt = torch.load(path, map_location=map_location, weights_only=not trust)

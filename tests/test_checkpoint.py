@@ -1,6 +1,7 @@
 """Checkpoint files: atomic writes, last/best/keep-k, clear errors, resume resolution."""
 
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -65,6 +66,20 @@ def test_load_errors_name_the_file(tmp_path):
     torch.save({"state_dict": {}}, foreign)
     with pytest.raises(CheckpointError, match=r"foreign\.pt is not an audioclf checkpoint"):
         checkpoint.load(foreign)
+
+
+def test_a_torchscript_export_is_named_as_one_without_torchs_warning(tmp_path):
+    # torch.load hands a TorchScript archive to torch.jit.load with a UserWarning: a second
+    # line beside the one-line error a user gets for an export without its sidecar.
+    export = tmp_path / "model.pt"
+    with warnings.catch_warnings():  # torch.jit's deprecation notes
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), export)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CheckpointError, match=r"model\.pt is a TorchScript export, not"):
+            checkpoint.load(export)
+        assert checkpoint.load(checkpoint.save_atomic(state(1.0), tmp_path / "c.pt"))["model"]
 
 
 def test_resolve_resume(tmp_path):
