@@ -161,7 +161,7 @@ class Model:
         highest cohort scores: 300 or a fifth of a smaller cohort; "snorm" over all)."""
         opened = collections.Collection.open(collection)
         index = collections.open_index(opened, method, device=self.loaded.device)
-        norm = search_queries.ScoreNorm.from_options(cohort, score_norm, cohort_top)
+        norm = search_queries.ScoreNorm.from_options(cohort, score_norm, cohort_top, index=index)
         queries = search_queries.audio_queries(
             self.loaded, list(inputs), batch_size=batch_size, progress=False
         )

@@ -195,6 +195,22 @@ def test_the_api_search_takes_a_cohort_as_the_cli_does(embedded, tmp_path, capsy
     assert all(np.isfinite(api[key]) and api[key] == pytest.approx(cli[key]) for key in cli)
 
 
+def test_a_cohort_of_another_dimension_is_refused_before_the_audio_is_embedded(
+    embedded, tmp_path, capsys, monkeypatch
+):
+    def embedding(*args, **kwargs):
+        raise AssertionError("the queries were embedded before the cohort was checked")
+
+    monkeypatch.setattr("audioclf.search.cli.audio_queries", embedding)
+    cohort = write_prefix(tmp_path / "cohort", 20, dim=8)
+    code, out, err = run_cli(
+        capsys, "query", embedded["prefix"], embedded["queries"], "--model", embedded["model"],
+        "--cohort", cohort, "--device", "cpu",
+    )  # fmt: skip
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "the cohort (20 rows of" in err and "is 8-d but the index" in err
+
+
 def test_a_query_model_of_another_file_is_a_warning(embedded, tmp_path, capsys):
     other = make_checkpoint(tmp_path / "other.pt", "conformer", seed=1)
     code, _, err = run_cli(capsys, "build", embedded["prefix"], "--model", embedded["model"])

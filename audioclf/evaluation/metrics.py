@@ -21,6 +21,7 @@ import torch
 
 from audioclf.metrics import (
     RETRIEVAL_KEYS,
+    SCORE_NORMS,
     asnorm_top,
     centroid_accuracy,
     clustering_metrics,
@@ -33,7 +34,6 @@ from audioclf.search import build, faiss_available, sampled_neighbour_recall
 
 CLASSIFICATIONS = ("gallery", "enrollment", "none")
 SEARCH_METHODS = ("auto", "exact", "ivf", "hnsw")
-SCORE_NORMS = ("none", "snorm", "asnorm")
 # Queries of the seeded sample on which an approximate search is scored against exact search.
 BIAS_QUERIES = 1000
 

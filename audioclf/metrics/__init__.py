@@ -29,6 +29,7 @@ from audioclf.metrics.retrieval import (
 )
 from audioclf.metrics.verification import (
     COHORT_TOP,
+    SCORE_NORMS,
     asnorm_top,
     normalised_scores,
     verification_metrics,
@@ -39,6 +40,7 @@ __all__ = [
     "COHORT_TOP",
     "KMEANS_N_INIT",
     "RETRIEVAL_KEYS",
+    "SCORE_NORMS",
     "NeighbourIndex",
     "asnorm_top",
     "centroid_accuracy",

@@ -130,6 +130,8 @@ def verification_metrics(
     return result
 
 
+# Verification score normalisations: raw cosines, S-norm (the whole cohort), AS-norm (its top N).
+SCORE_NORMS = ("none", "snorm", "asnorm")
 # AS-norm's cohort scores kept a side: 300 (WeSpeaker's VoxCeleb recipe), or a fifth of a cohort
 # smaller than 1,500 clips, so that it still picks the closest part of the cohort.
 COHORT_TOP = 300

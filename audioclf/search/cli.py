@@ -44,6 +44,7 @@ import torch
 from audioclf.cli import add_trust_flag, resolve_device
 from audioclf.errors import UsageError, run_cli
 from audioclf.inference import load_embedder
+from audioclf.metrics import SCORE_NORMS
 from audioclf.search.collection import (
     Collection,
     build_saved,
@@ -53,7 +54,6 @@ from audioclf.search.collection import (
 )
 from audioclf.search.index import METHODS
 from audioclf.search.queries import (
-    SCORE_NORMS,
     ScoreNorm,
     audio_queries,
     prefix_queries,
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--exclude-same-item", action="store_true", help="skip rows of the query's own item"
     )
     query.add_argument("--cohort", metavar="C", help="normalise scores against every row of C.npy")
-    query.add_argument("--score-norm", choices=("none", *SCORE_NORMS), help="default asnorm")
+    query.add_argument("--score-norm", choices=SCORE_NORMS, help="default asnorm")
     query.add_argument("--cohort-top", type=int, help="asnorm: top N kept a side (default 300)")
     query.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV")
     query.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
@@ -155,7 +155,7 @@ def run_query(args: argparse.Namespace) -> int:
     index = open_index(
         collection, args.method, device=device, nprobe=args.nprobe, ef_search=args.ef_search
     )
-    score_norm = ScoreNorm.from_options(args.cohort, args.score_norm, args.cohort_top)
+    score_norm = ScoreNorm.from_options(args.cohort, args.score_norm, args.cohort_top, index=index)
     if args.query_prefix:
         queries = prefix_queries(Collection.open(args.query_prefix, flag="--query-prefix"))
     else:

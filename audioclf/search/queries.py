@@ -32,13 +32,12 @@ import pandas as pd
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.inputs import embed_inputs
-from audioclf.metrics import asnorm_top, normalised_scores
+from audioclf.metrics import SCORE_NORMS, asnorm_top, normalised_scores
 from audioclf.search.base import SearchIndex
 from audioclf.search.collection import Collection
 
 NEIGHBOUR_COLUMNS = ("rank", "score", "class", "item", "id", "path")
 NORM_COLUMN = "norm_score"  # after score, when the scores are normalised
-SCORE_NORMS = ("snorm", "asnorm")
 
 
 @dataclass
@@ -105,11 +104,17 @@ class ScoreNorm:
 
     @classmethod
     def from_options(
-        cls, cohort: str | Path | None, method: str | None = None, top: int | None = None
+        cls,
+        cohort: str | Path | None,
+        method: str | None = None,
+        top: int | None = None,
+        *,
+        index: SearchIndex | None = None,
     ) -> ScoreNorm | None:
         """search query's --cohort / --score-norm / --cohort-top (and Model.search's): None
-        without a cohort, else the cohort PREFIX's rows by `method` (asnorm by default); a
-        ValueError for options that do not fit, before any work."""
+        without a cohort, else the cohort PREFIX's rows by `method` (asnorm by default),
+        checked against `index` when given; a ValueError for options that do not fit, before
+        any query is embedded."""
         if cohort is None:
             if method not in (None, "none") or top is not None:
                 raise ValueError(
@@ -119,14 +124,17 @@ class ScoreNorm:
             return None
         if method == "none":
             raise ValueError(f"the cohort {cohort} is unused with --score-norm none; drop one")
-        return cls.of(Collection.open(cohort, flag="--cohort"), method or "asnorm", top)
+        norm = cls.of(Collection.open(cohort, flag="--cohort"), method or "asnorm", top)
+        if index is not None:
+            norm.check_dim(index)
+        return norm
 
     @classmethod
     def of(cls, collection: Collection, method: str, top: int | None = None) -> ScoreNorm:
         """S-norm or AS-norm (`top` by default audioclf.metrics.asnorm_top: 300, or a fifth
         of a smaller cohort) against every row of an embedded collection."""
-        if method not in SCORE_NORMS:
-            raise ValueError(f"score normalisation {method!r}: use one of {', '.join(SCORE_NORMS)}")
+        if method not in SCORE_NORMS or method == "none":
+            raise ValueError(f"score normalisation {method!r}: use snorm or asnorm")
         if collection.size < 2:
             raise ValueError(
                 f"the cohort {collection.npy} has {collection.size} row(s); it needs >= 2"
@@ -142,6 +150,14 @@ class ScoreNorm:
     @property
     def method(self) -> str:
         return "snorm" if self.top is None else "asnorm"
+
+    def check_dim(self, index: SearchIndex) -> None:
+        """One line naming both sides when the cohort and the index differ in dimension."""
+        if self.cohort.shape[1] != index.dim:
+            raise ValueError(
+                f"the cohort ({self.source}) is {self.cohort.shape[1]}-d but the index "
+                f"{index.describe()} is {index.dim}-d; embed both with the same model"
+            )
 
     def record(self) -> dict[str, Any]:
         """What a --json result records of the normalisation: method, cohort (and top)."""
@@ -203,11 +219,8 @@ def search_neighbours(
     its own item (class + item); with `score_norm` each row also has its normalised score
     (norm_score, float64), computed for the returned hits only."""
     check_query_dim(queries, index)
-    if score_norm is not None and score_norm.cohort.shape[1] != index.dim:
-        raise ValueError(
-            f"the cohort ({score_norm.source}) is {score_norm.cohort.shape[1]}-d but the index "
-            f"{index.describe()} is {index.dim}-d; embed both with the same model"
-        )
+    if score_norm is not None:
+        score_norm.check_dim(index)
     groups: dict[str, Any] = {}
     if exclude_same_item:
         groups["query_groups"], groups["index_groups"] = _group_codes(queries, collection)
