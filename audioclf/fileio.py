@@ -147,8 +147,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    return atomic_write(path, lambda handle: handle.write(data))
+def atomic_write_bytes(path: str | Path, data: bytes, *, sync: bool = False) -> Path:
+    return atomic_write(path, lambda handle: handle.write(data), sync=sync)
 
 
 def atomic_copy(source: str | Path, path: str | Path) -> Path:

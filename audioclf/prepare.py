@@ -4,6 +4,15 @@
     python -m audioclf.prepare --index IN --out DIR --config configs/cnn.yaml --workers 16
     python -m audioclf.prepare --index IN --out DIR --shard 3/8       # one of 8 machines/jobs
     python -m audioclf.prepare --from kaldi data/train --out train.csv  # import (docs/data.md)
+    python -m audioclf.prepare --index IN --out DIR --pack             # one feature pack
+    python -m audioclf.prepare --index FEATS.xlsx --out DIR --pack features.kind=npy
+
+--pack writes a feature pack instead of one .npy per row (audioclf.data.pack; docs/data.md,
+"Large datasets"): a few large data files of float16 frames (--pack-dtype float32 keeps fp32),
+class-major, with DIR/index.parquet to train on (data.index=DIR/index.parquet
+features.kind=npy): each training crop is then one positioned read. From audio it runs the
+front end as below; with features.kind=npy it packs the sheet's existing .npy files as they are
+(clips.npy_layout gives their axis order). Resumable after a kill; no --shard.
 
 --from kaldi|nemo|lhotse|wespeaker SOURCE writes the index sheet --out (.csv .xlsx .parquet) of
 another toolkit's dataset, segments as start/end seconds (audioclf.data.formats), and stops.
@@ -65,8 +74,10 @@ from pathlib import Path
 
 from audioclf.config import load_config
 from audioclf.data.formats import add_import_arguments, import_sheet
+from audioclf.data.pack import DTYPES
 from audioclf.errors import UsageError, run_cli
 from audioclf.precompute import Shard, Summary, prepare, train_command
+from audioclf.precompute.pack import pack_features
 
 PROG = "python -m audioclf.prepare"
 
@@ -154,6 +165,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="folder that relative paths in the sheet resolve against "
         "(default: data.root of the config, else the sheet's folder)",
     )
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="write a feature pack (a few large files, one read per crop) instead of one .npy "
+        "per row; features.kind=npy packs a sheet of .npy features as they are",
+    )
+    parser.add_argument(
+        "--pack-dtype",
+        choices=DTYPES,
+        default="float16",
+        help="with --pack: how frames are stored (default float16: half the bytes)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_import_arguments(parser)
     return parser.parse_intermixed_args(argv)  # options and files in any order
@@ -172,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --index SHEET (features) or --from FORMAT SOURCE (an import)")
     if args.root is not None:
         cfg.data.root = args.root
+    if args.pack:
+        return run_pack(args, shard, cfg)
     summary = prepare(
         args.index,
         args.out,
@@ -185,6 +210,34 @@ def run(args: argparse.Namespace) -> int:
     if summary.index_path is not None:
         command = train_command(summary.index_path, cfg, args.config)
     print_summary(summary, command)
+    return 0
+
+
+def run_pack(args: argparse.Namespace, shard: Shard, cfg) -> int:
+    if shard.count > 1:
+        raise UsageError("--pack writes one pack in one run: drop --shard")
+    summary = pack_features(
+        args.index,
+        args.out,
+        cfg,
+        workers=args.workers,
+        skip_bad=args.skip_bad,
+        dtype=args.pack_dtype,
+        progress=not args.quiet,
+    )
+    if summary.already_complete:
+        print(f"{args.out} already holds this pack (nothing to do)")
+    elif summary.resumed_at:
+        print(f"continued a pack that had {summary.resumed_at} of {summary.rows} rows done")
+    print(
+        f"{summary.rows} rows: {summary.packed} packed ({summary.frames:,} frames, "
+        f"{_size(summary.bytes)} in {summary.files} data file(s)), {summary.skipped} skipped; "
+        f"{summary.elapsed:.1f} s"
+    )
+    if summary.skipped_path is not None:
+        print(f"skipped files: {summary.skipped_path}")
+    print(f"index: {summary.index_path}")
+    print(f"train on it: {train_command(summary.index_path, cfg, args.config)}")
     return 0
 
 

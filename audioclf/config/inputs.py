@@ -30,7 +30,8 @@ class DataConfig:
     num_workers: int = 2  # DataLoader worker processes per rank
     pin_memory: bool = True  # pin host memory (only takes effect on CUDA)
     persistent_workers: bool = True  # keep workers alive between epochs
-    prefetch_factor: int = 2  # batches prefetched per worker
+    prefetch_factor: int = 2  # batches prefetched per worker (units of pack_read_batches from a feature pack)
+    pack_read_batches: int = 4  # training batches a worker reads from a feature pack in one go, its reads sorted by file and offset (docs/data.md, "Large datasets")
 
     def __post_init__(self) -> None:
         _check(self.header_row is None or self.header_row >= 1, "data.header_row",
@@ -38,6 +39,8 @@ class DataConfig:
         _check(0.0 <= self.val_ratio < 1.0, "data.val_ratio", self.val_ratio, "a number in [0, 1)")
         _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
         _check(self.prefetch_factor >= 1, "data.prefetch_factor", self.prefetch_factor, ">= 1")
+        _check(self.pack_read_batches >= 1, "data.pack_read_batches", self.pack_read_batches,
+               ">= 1")
 
 
 @dataclass

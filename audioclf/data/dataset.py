@@ -21,6 +21,7 @@ from torch import Tensor
 from audioclf.config import ClipsConfig, Config, FeaturesConfig
 from audioclf.data.augment import Augmenter
 from audioclf.data.index import Index, split_index
+from audioclf.data.pack import PackedFeatures
 from audioclf.data.readers import (
     AudioReadError,
     FeatureFileError,
@@ -66,6 +67,7 @@ class AudioDataset(torch.utils.data.Dataset):
         augment: Augmenter | None = None,
         skip_hint: str | None = None,
         spans: np.ndarray | None = None,
+        pack: PackedFeatures | None = None,
     ):
         labels = np.asarray(labels)
         if labels.ndim != 1 or len(labels) != len(paths):
@@ -90,6 +92,7 @@ class AudioDataset(torch.utils.data.Dataset):
         self.skip_bad_files = skip_bad_files
         self.skip_hint = skip_hint or SKIP_HINT
         self.augment = augment if augment is not None and augment.enabled and train else None
+        self.pack = pack
         self.skipped = 0
 
     @classmethod
@@ -118,6 +121,7 @@ class AudioDataset(torch.utils.data.Dataset):
             augment=augment,
             skip_hint=skip_hint,
             spans=table[["start", "end"]].to_numpy(np.float64) if "start" in table else None,
+            pack=PackedFeatures.of(table, cfg.features),
         )
 
     def __len__(self) -> int:
@@ -140,17 +144,18 @@ class AudioDataset(torch.utils.data.Dataset):
         return self.clips.crop_samples(self.cfg) if crop_samples is None else int(crop_samples)
 
     def __getitem__(self, key: int | tuple) -> Item | None:
-        position, crop_seed, crop_samples = _unpack(key)
+        position, crop_seed, crop_samples = unpack_key(key)
         if not 0 <= position < len(self.paths):
             raise IndexError(f"position {position} is out of range for {len(self.paths)} items")
         rng = np.random.default_rng(int(crop_seed)) if self.train else None
         path = self.paths[position]
+        where = f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
+        if self.pack is not None:  # a checked pack: nothing to skip, an error is the pack's
+            x = self._read_packed(position, rng, crop_samples, where)
+            return x, int(self.labels[position]), position
         try:
             x = self._read(path, rng, self._crop_samples(crop_samples), self._span(position))
         except (AudioReadError, FeatureFileError) as exc:
-            where = (
-                f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
-            )
             if not self.skip_bad_files:
                 raise type(exc)(
                     f"{where}: {exc}. Fix or remove the file, or {self.skip_hint} to skip "
@@ -160,6 +165,18 @@ class AudioDataset(torch.utils.data.Dataset):
             log.warning("skipping unreadable file at %s (%s): %s", where, path, exc)
             return None
         return x, int(self.labels[position]), position
+
+    def _read_packed(self, position: int, rng, crop_samples: int | None, where: str) -> Tensor:
+        """A packed sample's crop (training, centre crops) or evaluation clip, float32."""
+        cfg, clips = self.cfg, self.clips
+        if self.train or clips.eval_crop == "center":
+            n_frames, pad_mode = cfg.frames(self._crop_samples(crop_samples)), clips.pad_mode
+        else:
+            n_frames, pad_mode = clips.eval_max_frames(cfg), "none"
+        feats = self.pack.read_window(position, n_frames, rng, pad_mode, where)
+        if self.augment is not None:
+            feats = self.augment.log_mel(feats, rng)
+        return torch.from_numpy(feats)
 
     def _span(self, position: int) -> tuple[float, float] | None:
         """(start, end) seconds of a segment row; None: the whole file."""
@@ -238,7 +255,7 @@ def _checked_spans(spans: np.ndarray | None, count: int, kind: str) -> np.ndarra
     return spans
 
 
-def _unpack(key: int | tuple) -> tuple[int, int, int | None]:
+def unpack_key(key: int | tuple) -> tuple[int, int, int | None]:
     """(position, crop seed, crop samples or None) of a dataset key."""
     if not isinstance(key, tuple):
         return int(key), int(key), None

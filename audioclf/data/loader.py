@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from audioclf.config import Config
+from audioclf.data.batches import PackedBatchReader, Units, batches_of, unit_as_is
 from audioclf.data.dataset import AudioDataset, collate_padded
 from audioclf.data.index import Index
 from audioclf.data.sampler import MPerClassSampler
@@ -113,6 +114,7 @@ class TrainLoader:
         limit_batches: int = 0,
         restart_epoch: bool = False,
         crop_samples: Callable[[int], int] | None = None,
+        read_batches: int = 1,
         **kwargs,
     ):
         self.sampler = sampler
@@ -122,12 +124,17 @@ class TrainLoader:
         # Its own generator: creating the iterator must not consume the global torch RNG, or a
         # resumed run would see different SpecAugment masks and dropout than a straight one.
         generator = torch.Generator().manual_seed(seed)
-        self.loader = DataLoader(
-            dataset,
-            batch_sampler=SeededBatches(sampler, seed, crop_samples),
-            generator=generator,
-            **kwargs,
-        )
+        batches = SeededBatches(sampler, seed, crop_samples)
+        # A packed training set is read a unit of batches at a time (audioclf.data.batches).
+        self.packed = getattr(dataset, "pack", None) is not None
+        if self.packed:
+            kwargs = dict(kwargs, collate_fn=unit_as_is)
+            dataset, batches = PackedBatchReader(dataset), Units(batches, read_batches)
+            self.loader = DataLoader(
+                dataset, sampler=batches, batch_size=None, generator=generator, **kwargs
+            )
+        else:
+            self.loader = DataLoader(dataset, batch_sampler=batches, generator=generator, **kwargs)
 
     @classmethod
     def for_run(
@@ -161,6 +168,7 @@ class TrainLoader:
             limit_batches=cfg.train.limit_batches,
             restart_epoch=cfg.checkpoint.restart_epoch,
             crop_samples=crop_samples,
+            read_batches=cfg.data.pack_read_batches,
             **options,
         )
 
@@ -180,11 +188,12 @@ class TrainLoader:
         return min(left, max(0, self.limit_batches - self.position)) if self.limit_batches else left
 
     def __iter__(self) -> Iterator:
-        for batch in self.loader:
-            if self.limit_batches and self.position >= self.limit_batches:
-                return
-            self.position += 1
-            yield batch
+        for item in self.loader:
+            for batch in batches_of(item) if self.packed else (item,):
+                if self.limit_batches and self.position >= self.limit_batches:
+                    return
+                self.position += 1
+                yield batch
 
     def micro_batches(self, accumulate: int) -> Iterator[tuple[object, bool]]:
         """(batch, closes_group): groups of `accumulate` batches end at the epoch positions that

@@ -112,7 +112,7 @@ def _check_wav_length(path: str | Path) -> None:
             offset += 8 + length + (length & 1)
 
 
-def _crop_start(total: int, length: int, rng: np.random.Generator | None) -> int:
+def crop_start(total: int, length: int, rng: np.random.Generator | None) -> int:
     """First index of a `length` window inside `total` items: random with rng, else centred."""
     if rng is None:
         return (total - length) // 2
@@ -141,7 +141,7 @@ def crop_or_pad(
     if total == 0:
         raise ValueError("crop_or_pad got an empty waveform (0 samples)")
     if total >= length:
-        start = _crop_start(total, length, rng)
+        start = crop_start(total, length, rng)
         return wave[start : start + length]
     if pad_mode == "repeat":
         return wave.repeat(-(-length // total))[:length]
@@ -189,10 +189,16 @@ def read_npy_crop(
         raise FeatureFileError(f"cannot read feature file {path}: {exc}") from exc
     finally:
         os.close(fd)
+    return pad_window(window, total, n_frames, pad_mode)
+
+
+def pad_window(window: np.ndarray, total: int, n_frames: int | None, pad_mode: str) -> np.ndarray:
+    """A window [length, bins] cut from a sample of `total` frames, filled to `n_frames` when
+    the sample is shorter: tiled ("repeat"), zero-padded ("zeros") or left ("none")."""
     if n_frames is None or total >= n_frames or pad_mode == "none":
         return window
     if pad_mode == "repeat":
-        return np.resize(window, (n_frames, n_bins))  # np.resize tiles whole frames
+        return np.resize(window, (n_frames, window.shape[1]))  # np.resize tiles whole frames
     return np.pad(window, ((0, n_frames - total), (0, 0)))
 
 
@@ -212,7 +218,7 @@ def _read_npy_window(
         )
     total = shape[0] if layout == "frames_bins" else shape[1]
     length = total if n_frames is None else min(n_frames, total)
-    start = _crop_start(total, length, rng)
+    start = crop_start(total, length, rng)
     # On disk, frames are the outer axis of C-order frames_bins and Fortran-order
     # bins_frames files: the window is then one contiguous block.
     frames_outer = (layout == "frames_bins") != fortran_order

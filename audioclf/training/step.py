@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from audioclf import distributed
+from audioclf.data.batches import model_input
 from audioclf.precision import Precision
 
 
@@ -182,7 +183,7 @@ class TrainStep:
     def _inputs(self, batch) -> tuple[Tensor, Tensor, Tensor, bool]:
         """(x, lengths, labels) on the device, and whether the batch had no readable item (its
         x and lengths are then the placeholder's)."""
-        x, lengths, labels, _positions = batch
+        x, lengths, labels, _positions, *bin_offsets = batch  # a packed batch has offsets
         rows = labels.numel()
         if self.batch_size:
             self._totals[2] += self.batch_size - rows
@@ -193,7 +194,7 @@ class TrainStep:
             x, lengths = self.placeholder
             self._totals[3] += 1
         return (
-            x.to(self.device, non_blocking=True),
+            model_input(x, bin_offsets[0] if bin_offsets else None, self.device),
             lengths.to(self.device, non_blocking=True),
             labels.to(self.device, non_blocking=True),
             empty,

@@ -295,7 +295,15 @@ class Augmenter:
                 f"Augmenter.log_mel expects features [frames, {self.mel_centres_hz.shape[0]}] "
                 f"(features.n_mels), got shape {feats.shape}"
             )
-        offset_db = np.zeros(feats.shape[1])
+        offsets = self.log_mel_offsets(rng)
+        return feats if offsets is None else feats + offsets.astype(feats.dtype)
+
+    def log_mel_offsets(self, rng: np.random.Generator) -> np.ndarray | None:
+        """The per-bin log offsets (float32 [n_mels]) `log_mel` adds for this rng, or None when
+        it adds none; a batch reader applies them later, on the device."""
+        if not self.enabled:
+            return None
+        offset_db = np.zeros(self.mel_centres_hz.shape[0])
         changed = False
         if chance(rng, self.cfg.eq_prob):
             offset_db += curve_db(self._random_eq(rng), self.mel_eq_basis)
@@ -303,9 +311,7 @@ class Augmenter:
         if chance(rng, self.cfg.gain_prob):
             offset_db += uniform(rng, self.cfg.gain_db)
             changed = True
-        if not changed:
-            return feats
-        return feats + (offset_db * DB_TO_LOG_POWER).astype(feats.dtype)
+        return (offset_db * DB_TO_LOG_POWER).astype(np.float32) if changed else None
 
 
 def check_band(cfg: AugmentConfig, sample_rate: int) -> None:

@@ -13,7 +13,7 @@ import pandas as pd
 import pyarrow as pa
 
 from audioclf.config import DataConfig
-from audioclf.data.index.table import SPAN_COLUMNS, TABLE_COLUMNS
+from audioclf.data.index.table import PACK_COLUMNS, SPAN_COLUMNS, TABLE_COLUMNS
 from audioclf.fileio import atomic_write, file_stamp
 
 log = logging.getLogger("audioclf")
@@ -21,8 +21,8 @@ log = logging.getLogger("audioclf")
 
 # bump when the cached table's layout, its metadata or the validation rules change
 # (2: headers found, names matched loosely, "notes" in the metadata; 4: Windows paths as "/";
-# 5: start/end columns of segment rows)
-CACHE_VERSION = 5
+# 5: start/end columns of segment rows; 6: a feature pack's pack_offset/pack_frames)
+CACHE_VERSION = 6
 _CACHE_META_KEY = b"audioclf.index"
 
 
@@ -70,7 +70,8 @@ def read_cache(path: Path, stamp: dict) -> tuple[pd.DataFrame, dict] | None:
             if meta["stamp"] != stamp:
                 return None
             table = reader.read_all().to_pandas()
-        if tuple(table.columns) not in (TABLE_COLUMNS, TABLE_COLUMNS + SPAN_COLUMNS):
+        layouts = (TABLE_COLUMNS, TABLE_COLUMNS + SPAN_COLUMNS, TABLE_COLUMNS + PACK_COLUMNS)
+        if tuple(table.columns) not in layouts:
             raise ValueError(f"columns {list(table.columns)}")
         return table, meta
     except Exception as exc:  # a torn or foreign file: rebuild it

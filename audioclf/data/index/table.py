@@ -18,6 +18,8 @@ log = logging.getLogger("audioclf")
 TABLE_COLUMNS = ("cls", "item", "id", "path", "row", "split")
 # a sheet's optional segment columns (seconds), after TABLE_COLUMNS in a table of such a sheet
 SPAN_COLUMNS = ("start", "end")
+# a feature pack's index (audioclf.data.pack): each row's byte offset and frames in its data file
+PACK_COLUMNS = ("pack_offset", "pack_frames")
 SPLITS = ("train", "val", "test")
 SUPPORTED_FORMATS = ".xlsx, .xlsm, .csv, .parquet"
 # read_table's row at position p is sheet row p + FIRST_DATA_ROW (Excel's row, a csv's line), also
@@ -68,6 +70,8 @@ class Index:
     above the header), or position + 2 in a parquet file.
     start, end (float64 seconds), only when the sheet has start and end columns: the segment
     of the file a row is; NaN in both for a whole file.
+    pack_offset, pack_frames (int64), only in a feature pack's index: where the row's frames lie
+    in its data file (path).
     """
 
     table: pd.DataFrame

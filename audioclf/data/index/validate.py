@@ -18,6 +18,7 @@ from audioclf.data.index.header import fold, header_hint
 from audioclf.data.index.paths import WINDOWS_ROOT, render_template, resolve_paths, template_columns
 from audioclf.data.index.table import (
     FIRST_DATA_ROW,
+    PACK_COLUMNS,
     SHOW,
     SPAN_COLUMNS,
     SPLITS,
@@ -41,6 +42,7 @@ class _Columns:
     split: str | None  # the split column, when the sheet has one
     use_template: bool  # paths come from data.path_template (the sheet has no path column)
     span: tuple[str, ...] = ()  # the sheet's start and end columns (segment rows), when it has them
+    pack: tuple[str, ...] = ()  # PACK_COLUMNS, in a feature pack's index
 
 
 def validate_table(
@@ -68,6 +70,7 @@ def validate_table(
             "row": rows,
             "split": split,
             **_span_values(cells, rows, columns.span, source),
+            **_pack_values(cells, rows, columns.pack, source),
         }
     ).reset_index(drop=True)
     return table, _small_class_warnings(table, source), list(notes)
@@ -97,7 +100,8 @@ def _columns(raw: pd.DataFrame, cfg: DataConfig, source: Path, header: SheetHead
     else:
         required[cfg.path_column] = "path"
     split = cfg.split_column if cfg.split_column in raw.columns else None
-    return _Columns(required, split, use_template, _span_columns(raw, source))
+    pack = PACK_COLUMNS if all(c in raw.columns for c in PACK_COLUMNS) else ()
+    return _Columns(required, split, use_template, _span_columns(raw, source), pack)
 
 
 def _span_columns(raw: pd.DataFrame, source: Path) -> tuple[str, ...]:
@@ -138,7 +142,8 @@ def _data_rows(
     raw: pd.DataFrame, columns: _Columns, source: Path, header: SheetHeader
 ) -> tuple[pd.DataFrame, np.ndarray]:
     """The used columns' cells, stripped, of the rows that hold data; and their sheet rows."""
-    used = [*columns.required, *([columns.split] if columns.split else []), *columns.span]
+    split = [columns.split] if columns.split else []
+    used = [*columns.required, *split, *columns.span, *columns.pack]
     cells = pd.DataFrame({name: raw[name].str.strip() for name in dict.fromkeys(used)})
     rows = np.arange(len(cells), dtype=np.int64) + FIRST_DATA_ROW
     blank = (cells == "").all(axis=1).to_numpy()  # trailing/separator rows: not data
@@ -231,6 +236,27 @@ def _span_values(
             "Fix those cells"
         )
     return {"start": start, "end": end}
+
+
+def _pack_values(
+    cells: pd.DataFrame, rows: np.ndarray, pack: tuple[str, ...], source: Path
+) -> dict[str, np.ndarray]:
+    """{"pack_offset": bytes, "pack_frames": frames} (int64) of a feature pack's index, {} for
+    another sheet; raises on a cell that is not a whole number in range."""
+    if not pack:
+        return {}
+    values = {name: pd.to_numeric(cells[name], errors="coerce").to_numpy() for name in pack}
+    bad = np.zeros(len(rows), dtype=bool)
+    for name, minimum in zip(pack, (0, 1), strict=True):
+        number = values[name]
+        bad |= ~np.isfinite(number) | (number < minimum) | (number != np.round(number))
+    if bad.any():
+        raise IndexValidationError(
+            f"index file {source} is a feature pack's index, but {rows_text(rows[bad])} hold no "
+            f"byte offset >= 0 and frame count >= 1 in {names_text(pack)}; use the index.parquet "
+            "that python -m audioclf.prepare --pack wrote"
+        )
+    return {name: values[name].astype(np.int64) for name in pack}
 
 
 def check_spans(table: pd.DataFrame) -> list[tuple[int, str]]:

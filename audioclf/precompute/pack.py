@@ -1,0 +1,462 @@
+"""Writing a feature pack (audioclf.data.pack): the library under `prepare --pack`.
+
+    summary = pack_features(Path("in.xlsx"), Path("DIR"), cfg, workers=8, skip_bad=False)
+
+The sheet's rows are packed class-major (sorted by class, item, id). With features.kind=audio
+each file goes through the front end (the log-mel prepare writes); with features.kind=npy each
+.npy file is packed as it is (clips.npy_layout says its axis order; stored as frames × bins). A
+pool of workers reads and converts samples in order; this process appends them to the data
+files, each at most `file_bytes` long.
+
+Durable and resumable: after every chunk of rows the data file and DIR/.pack-rows.bin (each
+packed row's record) are fsynced and DIR/.pack-progress.json is replaced, naming the rows done
+and the data files' sizes. A killed run (kill -9, a full disk, a reboot) is continued by the
+next run with the same sheet and settings: it cuts the files back to the recorded sizes and
+goes on from the next row. Until the end DIR has no index.parquet, so nothing can train on a
+half pack; pack.json and then index.parquet are the last files written. A run with another
+sheet (or the same sheet changed since) or other settings into an unfinished or finished pack
+is refused, as is a second packer on the same folder (a lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from audioclf.config import Config
+from audioclf.data.index import Index, load_index, read_table
+from audioclf.data.index.table import FIRST_DATA_ROW, PACK_COLUMNS, SPAN_COLUMNS, rows_text
+from audioclf.data.pack import (
+    DTYPES,
+    FORMAT,
+    INDEX,
+    MANIFEST,
+    ROWS,
+    VERSION,
+    data_file_name,
+    feature_settings,
+)
+from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError, load_audio
+from audioclf.fileio import atomic_write_bytes
+from audioclf.outputs import FolderLock, write_skipped
+from audioclf.spectrogram import log_mel
+
+PROGRESS = ".pack-progress.json"
+RECORDS = ".pack-rows.bin"  # int64 (position, file, offset, frames) per packed row, appended
+SKIPPED = "skipped.csv"
+CHUNK_ROWS = 32  # rows per worker task; the progress is made durable after each
+DEFAULT_FILE_BYTES = 64 << 30  # a data file is started anew past this size
+
+
+@dataclass
+class PackSummary:
+    rows: int = 0  # rows of the sheet
+    packed: int = 0  # rows in the pack (this run and before)
+    resumed_at: int = 0  # rows a killed run had packed already
+    skipped: int = 0
+    frames: int = 0
+    bytes: int = 0  # of the data files
+    files: int = 0
+    elapsed: float = 0.0
+    already_complete: bool = False
+    index_path: Path | None = None
+    skipped_path: Path | None = None
+
+
+@dataclass
+class _Progress:
+    """What has been packed so far (DIR/.pack-progress.json)."""
+
+    key: str
+    rows_done: int = 0  # positions of the class-major order handled (packed or skipped)
+    files: list[int] = field(default_factory=list)  # sizes of data-00000.bin, ...
+    records: int = 0  # records in .pack-rows.bin
+    skipped: dict[int, str] = field(default_factory=dict)  # table position -> reason
+
+
+def pack_features(
+    index_path: Path,
+    out_dir: Path,
+    cfg: Config,
+    *,
+    workers: int,
+    skip_bad: bool,
+    dtype: str = "float16",
+    file_bytes: int = DEFAULT_FILE_BYTES,
+    progress: bool = True,
+    on_chunk: Callable[[int], None] | None = None,
+) -> PackSummary:
+    """Pack the rows of `index_path` into `out_dir` (see the module docstring); `on_chunk(rows
+    done)` is called after each durable chunk. Raises ValueError on bad input."""
+    start = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ValueError(f"--pack-dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    data = dataclasses.replace(
+        cfg.data, index=str(index_path), check_files=cfg.data.check_files and not skip_bad
+    )
+    index = load_index(data)
+    not_readable = _check_sources(index, cfg.features.kind, skip_bad)
+    order = class_major(index.table)
+    key = _pack_key(index.source, cfg, dtype)
+    summary = PackSummary(rows=len(order))
+    with _pack_lock(out_dir):
+        state = _start(out_dir, key, index.source)
+        if state is None:
+            summary.already_complete = True
+            return _finished(summary, out_dir, start)
+        summary.resumed_at = state.rows_done
+        with _DataWriter(out_dir, state, file_bytes) as writer:
+            for chunk in _samples(index, order, state, cfg, dtype, workers, progress):
+                for position, sample, reason in chunk:
+                    if position in not_readable:
+                        state.skipped[position] = not_readable[position]
+                    elif sample is None:
+                        if not skip_bad:
+                            raise _unreadable(index, position, reason)
+                        state.skipped[position] = reason
+                    else:
+                        writer.append(position, sample)
+                state.rows_done += len(chunk)
+                writer.commit()
+                if on_chunk is not None:
+                    on_chunk(state.rows_done)
+        summary.skipped_path = write_skipped(out_dir / SKIPPED, index.table, state.skipped)
+        _write_pack(index, data, cfg, dtype, out_dir, state)
+    return _finished(summary, out_dir, start)
+
+
+def class_major(table: pd.DataFrame) -> np.ndarray:
+    """Table positions sorted by (class, item, id): the order samples lie in a pack."""
+    return np.lexsort((table["id"].to_numpy(), table["item"].to_numpy(), table["cls"].to_numpy()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Input and settings
+
+
+def _check_sources(index: Index, kind: str, skip_bad: bool) -> dict[int, str]:
+    """Positions of rows that are not files of `kind` → reason (refused unless `skip_bad`)."""
+    table = index.table
+    if PACK_COLUMNS[0] in table.columns:
+        raise ValueError(f"index file {index.source} is a feature pack's index already")
+    suffixes = table["path"].str.extract(r"(\.[^./\\]*)$", expand=False).fillna("").str.lower()
+    if kind == "npy":
+        good, wanted = (suffixes == ".npy").to_numpy(), ".npy feature files (features.kind=npy)"
+    else:
+        good, wanted = suffixes.isin(AUDIO_SUFFIXES).to_numpy(), "audio files (features.kind=audio)"
+    if good.all():
+        return {}
+    if not skip_bad:
+        raise ValueError(
+            f"index file {index.source}: {int((~good).sum())} file(s) are not {wanted} "
+            f"({rows_text(table['row'][~good])}, e.g. {table['path'][~good].iloc[0]}); set "
+            "features.kind to what the sheet lists, fix the sheet, or pass --skip-bad"
+        )
+    return {int(p): f"not one of the {wanted}" for p in np.flatnonzero(~good)}
+
+
+def _pack_key(source: Path, cfg: Config, dtype: str) -> str:
+    """Names one pack: the sheet's content, the table's settings, the features, the dtype."""
+    data = cfg.data
+    shaping = [
+        VERSION,
+        dtype,
+        cfg.features.kind,
+        cfg.clips.npy_layout,
+        feature_settings(cfg.features),
+        [data.sheet, data.class_column, data.item_column, data.id_column, data.path_column],
+        [data.path_template, data.split_column, data.root],
+    ]
+    digest = hashlib.blake2b(source.read_bytes(), digest_size=16)
+    digest.update(json.dumps(shaping, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _pack_lock(out_dir: Path) -> FolderLock:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} exists and is not a folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return FolderLock(
+        out_dir / ".pack.lock",
+        what=f"--out {out_dir}",
+        by="another prepare --pack",
+        fix="wait for it to finish, or choose another --out",
+    )
+
+
+def _start(out_dir: Path, key: str, source: Path) -> _Progress | None:
+    """The progress to continue (a fresh one for an empty folder); None when the pack with this
+    key is complete. Raises for a folder holding anything else."""
+    manifest, progress = out_dir / MANIFEST, out_dir / PROGRESS
+    other = f"choose another --out, or delete {out_dir} to pack it anew"
+    if manifest.is_file() and not progress.is_file():
+        try:
+            earlier = json.loads(manifest.read_text())
+        except ValueError:
+            earlier = {}
+        if earlier.get("source", {}).get("key") == key and (out_dir / INDEX).is_file():
+            return None
+        raise ValueError(
+            f"--out {out_dir} holds a feature pack of another sheet or settings (or of {source} "
+            f"before it changed); {other}"
+        )
+    if progress.is_file():
+        try:
+            saved = json.loads(progress.read_text())
+            state = _Progress(
+                saved["key"],
+                saved["rows_done"],
+                saved["files"],
+                saved["records"],
+                {int(p): r for p, r in saved["skipped"].items()},
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{progress} is damaged ({exc}); {other}") from None
+        if state.key != key:
+            raise ValueError(
+                f"--out {out_dir} holds an unfinished pack of another sheet or settings (or of "
+                f"{source} before it changed); {other}"
+            )
+        return state
+    if any(not p.name.startswith(".") for p in out_dir.iterdir()):
+        raise ValueError(f"--out {out_dir} is not empty and holds no pack; {other}")
+    return _Progress(key)
+
+
+def _unreadable(index: Index, position: int, reason: str) -> AudioReadError:
+    table = index.table
+    return AudioReadError(
+        f"row {int(table['row'].iat[position])} of {index.source} (id "
+        f"{table['id'].iat[position]!r}): {reason}. Fix or remove the row, or pass --skip-bad to "
+        f"list it in {SKIPPED} and leave it out of the pack"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading samples, in order, in a pool of workers
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """How a worker turns one row into the pack's bytes."""
+
+    features: object  # FeaturesConfig
+    layout: str  # clips.npy_layout of .npy sources
+    dtype: str
+
+    def sample(self, path: str, span) -> tuple[np.ndarray | None, str]:
+        """(frames [T, bins] in the pack's dtype, "") or (None, why it cannot be packed)."""
+        try:
+            frames = self._float_frames(path, span)
+        except (AudioReadError, OSError, ValueError, EOFError) as exc:
+            return None, str(exc)
+        bins = self.features.n_mels
+        if frames.ndim != 2 or frames.shape[1] != bins or frames.shape[0] == 0:
+            return None, (
+                f"{path} holds an array of shape {frames.shape}, not [frames, {bins}] "
+                f"(features.n_mels={bins}, clips.npy_layout={self.layout})"
+            )
+        if not np.isfinite(frames).all():
+            return None, f"{path} has non-finite values (NaN or inf)"
+        packed = frames.astype(self.dtype)
+        if not np.isfinite(packed).all():
+            return None, (
+                f"{path} has values beyond float16's range (±65504); pack with --pack-dtype float32"
+            )
+        return packed, ""
+
+    def _float_frames(self, path: str, span) -> np.ndarray:
+        if self.features.kind == "audio":
+            return log_mel(load_audio(path, self.features.sample_rate, span), self.features)
+        array = np.load(path, allow_pickle=False)
+        if array.dtype.kind != "f":
+            raise ValueError(f"{path} holds {array.dtype} values, not floats")
+        if array.ndim == 2 and self.layout == "bins_frames":
+            array = array.T
+        return np.ascontiguousarray(array, dtype=np.float32)
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(reader: _Reader) -> None:
+    torch.set_num_threads(1)  # one clip is too small to share between threads
+    _WORKER["reader"] = reader
+
+
+def _read_chunk(tasks: list[tuple[int, str, object]]) -> list[tuple[int, object, str]]:
+    reader = _WORKER["reader"]
+    return [(position, *reader.sample(path, span)) for position, path, span in tasks]
+
+
+def _samples(
+    index: Index, order: np.ndarray, state: _Progress, cfg: Config, dtype, workers, progress
+) -> Iterator[list[tuple[int, object, str]]]:
+    """Chunks of (position, frames or None, reason) in pack order, from state.rows_done on."""
+    table = index.table
+    paths = table["path"].to_numpy()
+    spans = table[list(SPAN_COLUMNS)].to_numpy(np.float64) if "start" in table else None
+
+    def span(p: int):
+        return None if spans is None or np.isnan(spans[p, 0]) else tuple(map(float, spans[p]))
+
+    todo = order[state.rows_done :].tolist()
+    chunks = [
+        [(p, str(paths[p]), span(p)) for p in todo[i : i + CHUNK_ROWS]]
+        for i in range(0, len(todo), CHUNK_ROWS)
+    ]
+    reader = _Reader(cfg.features, cfg.clips.npy_layout, dtype)
+    bar = tqdm(
+        total=len(order),
+        initial=state.rows_done,
+        desc="pack",
+        unit="row",
+        disable=None if progress else True,
+        dynamic_ncols=True,
+    )
+    with contextlib.ExitStack() as stack:
+        stack.callback(bar.close)
+        workers = max(1, min(workers, len(chunks)))
+        if workers == 1:
+            _init_worker(reader)
+            results = map(_read_chunk, chunks)
+        else:
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+            pool = stack.enter_context(context.Pool(workers, _init_worker, (reader,)))
+            results = pool.imap(_read_chunk, chunks)  # in order: the pack is sequential
+        for chunk in results:
+            bar.update(len(chunk))
+            yield chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# The data files
+
+
+class _DataWriter:
+    """Appends samples to the data files and makes the progress durable (`commit`)."""
+
+    def __init__(self, out_dir: Path, state: _Progress, file_bytes: int):
+        self.out_dir, self.state, self.file_bytes = out_dir, state, file_bytes
+        if not state.files:
+            state.files.append(0)
+        _cut_back(out_dir, state)
+        self.handle = open(out_dir / data_file_name(len(state.files) - 1), "r+b")
+        self.handle.seek(state.files[-1])
+        self.records = open(out_dir / RECORDS, "r+b")
+        self.records.seek(state.records * 32)
+
+    def append(self, position: int, frames: np.ndarray) -> None:
+        data = memoryview(frames).cast("B")
+        if self.state.files[-1] and self.state.files[-1] + len(data) > self.file_bytes:
+            self._sync()
+            self.handle.close()
+            self.state.files.append(0)
+            self.handle = open(self.out_dir / data_file_name(len(self.state.files) - 1), "w+b")
+        record = (position, len(self.state.files) - 1, self.state.files[-1], frames.shape[0])
+        self.handle.write(data)
+        self.records.write(np.asarray(record, dtype="<i8").tobytes())
+        self.state.files[-1] += len(data)
+        self.state.records += 1
+
+    def commit(self) -> None:
+        """The data and the records on disk, then the progress that names them."""
+        self._sync()
+        state = self.state
+        saved = dataclasses.asdict(state)
+        saved["skipped"] = {str(p): r for p, r in state.skipped.items()}
+        atomic_write_bytes(self.out_dir / PROGRESS, json.dumps(saved).encode(), sync=True)
+
+    def _sync(self) -> None:
+        for handle in (self.handle, self.records):
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def __enter__(self) -> _DataWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.close()
+        self.records.close()
+
+
+def _cut_back(out_dir: Path, state: _Progress) -> None:
+    """Files as the progress recorded them: longer ones cut back (a killed run wrote past its
+    last commit), later ones removed, missing ones created empty."""
+    for number, size in enumerate(state.files):
+        path = out_dir / data_file_name(number)
+        with open(path, "ab") as handle:
+            handle.truncate(size)
+    for path in out_dir.glob("data-*.bin"):
+        if int(path.stem.split("-")[1]) >= len(state.files):
+            path.unlink()
+    with open(out_dir / RECORDS, "ab") as handle:
+        handle.truncate(state.records * 32)
+    for stale in (MANIFEST, INDEX, ROWS):
+        (out_dir / stale).unlink(missing_ok=True)
+
+
+def _write_pack(index: Index, data, cfg: Config, dtype: str, out_dir: Path, state: _Progress):
+    """rows.npy, pack.json and, last, index.parquet; then the progress files go."""
+    records = np.fromfile(out_dir / RECORDS, dtype="<i8").reshape(-1, 4)
+    atomic_write_bytes(out_dir / ROWS, _npy_bytes(records[:, 1:]), sync=True)
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype,
+        "bins": cfg.features.n_mels,
+        "layout": "frames_bins",
+        "features": feature_settings(cfg.features) if cfg.features.kind == "audio" else None,
+        "rows": len(records),
+        "frames": int(records[:, 3].sum()),
+        "files": [{"name": data_file_name(i), "bytes": size} for i, size in enumerate(state.files)],
+        "source": {"sheet": str(index.source), "kind": cfg.features.kind, "key": state.key},
+    }
+    atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    raw = read_table(index.source, data)
+    table = index.table
+    positions = records[:, 0]
+    out = raw.iloc[table["row"].to_numpy()[positions] - FIRST_DATA_ROW].reset_index(drop=True)
+    out = out.drop(columns=[c for c in out.columns if c.strip().lower() in SPAN_COLUMNS])
+    out[data.path_column] = [data_file_name(int(f)) for f in records[:, 1]]
+    out[PACK_COLUMNS[0]] = records[:, 2]
+    out[PACK_COLUMNS[1]] = records[:, 3]
+    buffer = io.BytesIO()
+    out.to_parquet(buffer, index=False)
+    atomic_write_bytes(out_dir / INDEX, buffer.getvalue(), sync=True)
+    (out_dir / PROGRESS).unlink()
+    (out_dir / RECORDS).unlink()
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array, dtype=np.int64))
+    return buffer.getvalue()
+
+
+def _finished(summary: PackSummary, out_dir: Path, start: float) -> PackSummary:
+    manifest = json.loads((out_dir / MANIFEST).read_text())
+    summary.packed, summary.frames = manifest["rows"], manifest["frames"]
+    summary.files = len(manifest["files"])
+    summary.bytes = sum(f["bytes"] for f in manifest["files"])
+    summary.skipped = summary.rows - summary.packed
+    summary.index_path = out_dir / INDEX
+    summary.elapsed = time.perf_counter() - start
+    return summary
