@@ -274,7 +274,8 @@ class _Reader:
             )
         if not np.isfinite(frames).all():
             return None, f"{path} has non-finite values (NaN or inf)"
-        packed = frames.astype(self.dtype)
+        with np.errstate(over="ignore"):  # an overflow to inf is the check below
+            packed = frames.astype(self.dtype)
         if not np.isfinite(packed).all():
             return None, (
                 f"{path} has values beyond float16's range (±65504); pack with --pack-dtype float32"
