@@ -225,19 +225,7 @@ def run_pack(args: argparse.Namespace, shard: Shard, cfg) -> int:
         dtype=args.pack_dtype,
         progress=not args.quiet,
     )
-    if summary.already_complete:
-        print(f"{args.out} already holds this pack (nothing to do)")
-    elif summary.resumed_at:
-        print(f"continued a pack that had {summary.resumed_at} of {summary.rows} rows done")
-    print(
-        f"{summary.rows} rows: {summary.packed} packed ({summary.frames:,} frames, "
-        f"{_size(summary.bytes)} in {summary.files} data file(s)), {summary.skipped} skipped; "
-        f"{summary.elapsed:.1f} s"
-    )
-    if summary.skipped_path is not None:
-        print(f"skipped files: {summary.skipped_path}")
-    print(f"index: {summary.index_path}")
-    print(f"train on it: {train_command(summary.index_path, cfg, args.config)}")
+    print("\n".join(summary.lines(train_command(summary.index_path, cfg, args.config))))
     return 0
 
 

@@ -331,11 +331,11 @@ def main() -> int:
         mel_augment = alone(features, eq_prob=1.0, gain_prob=1.0)
 
         def npy_read(path: Path, seed: int) -> np.ndarray:
-            return read_npy_crop(path, 201, np.random.default_rng(seed), "frames_bins", 64)
+            return read_npy_crop(path, 201, seed, "frames_bins", 64)
 
         def npy_read_augment(path: Path, seed: int) -> np.ndarray:
             rng = np.random.default_rng(seed)
-            return mel_augment.log_mel(read_npy_crop(path, 201, rng, "frames_bins", 64), rng)
+            return mel_augment.log_mel(read_npy_crop(path, 201, seed, "frames_bins", 64), rng)
 
         npy_loops = {
             "log-mel read_npy_crop alone": npy_read,

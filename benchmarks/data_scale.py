@@ -58,20 +58,19 @@ from pathlib import Path
 
 import numpy as np
 import openpyxl
+import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from audioclf.config import load_config  # noqa: E402
-from audioclf.data.dataset import (  # noqa: E402
-    AudioDataset,
-    collate_padded,
-    split_datasets,  # noqa: E402
-)
-from audioclf.data.index import load_index, split_index  # noqa: E402
+from audioclf.data.dataset import collate_padded, split_datasets  # noqa: E402
+from audioclf.data.index import load_index  # noqa: E402
 from audioclf.data.loader import SeededBatches, TrainLoader, loader_kwargs  # noqa: E402
-from audioclf.data.readers import read_npy_crop  # noqa: E402
+from audioclf.data.pack import PackedFeatures  # noqa: E402
+from audioclf.data.readers import read_npy_crop, window_starts  # noqa: E402
 from audioclf.data.sampler import MPerClassSampler  # noqa: E402
+from audioclf.precompute.pack import pack_features  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from feature_read import drop_from_page_cache  # noqa: E402
@@ -332,17 +331,33 @@ def first_keys(sampler: MPerClassSampler, seed: int, batches: int) -> list[tuple
     return keys
 
 
+def rchar(pids: list[int]) -> int:
+    """Bytes these processes have asked read syscalls for so far (/proc/PID/io rchar)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/io") as handle:
+                total += int(next(line for line in handle if line.startswith("rchar")).split()[1])
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def crop_frames(cfg) -> int:
+    return cfg.features.frames(cfg.clips.crop_samples(cfg.features))
+
+
 def ceiling(keys, paths: np.ndarray, cfg) -> tuple[float, float]:
     """(crops/s, CPU seconds per second) of read_npy_crop alone, in this process, on the
     loader's (path, crop seed) pairs."""
     features, clips = cfg.features, cfg.clips
-    frames = clips.crop_frames(features)
+    frames = crop_frames(cfg)
     start, start_cpu = time.perf_counter(), time.process_time()
     for position, crop_seed in keys:
         crop = read_npy_crop(
             paths[position],
             frames,
-            np.random.default_rng(crop_seed),
+            crop_seed,
             clips.npy_layout,
             features.n_mels,
             clips.pad_mode,
@@ -350,6 +365,25 @@ def ceiling(keys, paths: np.ndarray, cfg) -> tuple[float, float]:
     elapsed = time.perf_counter() - start
     assert crop.shape == (frames, features.n_mels)
     return len(keys) / elapsed, (time.process_time() - start_cpu) / elapsed
+
+
+def pread_ceiling(keys, pack: PackedFeatures, frames: int) -> tuple[float, float]:
+    """(crops/s, CPU s per s) of a bare loop of one os.preadv per crop into one buffer, on the
+    same crops the packed loader reads (their file, offset and length worked out beforehand)."""
+    jobs = []
+    for position, crop_seed in keys:
+        total = int(pack.frames[position])
+        length = min(frames, total)
+        start = int(window_starts(crop_seed, total, length)[0])
+        offset = int(pack.offsets[position]) + start * pack.frame_bytes
+        jobs.append((pack.fd(int(pack.file_ids[position])), offset, length * pack.frame_bytes))
+    buffer = memoryview(bytearray(frames * pack.frame_bytes))
+    preadv = os.preadv
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for fd, offset, nbytes in jobs:
+        preadv(fd, [buffer[:nbytes]], offset)
+    elapsed = time.perf_counter() - start
+    return len(jobs) / elapsed, (time.process_time() - start_cpu) / elapsed
 
 
 def batch_costs(dataset, keys, batch_size: int, batches: int = 8) -> tuple[float, float, float]:
@@ -371,7 +405,8 @@ def batch_costs(dataset, keys, batch_size: int, batches: int = 8) -> tuple[float
 
 
 class LoaderRun:
-    """One DataLoader over the trainer's sampler and dataset, iterated batch by batch."""
+    """One TrainLoader over the trainer's sampler and a dataset (per-file or packed), iterated
+    batch by batch."""
 
     def __init__(self, cfg, dataset, sampler: MPerClassSampler, workers: int):
         sampler.set_epoch(EPOCH)
@@ -384,43 +419,47 @@ class LoaderRun:
             torch.device("cpu"),
         )
         self.workers = workers
-        self.loader = TrainLoader(dataset, sampler, seed=cfg.train.seed, **kwargs)
-        self.batch_size = cfg.sampler.batch_size
-        self.shape = (
-            cfg.sampler.batch_size,
-            cfg.clips.crop_frames(cfg.features),
-            cfg.features.n_mels,
+        self.loader = TrainLoader(
+            dataset,
+            sampler,
+            seed=cfg.train.seed,
+            read_batches=cfg.data.pack_read_batches,
+            **kwargs,
         )
+        self.batch_size = cfg.sampler.batch_size
+        self.shape = (cfg.sampler.batch_size, crop_frames(cfg), cfg.features.n_mels)
         start = time.perf_counter()
         self.iterator = iter(self.loader)
         self.next_batch()
         self.first_batch_s = time.perf_counter() - start
         self.received = 1
         # Until every worker has delivered a batch, throughput would include start-up.
-        while self.received < max(workers, 1):
+        while self.received < max(workers, 1) * max(1, cfg.data.pack_read_batches):
             self.next_batch()
             self.received += 1
         self.pids = children(os.getpid()) if workers else []
+        self.bytes_read = 0
 
     def next_batch(self) -> None:
         try:
-            x, lengths, labels, positions = next(self.iterator)
+            x = next(self.iterator)[0]
         except StopIteration:  # the next epoch, on the same (persistent) workers
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.iterator = iter(self.loader)
-            x, lengths, labels, positions = next(self.iterator)
+            x = next(self.iterator)[0]
         if tuple(x.shape) != self.shape:
             raise RuntimeError(f"batch of shape {tuple(x.shape)}, expected {self.shape}")
 
     def rate(self, batches: int) -> tuple[float, float]:
         """(crops/s over the next `batches` batches, CPU seconds per second of the workers, or of
-        this process with 0 workers)."""
+        this process with 0 workers); adds the workers' read bytes to bytes_read."""
         pids = self.pids or [os.getpid()]
-        cpu0, start = cpu_seconds(pids), time.perf_counter()
+        cpu0, read0, start = cpu_seconds(pids), rchar(pids), time.perf_counter()
         for _ in range(batches):
             self.next_batch()
         elapsed = time.perf_counter() - start
         self.received += batches
+        self.bytes_read += rchar(pids) - read0
         return batches * self.batch_size / elapsed, (cpu_seconds(pids) - cpu0) / elapsed
 
     def close(self) -> None:
@@ -437,10 +476,68 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+# ------------------------------------------------------------------------------ the pack
+
+
+def make_pack(workdir: Path, features: list[Path], bins: int, seed: int) -> Path:
+    """A feature pack of the distinct feature files (prepare --pack, features.kind=npy): one
+    sample per file, as a real pack holds one per row. Kept between runs (a complete pack is not
+    written again)."""
+    folder = workdir / f"pack_f{len(features)}_s{seed}"
+    sheet = workdir / f"files_f{len(features)}.csv"
+    if not sheet.is_file():
+        names = [f"f{i:05d}" for i in range(len(features))]
+        frame = pd.DataFrame(
+            {"a_cls": names, "a_item": "0", "a_id": names, "path": [str(p) for p in features]}
+        )
+        frame.to_csv(sheet, index=False)
+    cfg = load_config(None, [f"data.index={sheet}", "features.kind=npy", f"features.n_mels={bins}"])
+    start = time.perf_counter()
+    with warnings.catch_warnings():  # one item per class: no training on this sheet
+        warnings.simplefilter("ignore", UserWarning)
+        summary = pack_features(
+            sheet, folder, cfg, workers=os.cpu_count() or 1, skip_bad=False, progress=False
+        )
+    if not summary.already_complete:
+        print(
+            f"  packed {summary.packed} files into {folder} ({summary.bytes / 1e9:.2f} GB, "
+            f"{summary.files} data files) in {time.perf_counter() - start:.1f} s"
+        )
+    return folder
+
+
+def packed_rows_index(pack_dir: Path, sheet: Path, rows: int, files: int, seed: int) -> Path:
+    """The per-file sheet's rows (same order, classes, items and ids) as a packed index: each
+    row points at the packed sample of the very file its hard link names."""
+    out = pack_dir / f"rows_r{rows}.parquet"
+    if out.is_file():
+        return out
+    samples = pd.read_parquet(pack_dir / "index.parquet").set_index("a_id")
+    data = synthesize_rows(rows, files, seed)
+    of_file = samples.loc[[f"f{i:05d}" for i in range(files)]]
+    chosen = of_file.iloc[data["file"]]
+    frame = pd.DataFrame(
+        {
+            "a_cls": data["a_cls"],
+            "a_item": data["a_item"],
+            "a_id": data["a_id"],
+            "path": chosen["path"].to_numpy(),
+            "pack_offset": chosen["pack_offset"].to_numpy(),
+            "pack_frames": chosen["pack_frames"].to_numpy(),
+        }
+    )
+    frame.to_parquet(out, index=False)
+    return out
+
+
+def data_files(pack_dir: Path) -> list[Path]:
+    return sorted(pack_dir.glob("data-*.bin"))
+
+
 # ------------------------------------------------------------------------------ main
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=400_000, help="rows of the index sheet")
     parser.add_argument("--files", type=int, default=2_000, help="distinct .npy feature files")
@@ -450,13 +547,13 @@ def main() -> int:
         "--batches",
         type=int,
         default=2_000,
-        help="batches of the memory run (worker memory at start and after these)",
+        help="batches of the memory runs (worker memory at start and after these)",
     )
     parser.add_argument(
         "--memory-workers",
         type=int,
         default=2,
-        help="workers of the memory run (2 = data.num_workers' default)",
+        help="workers of the memory runs (2 = data.num_workers' default)",
     )
     parser.add_argument(
         "--measure",
@@ -464,70 +561,55 @@ def main() -> int:
         default=60,
         help="timed batches per throughput run (after each worker's first batch)",
     )
+    parser.add_argument(
+        "--read-batches",
+        type=int,
+        default=None,
+        help="data.pack_read_batches of the packed loader (default: the config's)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthesized data")
     parser.add_argument(
         "--workdir",
         type=Path,
         default=Path("/tmp/audioclf_scale"),
-        help="where the files and sheet are kept between runs",
+        help="where the files, sheets and the pack are kept between runs",
     )
-    parser.add_argument(
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: 20k rows, 100 files, workers 1,2, 200 memory batches",
+        help="a short run: 20k rows, 100 files, workers 1,2, 200 memory batches",
+    )
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run, seconds (what the test suite runs): 2,000 rows, 16 files of "
+        "2,000-3,000 frames, one worker, 20 memory batches",
     )
     args = parser.parse_args()
     if args.quick:
         args.rows, args.files, args.workers = 20_000, 100, "1,2"
         args.batches, args.measure = 200, 30
-    worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
-    if not worker_counts or min(worker_counts) < 1:
+    if args.smoke:
+        args.rows, args.files, args.workers = 2_000, 16, "1"
+        args.batches, args.measure, args.memory_workers = 20, 4, 1
+        global MIN_FRAMES, MAX_FRAMES
+        MIN_FRAMES, MAX_FRAMES = 2_000, 3_000
+    args.worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
+    if not args.worker_counts or min(args.worker_counts) < 1:
         raise SystemExit(f"--workers {args.workers!r}: give worker counts >= 1, e.g. 1,2,4")
-    torch.set_num_threads(1)
-    # More workers than CPUs is what --workers asks for; the table shows what it costs.
-    warnings.filterwarnings("ignore", message="This DataLoader will create")
-    began = time.perf_counter()
+    return args
 
-    print(
-        f"load average {load_text()} on {os.cpu_count()} CPUs; torch {torch.__version__}"
-        + ("  [--quick: a smoke run, targets are for the full size]" if args.quick else "")
-    )
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    features = make_feature_files(args.workdir / "features", args.files, args.bins, args.seed)
-    sizes = [p.stat().st_size for p in features]
-    sheet = make_index(
-        args.workdir / f"r{args.rows}_f{args.files}_s{args.seed}", features, args.rows, args.seed
-    )
-    print(
-        f"data: {args.files} .npy files of {MIN_FRAMES:,}-{MAX_FRAMES:,} frames x {args.bins} "
-        f"float32 ({min(sizes) / 1e6:.1f}-{max(sizes) / 1e6:.1f} MB, {sum(sizes) / 1e9:.1f} GB "
-        f"in all) in {args.workdir / 'features'}; {args.rows:,} rows, each with its own path "
-        f"(a hard link), so every file serves ~{args.rows / args.files:.0f} rows"
-    )
 
-    cache_dir = args.workdir / f"index_cache_r{args.rows}_f{args.files}"
-    cfg = load_config(
-        None,
-        [
-            f"data.index={sheet}",
-            f"data.cache_dir={cache_dir}",
-            "features.kind=npy",
-            f"features.n_mels={args.bins}",
-            "clips.crop_seconds=3",
-            "sampler.batch_size=128",
-            "sampler.m=4",
-        ],
-    )
-    feats = cfg.features
-
-    # ---- index, split, sampler, dataset
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    index, first_s = timed(lambda: load_index(cfg.data))
+def build(cfg, sheet: Path, label: str):
+    """(train split, train dataset, sampler, timings) as the trainer builds them."""
+    shutil.rmtree(cfg.data.cache_dir, ignore_errors=True)
+    _, first_s = timed(lambda: load_index(cfg.data))
     _, cached_s = timed(lambda: load_index(cfg.data), 3)
-    splits, split_s = timed(lambda: split_index(index, cfg.data))
-    train = splits["train"]
-    sampler, sampler_s = timed(
-        lambda: MPerClassSampler(
+    (train, val, train_set, _), build_s = timed(lambda: split_datasets(cfg, load_index(cfg.data)))
+
+    def make_sampler():
+        return MPerClassSampler(
             train.codes.class_codes,
             train.codes.item_codes,
             batch_size=cfg.sampler.batch_size,
@@ -538,235 +620,282 @@ def main() -> int:
             split=cfg.sampler.split,
             small_classes=cfg.sampler.small_classes,
         )
-    )
-    _, dataset_s = timed(lambda: AudioDataset.from_index(train, cfg, train=True))
-    (train, val, train_set, _), build_s = timed(lambda: split_datasets(cfg, load_index(cfg.data)))
-    index = splits = None  # the trainer keeps only what split_datasets returns
-    sampler = MPerClassSampler(  # as TrainLoader.for_run builds it, on the run's split
-        train.codes.class_codes,
-        train.codes.item_codes,
-        batch_size=cfg.sampler.batch_size,
-        m=cfg.sampler.m,
-        rank=0,
-        world_size=1,
-        seed=cfg.train.seed,
-        split=cfg.sampler.split,
-        small_classes=cfg.sampler.small_classes,
-    )
-    paths = train.table["path"].to_numpy()
-    mean_path = float(np.mean([len(p) for p in paths[:10_000]]))
+
+    sampler, sampler_s = timed(make_sampler)
     print(
-        f"index: {len(train):,} train rows in {len(train.classes)} classes, "
-        f"{len(val) if val else 0:,} val rows; {sampler.batches_per_epoch} batches of "
-        f"{cfg.sampler.batch_size} per epoch; paths ~{mean_path:.0f} characters"
+        f"  {label:9s} load_index first read {first_s:6.2f} s, cached {cached_s:6.3f} s; "
+        f"split_datasets {build_s:6.2f} s; sampler {sampler_s:5.2f} s; {len(train):,} train "
+        f"rows, {len(val) if val else 0:,} val rows, {sampler.batches_per_epoch} batches/epoch"
     )
-    for label, seconds in (
-        (
-            f"load_index first read (parse, validate, check {args.rows:,} files, write cache)",
-            first_s,
-        ),
-        ("load_index cached (median of 3)", cached_s),
-        ("split_index", split_s),
-        ("MPerClassSampler (with the index's codes)", sampler_s),
-        ("AudioDataset.from_index of the train split", dataset_s),
-        ("split_datasets (cached load, split, both datasets)", build_s),
-    ):
-        print(f"  {label:76s} {seconds:7.3f} s")
-    main_mb = memory_mb(os.getpid())
-    print(
-        f"  this process after split_datasets: RSS {main_mb['rss']:.0f} MB, "
-        f"{len(gc.get_objects()):,} gc-tracked objects"
+    return (
+        train,
+        train_set,
+        sampler,
+        {"first": first_s, "cached": cached_s, "build": build_s, "sampler": sampler_s},
     )
 
-    # ---- warm: every file read once, then checked resident
-    read_s, read_bytes = read_whole_files(features)
-    warm_fraction = resident_fraction(features)
+
+def memory_run(
+    cfg, dataset, sampler, workers: int, batches: int, label: str
+) -> tuple[float, float]:
+    """Every worker's RSS and USS from its first batch over `batches` batches; (peak RSS growth,
+    peak USS growth) in MB, the largest of the workers."""
+    # glibc raises its mmap threshold to the size of any mmap-ed block a process frees, and
+    # forked workers inherit it: free one batch-sized block first, as a trainer may well have.
+    torch.empty(cfg.sampler.batch_size, crop_frames(cfg), cfg.features.n_mels).fill_(0)
+    run = LoaderRun(cfg, dataset, sampler, workers)
+    start_mb = {pid: memory_mb(pid) for pid in run.pids}
+    peak = {pid: {"rss": 0.0, "uss": 0.0} for pid in run.pids}
+    rates = []
+    while run.received < batches:
+        rates.append(run.rate(min(10, batches - run.received))[0])
+        now = {pid: memory_mb(pid) for pid in run.pids}
+        for pid in run.pids:
+            for key in ("rss", "uss"):
+                peak[pid][key] = max(peak[pid][key], now[pid][key] - start_mb[pid][key])
+    run.close()
+    for pid in run.pids:
+        s, e = start_mb[pid], now[pid]
+        print(
+            f"  {label:9s} worker {pid}: RSS {s['rss']:.0f} -> {e['rss']:.0f} MB (peak growth "
+            f"{peak[pid]['rss']:+.0f}), USS {s['uss']:.0f} -> {e['uss']:.0f} MB (peak growth "
+            f"{peak[pid]['uss']:+.0f}); {run.received} batches at ~{statistics.median(rates):.0f} "
+            "crops/s"
+        )
+    return (
+        max(p["rss"] for p in peak.values()),
+        max(p["uss"] for p in peak.values()),
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1)
+    # More workers than CPUs is what --workers asks for; the table shows what it costs.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    began = time.perf_counter()
+    mode = (
+        "  [--smoke / --quick: targets are for the full size]" if args.quick or args.smoke else ""
+    )
+    print(f"load average {load_text()} on {os.cpu_count()} CPUs; torch {torch.__version__}{mode}")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    suffix = "_smoke" if args.smoke else ""
+    features = make_feature_files(
+        args.workdir / f"features{suffix}", args.files, args.bins, args.seed
+    )
+    sizes = [p.stat().st_size for p in features]
+    sheet = make_index(
+        args.workdir / f"r{args.rows}_f{args.files}_s{args.seed}", features, args.rows, args.seed
+    )
+    pack_dir = make_pack(args.workdir, features, args.bins, args.seed)
+    packed_sheet = packed_rows_index(pack_dir, sheet, args.rows, args.files, args.seed)
+    pack_bytes = sum(p.stat().st_size for p in data_files(pack_dir))
     print(
-        f"warm: read all {args.files} files once ({read_bytes / 1e9:.1f} GB in {read_s:.1f} s, "
-        f"{read_bytes / 1e9 / read_s:.2f} GB/s); resident in the page cache: "
-        f"{fraction_text(warm_fraction)}"
+        f"data: {args.files} .npy files of {MIN_FRAMES:,}-{MAX_FRAMES:,} frames x {args.bins} "
+        f"float32 ({sum(sizes) / 1e9:.2f} GB); {args.rows:,} rows, each with its own path (a "
+        f"hard link; ~{args.rows / args.files:.0f} rows per file); the same files as a pack: "
+        f"{pack_bytes / 1e9:.2f} GB float16 in {len(data_files(pack_dir))} data file(s), "
+        f"and {packed_sheet.name} pointing each row at its file's sample"
+    )
+    overrides = [
+        "features.kind=npy",
+        f"features.n_mels={args.bins}",
+        "clips.crop_seconds=3",
+        "sampler.batch_size=128",
+        "sampler.m=4",
+    ]
+    cache = args.workdir / f"index_cache_r{args.rows}_f{args.files}"
+    cfg = load_config(None, [f"data.index={sheet}", f"data.cache_dir={cache}", *overrides])
+    packed_overrides = [f"data.index={packed_sheet}", f"data.cache_dir={cache}_packed"]
+    if args.read_batches:
+        packed_overrides.append(f"data.pack_read_batches={args.read_batches}")
+    pcfg = load_config(None, [*packed_overrides, *overrides])
+    print("index, split, datasets, sampler (as the trainer builds them):")
+    train, train_set, sampler, times = build(cfg, sheet, "per-file")
+    ptrain, packed_set, psampler, ptimes = build(pcfg, packed_sheet, "packed")
+    assert (ptrain.table["id"].to_numpy() == train.table["id"].to_numpy()).all()
+    paths = train.table["path"].to_numpy()
+    frames = crop_frames(cfg)
+    crop_bytes = frames * args.bins * 2  # fp16 in the pack
+
+    # ---- warm: every file read once, then checked resident
+    every = features + data_files(pack_dir)
+    read_s, read_bytes = read_whole_files(every)
+    warm_fraction = resident_fraction(every)
+    print(
+        f"warm: read all files once ({read_bytes / 1e9:.1f} GB in {read_s:.1f} s); resident in "
+        f"the page cache: {fraction_text(warm_fraction)}"
         + (
             "  WARNING: the page cache did not hold them all, 'warm' reads partly hit the disk"
             if warm_fraction is not None and warm_fraction < 0.95
             else ""
         )
     )
+    keys = first_keys(sampler, cfg.train.seed, args.measure * 2 + 2 * max(args.worker_counts) * 4)
+    rows, results, first_batch = [], {}, {}
 
-    measure_keys = first_keys(sampler, cfg.train.seed, args.measure + max(worker_counts))
-    rows = []  # (label, crops/s, cpu seconds per second, first batch s or None, ceiling crops/s)
-    results = {}  # (workers, "warm" / "cold") -> (crops/s, cpu/s)
-
-    def loader_run(workers: int, kind: str, reference: float) -> None:
-        run = LoaderRun(cfg, train_set, sampler, workers)
+    def loader_run(label: str, config, dataset, sampler_, workers: int, kind: str, ref: float):
+        run = LoaderRun(config, dataset, sampler_, workers)
         rate, cpu = run.rate(args.measure)
+        bytes_per_crop = run.bytes_read / (args.measure * config.sampler.batch_size)
         run.close()
-        results[workers, kind] = rate, cpu
-        label = (
-            "loader, 0 workers (in process)"
-            if workers == 0
-            else f"loader, {workers} worker{'s' if workers > 1 else ''}, {kind}"
+        results[label, workers, kind] = rate, cpu, bytes_per_crop
+        first_batch[label, workers, kind] = run.first_batch_s
+        where = "in process" if workers == 0 else f"{workers} worker{'s' * (workers > 1)}"
+        rows.append(
+            (f"{label} loader, {where}, {kind}", rate, cpu, run.first_batch_s, ref, bytes_per_crop)
         )
-        rows.append((label, rate, cpu, run.first_batch_s, reference))
 
-    ceiling_warm = ceiling(measure_keys, paths, cfg)
-    rows.append(("ceiling read_npy_crop, warm", *ceiling_warm, None, ceiling_warm[0]))
-    loader_run(0, "warm", ceiling_warm[0])
-    for workers in worker_counts:
-        loader_run(workers, "warm", ceiling_warm[0])
-
-    items_ms, collate_ms, share_ms = batch_costs(train_set, measure_keys, cfg.sampler.batch_size)
-
-    # ---- cold: every file dropped from the page cache before each run
-    cold_ok = drop_from_page_cache(features)
-    cold_fraction = resident_fraction(features) if cold_ok else None
-    if not cold_ok:
-        print("cold: skipped (no posix_fadvise on this OS)")
-    else:
-        ceiling_cold = ceiling(measure_keys, paths, cfg)
-        rows.append(("ceiling read_npy_crop, cold", *ceiling_cold, None, ceiling_cold[0]))
-        for workers in worker_counts:
-            drop_from_page_cache(features)
-            loader_run(workers, "cold", ceiling_cold[0])
-        print(
-            f"cold: files dropped with posix_fadvise(DONTNEED) before each run; resident after "
-            f"the drop: {fraction_text(cold_fraction)}"
-            + (
-                "  WARNING: the drop did not work, 'cold' is warm"
-                if cold_fraction is not None and cold_fraction > 0.05
-                else ""
+    for kind in ("warm", "cold"):
+        if kind == "cold" and not drop_from_page_cache(every):
+            print("cold: skipped (no posix_fadvise on this OS)")
+            break
+        file_ceiling = ceiling(keys, paths, cfg)
+        rows.append((f"ceiling read_npy_crop, {kind}", *file_ceiling, None, file_ceiling[0], None))
+        if kind == "cold":
+            drop_from_page_cache(every)
+        pack_ceiling = pread_ceiling(keys, packed_set.pack, frames)
+        rows.append((f"ceiling os.preadv loop, {kind}", *pack_ceiling, None, pack_ceiling[0], None))
+        results["preadv", kind] = pack_ceiling
+        if kind == "warm":
+            loader_run("per-file", cfg, train_set, sampler, 0, kind, file_ceiling[0])
+        for workers in args.worker_counts:
+            if kind == "cold":
+                drop_from_page_cache(every)
+            loader_run("per-file", cfg, train_set, sampler, workers, kind, file_ceiling[0])
+            if kind == "cold":
+                drop_from_page_cache(every)
+            loader_run("packed", pcfg, packed_set, psampler, workers, kind, pack_ceiling[0])
+        if kind == "cold":
+            resident = resident_fraction(every)
+            print(
+                f"cold: files dropped with posix_fadvise(DONTNEED) before each run (resident "
+                f"after a drop: {fraction_text(resident)})"
             )
-        )
 
     print(
-        f"throughput: {cfg.sampler.batch_size}-crop batches of {cfg.clips.crop_frames(feats)} x "
-        f"{feats.n_mels} (3 s), {args.measure} timed batches ({args.measure * 128:,} crops) per "
-        f"run; load average now {load_text()}"
+        f"throughput: {cfg.sampler.batch_size}-crop batches of {frames} x {args.bins} (3 s), "
+        f"{args.measure} timed batches per run; load average now {load_text()}"
     )
     print(
-        f"  {'':31s} {'crops/s':>8s} {'x ceiling':>9s} {'CPU/s':>6s} {'crops/CPU-s':>11s} "
-        f"{'1st batch':>9s}"
+        f"  {'':38s} {'crops/s':>8s} {'x ceil':>6s} {'CPU/s':>6s} {'crops/CPU-s':>11s} "
+        f"{'1st batch':>9s} {'bytes/crop':>10s}"
     )
-    for label, rate, cpu, first, reference in rows:
+    for label, rate, cpu, first, reference, per_crop in rows:
         first_text = f"{first:8.2f}s" if first is not None else ""
+        crop_text = f"{per_crop:10.0f}" if per_crop is not None else ""
         print(
-            f"  {label:31s} {rate:8.0f} {rate / reference:9.2f} {cpu:6.2f} "
-            f"{rate / max(cpu, 1e-9):11.0f} {first_text:>9s}"
+            f"  {label:38s} {rate:8.0f} {rate / reference:6.2f} {cpu:6.2f} "
+            f"{rate / max(cpu, 1e-9):11.0f} {first_text:>9s} {crop_text:>10s}"
         )
+    items_ms, collate_ms, share_ms = batch_costs(train_set, keys, cfg.sampler.batch_size)
     print(
-        f"  one batch in one process, CPU ms: {cfg.sampler.batch_size} dataset items "
-        f"{items_ms:.1f}, collate_padded {collate_ms:.1f}, moving it to shared memory "
-        f"{share_ms:.1f} (a worker's result queue does that to a batch not built there)"
+        f"  per-file, one batch in one process, CPU ms: {cfg.sampler.batch_size} dataset items "
+        f"{items_ms:.1f}, collate_padded {collate_ms:.1f}, moving it to shared memory {share_ms:.1f}"
     )
     print(
-        "  x ceiling: against one process reading the same crops (warm or cold). CPU/s: CPU "
-        "seconds per second used by the workers (by this process for the ceiling and 0 "
-        "workers); below 1 per worker, other processes held the CPUs. crops/CPU-s: crops per "
-        "CPU second, what a worker with a core of its own would deliver when reads do not wait"
-        " on the disk."
+        "  x ceil: against one process reading the same crops (read_npy_crop for per-file, a bare "
+        "os.preadv loop for packed). CPU/s: CPU seconds per second of the workers (this process "
+        "for the ceilings and 0 workers). crops/CPU-s: crops per CPU second. bytes/crop: what the "
+        f"workers' read calls asked for (rchar) per crop; a packed crop is {crop_bytes:,} bytes"
     )
 
-    # ---- memory: one long run, every worker's memory at the start and every few batches.
-    # glibc raises its mmap threshold to the size of any mmap-ed block a process frees, and forked
-    # workers inherit it: blocks of that size then come from the heap. This process has freed
-    # batch-sized blocks already (the 0-worker run); a trainer has too whenever it built or freed
-    # a batch-sized tensor before its workers fork. Doing it here on purpose keeps the figure
-    # independent of what ran before.
-    torch.empty(cfg.sampler.batch_size, cfg.clips.crop_frames(feats), feats.n_mels).fill_(0)
-    read_whole_files(features)
-    run = LoaderRun(cfg, train_set, sampler, args.memory_workers)
-    start_mb = {pid: memory_mb(pid) for pid in run.pids}
-    peak = {pid: {"rss": 0.0, "uss": 0.0} for pid in run.pids}
-    floor = {pid: float("inf") for pid in run.pids}  # lowest USS growth in the second half
-    main_start = memory_mb(os.getpid())
-    marks = [m for m in (250, 500, 1000, 1500) if run.received < m < args.batches] + [args.batches]
-    trail, rates, cpus, now = [], [], [], start_mb
-    while run.received < args.batches:
-        rate, cpu = run.rate(min(10, args.batches - run.received))
-        rates.append(rate)
-        cpus.append(cpu)
-        now = {pid: memory_mb(pid) for pid in run.pids}
-        for pid in run.pids:
-            for key in ("rss", "uss"):
-                peak[pid][key] = max(peak[pid][key], now[pid][key] - start_mb[pid][key])
-            if run.received >= args.batches / 2:
-                floor[pid] = min(floor[pid], now[pid]["uss"] - start_mb[pid]["uss"])
-        if run.received >= marks[len(trail)]:
-            trail.append((run.received, now))
-    end_mb = now
-    main_end = memory_mb(os.getpid())
-    run.close()
-    print(
-        f"memory: {args.memory_workers} workers, {run.received} batches "
-        f"({run.received * cfg.sampler.batch_size:,} crops at ~{statistics.median(rates):.0f} "
-        f"crops/s, workers' CPU/s {statistics.median(cpus):.2f}), warm; the parent freed a "
-        f"batch-sized tensor before forking them (see the source); MB per worker, start = once "
-        f"every worker has delivered a batch, sampled every 10 batches"
-    )
-    print(
-        f"  {'worker pid':>10s} {'RSS start':>9s} {'end':>5s} {'growth':>6s} {'peak':>5s}   "
-        f"{'USS start':>9s} {'end':>5s} {'growth':>6s} {'peak':>5s} {'floor':>5s}"
-    )
-    for pid in run.pids:
-        s, e = start_mb[pid], end_mb[pid]
-        print(
-            f"  {pid:10d} {s['rss']:9.0f} {e['rss']:5.0f} {e['rss'] - s['rss']:+6.0f} "
-            f"{peak[pid]['rss']:+5.0f}   {s['uss']:9.0f} {e['uss']:5.0f} "
-            f"{e['uss'] - s['uss']:+6.0f} {peak[pid]['uss']:+5.0f} {floor[pid]:+5.0f}"
-        )
-    for mark, mem in trail:
-        rss = " ".join(f"{mem[p]['rss'] - start_mb[p]['rss']:+.0f}" for p in run.pids)
-        uss = " ".join(f"{mem[p]['uss'] - start_mb[p]['uss']:+.0f}" for p in run.pids)
-        print(f"  after {mark:5d} batches: growth RSS {rss}  USS {uss} MB")
-    print(
-        "  growth: at the end; peak: the largest sample; floor: the smallest sample of the "
-        "second half (what stayed; pages copied from the parent never go back, heap blocks "
-        "may be returned)"
-    )
-    print(f"  main process RSS {main_start['rss']:.0f} -> {main_end['rss']:.0f} MB")
-    rss_growth = max(peak[p]["rss"] for p in run.pids)
-    uss_growth = max(peak[p]["uss"] for p in run.pids)
+    print(f"memory: {args.batches} batches, {args.memory_workers} worker(s), warm")
+    read_whole_files(every)
+    growth = {
+        "per-file": memory_run(
+            cfg, train_set, sampler, args.memory_workers, args.batches, "per-file"
+        ),
+        "packed": memory_run(
+            pcfg, packed_set, psampler, args.memory_workers, args.batches, "packed"
+        ),
+    }
 
-    first_run = next(
-        first for label, _, _, first, _ in rows if first is not None and label.endswith("warm")
-    )
+    w = args.worker_counts[0]
+    to_first = {
+        label: t["build"] + t["sampler"] + first_batch[label, w, "warm"]
+        for label, t in (("per-file", times), ("packed", ptimes))
+    }
     print(
-        f"start-up: split_datasets {build_s:.2f} s + sampler {sampler_s:.2f} s + first batch "
-        f"{first_run:.2f} s ({worker_counts[0]} worker{'s' if worker_counts[0] > 1 else ''}, "
-        f"warm) = {build_s + sampler_s + first_run:.2f} s from a cached index to the first batch "
-        f"(a first read adds {first_s - cached_s:.2f} s)"
+        "start-up from a cached index to the first batch (split_datasets + sampler + first batch, "
+        f"{w} worker(s), warm): per-file {to_first['per-file']:.2f} s, packed "
+        f"{to_first['packed']:.2f} s"
     )
-    one_warm = results.get((1, "warm"))
-    one_cold = results.get((1, "cold"))
-    checks = [
-        (
-            rss_growth <= GROWTH_TARGET_MB,
-            f"worker RSS growth over {args.batches} batches {rss_growth:+.0f} MB (peak, largest of "
-            f"{args.memory_workers}) <= {GROWTH_TARGET_MB:.0f} MB",
-        ),
-        (
-            uss_growth <= GROWTH_TARGET_MB,
-            f"worker USS growth over {args.batches} batches {uss_growth:+.0f} MB (peak, largest of "
-            f"{args.memory_workers}; private pages: heap growth and copies of the parent's) <= "
-            f"{GROWTH_TARGET_MB:.0f} MB",
-        ),
-    ]
-    if one_warm is not None:
-        (rate, cpu), cold = one_warm, f"; cold {one_cold[0]:.0f} crops/s" if one_cold else ""
-        checks.append(
-            (
-                rate >= ONE_WORKER_TARGET,
-                f"one worker, page cache: {rate:.0f} crops/s >= {ONE_WORKER_TARGET:.0f} "
-                f"({rate / ceiling_warm[0]:.2f} of the ceiling {ceiling_warm[0]:.0f} "
-                f"crops/s{cold}; the worker used {cpu:.2f} CPU/s, {rate / cpu:.0f} crops "
-                f"per CPU second)",
-            )
-        )
+    checks = targets(args, results, growth, to_first, pack_bytes, sum(sizes), crop_bytes)
     for ok, text in checks:
         print(f"{verdict(ok)}  {text}")
-    if args.quick:
-        print("(--quick: targets are for the full size; these verdicts are indicative only)")
+    if args.quick or args.smoke:
+        print(
+            "(--smoke / --quick: the targets are for the full size; these verdicts are indicative)"
+        )
     print(f"total {time.perf_counter() - began:.0f} s")
     return 0 if all(ok for ok, _ in checks) else 1
+
+
+def per_cpu(result) -> float:
+    rate, cpu = result[0], result[1]
+    return rate / max(cpu, 1e-9)
+
+
+def targets(args, results, growth, to_first, pack_bytes, npy_bytes, crop_bytes) -> list:
+    """(ok, text) per target of issue 32, from figures measured in this run."""
+    w = args.worker_counts[0]
+    checks = []
+    for kind, factor, floor in (("warm", 8.0, 20_000.0), ("cold", 5.0, 0.0)):
+        if ("packed", w, kind) not in results:
+            continue
+        packed, per_file = (
+            per_cpu(results["packed", w, kind]),
+            per_cpu(results["per-file", w, kind]),
+        )
+        text = f" and >= {floor:,.0f}" if floor else ""
+        checks.append(
+            (
+                packed >= factor * per_file and packed >= floor,
+                f"{kind}: packed loader {packed:,.0f} crops per CPU-second = {packed / per_file:.1f}x "
+                f"the per-file loader's {per_file:,.0f} ({w} worker(s)); target >= {factor:g}x{text}",
+            )
+        )
+    ceiling = per_cpu(results["preadv", "warm"])
+    packed = per_cpu(results["packed", w, "warm"])
+    checks.append(
+        (
+            packed >= 0.3 * ceiling,
+            f"packed loader / bare os.preadv loop, crops per CPU-second, warm: {packed:,.0f} / "
+            f"{ceiling:,.0f} = {packed / ceiling:.2f}; target >= 0.3",
+        )
+    )
+    per_crop = results["packed", w, "warm"][2]
+    checks.append(
+        (
+            per_crop <= crop_bytes + 4096,
+            f"bytes read per packed crop {per_crop:,.0f} (the crop is {crop_bytes:,}); target within "
+            "one page (4,096 bytes) of it",
+        )
+    )
+    checks.append(
+        (
+            pack_bytes <= 0.52 * npy_bytes,
+            f"pack {pack_bytes / 1e9:.2f} GB = {pack_bytes / npy_bytes:.3f} x the fp32 .npy files "
+            f"({npy_bytes / 1e9:.2f} GB); target <= 0.52",
+        )
+    )
+    checks.append(
+        (
+            to_first["packed"] <= to_first["per-file"] * 1.1 + 0.05,
+            f"cached index to first batch: packed {to_first['packed']:.2f} s, per-file "
+            f"{to_first['per-file']:.2f} s; target no worse (within 10 % + 50 ms of timing noise)",
+        )
+    )
+    for label, (rss, uss) in growth.items():
+        checks.append(
+            (
+                max(rss, uss) <= GROWTH_TARGET_MB,
+                f"{label} worker memory growth over {args.batches} batches: RSS {rss:+.0f} MB, USS "
+                f"{uss:+.0f} MB (peak, largest worker); target <= {GROWTH_TARGET_MB:.0f} MB",
+            )
+        )
+    return checks
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from audioclf.data.readers import read_npy_crop  # noqa: E402
+from audioclf.data.readers import read_npy_crop, window_starts  # noqa: E402
 
 TARGET_RATIO = 10.0
 
@@ -49,18 +49,18 @@ def drop_from_page_cache(paths: list[Path]) -> bool:
 
 
 def crop_by_window_read(path: Path, crop: int, bins: int, rng: np.random.Generator) -> np.ndarray:
-    return read_npy_crop(path, crop, rng, "frames_bins", bins)
+    return read_npy_crop(path, crop, int(rng.integers(2**62)), "frames_bins", bins)
 
 
 def crop_by_np_mmap(path: Path, crop: int, bins: int, rng: np.random.Generator) -> np.ndarray:
     frames = np.load(path, mmap_mode="r")
-    start = int(rng.integers(0, frames.shape[0] - crop + 1))
+    start = int(window_starts(int(rng.integers(2**62)), frames.shape[0], crop)[0])
     return np.array(frames[start : start + crop], dtype=np.float32)
 
 
 def crop_by_full_load(path: Path, crop: int, bins: int, rng: np.random.Generator) -> np.ndarray:
     frames = np.load(path)
-    start = int(rng.integers(0, frames.shape[0] - crop + 1))
+    start = int(window_starts(int(rng.integers(2**62)), frames.shape[0], crop)[0])
     return np.array(frames[start : start + crop], dtype=np.float32)
 
 

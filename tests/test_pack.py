@@ -280,7 +280,7 @@ def test_prepare_pack_command(tmp_path, capsys):
         prepare_main([*args, "features.kind=npy", f"features.n_mels={BINS}", "--workers", "1"]) == 0
     )
     out = capsys.readouterr().out
-    assert "27 rows: 27 packed" in out and "features.kind=npy" in out
+    assert "27 rows: 27 packed" in out and "train on it: ./run.sh" in out and "kind=npy" in out
     assert prepare_main([*args, "--shard", "0/2"]) == 2
     assert "--pack writes one pack in one run" in capsys.readouterr().err
 

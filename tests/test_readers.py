@@ -14,6 +14,7 @@ from audioclf.data.readers import (
     crop_or_pad,
     load_audio,
     read_npy_crop,
+    window_starts,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +111,19 @@ def test_crop_or_pad_always_gives_the_length(total, length, seed, pad_mode):
 # read_npy_crop
 
 
+def test_window_starts_are_uniform_in_range_and_the_same_one_by_one_or_vectorised():
+    seeds = np.arange(200_000, dtype=np.int64) * 1_000_003 + 7
+    totals = np.random.default_rng(0).integers(300, 400, len(seeds))
+    starts = window_starts(seeds, totals, 300)
+    assert starts.min() == 0 and (starts <= totals - 300).all()
+    assert (starts == totals - 300).any()  # the last start is reachable
+    single = [int(window_starts(int(s), int(t), 300)[0]) for s, t in zip(seeds[:50], totals[:50])]
+    assert single == starts[:50].tolist()
+    counts = np.bincount(window_starts(seeds, 309, 300), minlength=10)  # 10 starts
+    assert counts.min() > 0.95 * len(seeds) / 10 and counts.max() < 1.05 * len(seeds) / 10
+    assert window_starts(2**63 - 1, 10, 10).tolist() == [0]  # the largest seed, one start
+
+
 def _write(path, array):
     np.save(path, array)
     return path
@@ -122,8 +136,8 @@ def test_npy_window_both_layouts(tmp_path):
     for path, layout in [(fb, "frames_bins"), (bf, "bins_frames")]:
         centred = read_npy_crop(path, 100, None, layout, 8)
         np.testing.assert_array_equal(centred, frames[450:550])
-        crop = read_npy_crop(path, 100, np.random.default_rng(5), layout, 8)
-        start = int(crop[0, 0]) // 8
+        crop = read_npy_crop(path, 100, 5, layout, 8)
+        start = int(window_starts(5, 1000, 100)[0])
         np.testing.assert_array_equal(crop, frames[start : start + 100])
         assert crop.dtype == np.float32 and crop.flags["C_CONTIGUOUS"] and crop.flags["WRITEABLE"]
         np.testing.assert_array_equal(read_npy_crop(path, None, None, layout, 8), frames)
@@ -144,7 +158,7 @@ def test_npy_crop_reads_only_the_window_of_a_large_file(tmp_path, monkeypatch, l
     monkeypatch.setattr(readers, "_read_at", spy)
     for seed in range(5):
         bytes_read.clear()
-        crop = read_npy_crop(path, 200, np.random.default_rng(seed), layout, 64)
+        crop = read_npy_crop(path, 200, seed, layout, 64)
         matches = np.flatnonzero(big[:, 0] == crop[0, 0])
         assert len(matches) == 1
         np.testing.assert_array_equal(crop, big[matches[0] : matches[0] + 200])

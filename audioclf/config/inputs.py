@@ -31,7 +31,7 @@ class DataConfig:
     pin_memory: bool = True  # pin host memory (only takes effect on CUDA)
     persistent_workers: bool = True  # keep workers alive between epochs
     prefetch_factor: int = 2  # batches prefetched per worker (units of pack_read_batches from a feature pack)
-    pack_read_batches: int = 4  # training batches a worker reads from a feature pack in one go, its reads sorted by file and offset (docs/data.md, "Large datasets")
+    pack_read_batches: int = 1  # training batches a worker reads from a feature pack in one go, its reads sorted by file and offset: more for slow storage (docs/data.md, "Large datasets")
 
     def __post_init__(self) -> None:
         _check(self.header_row is None or self.header_row >= 1, "data.header_row",

@@ -1,17 +1,18 @@
 """Training batches from a feature pack, a whole batch at a time (no per-sample Dataset call).
 
 The sampler's batches go to a DataLoader worker as units of `data.pack_read_batches` batches.
-A worker works out every crop of the unit from its (position, crop seed[, crop samples]) key —
-the very start the per-file reader would draw (`read_npy_crop`'s rule, same seed, same rng) —
-and reads each with one positioned read, sorted by (data file, offset) over the whole unit (the
-read planner: a class-major pack and the ranks' disjoint class shares make those reads close
-together), straight into one shared-memory buffer [K, B, frames, bins] of the pack's dtype. The
-main process gets the buffer without a copy and hands out its K batches in sampler order.
+A worker works out every crop of the unit at once from the keys (position, crop seed[, crop
+samples]): the start `window_starts` gives for the seed, as every reader of precomputed features
+does. It reads each crop with one positioned read, sorted by (data file, offset) over the whole
+unit (the read planner: a class-major pack and the ranks' disjoint class shares make those reads
+close together), straight into one shared-memory buffer [K, B, frames, bins] of the pack's dtype,
+reused once the main process has let go of it (`BufferLeases`). The main process gets the buffer
+without a copy and hands out its K batches in sampler order.
 
 A batch is (x, lengths, labels, positions, bin_offsets): x in the pack's dtype (float16: half
 the bytes to move to a GPU), made float32 on the device by `model_input`, which also adds the
 feature-domain augmentation's per-bin offsets (`Augmenter.log_mel_offsets`, drawn in the worker
-from each crop's rng, as the per-file reader draws them) — so a crop is the per-file reader's
+from each crop's seed, as the per-file reader draws them) — so a crop is the per-file reader's
 crop to fp16 rounding, and exactly it for features that fp16 holds exactly.
 
 The finite check is one pass per unit over the fp16 exponent bits (a non-finite value has all
@@ -26,13 +27,15 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from audioclf.data.dataset import AudioDataset, unpack_key
 from audioclf.data.pack import PackError
-from audioclf.data.readers import crop_start, pad_window
+from audioclf.data.readers import pad_window, window_starts
 
-# A unit: (x [K, B, T, F], lengths [K, B], labels [K, B], positions [K, B], offsets [K, B, F])
-Unit = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]
+# A unit: x [K, B, T, F] (a tensor), then numpy arrays: lengths [K, B], labels [K, B],
+# positions [K, B], offsets [K, B, F] or None, and its buffer's lease [2] (worker, buffer)
+Unit = tuple[Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]
 Batch = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]
 
 
@@ -64,7 +67,9 @@ def unit_as_is(unit: Unit) -> Unit:
 
 def batches_of(unit: Unit) -> Iterator[Batch]:
     """The unit's batches in sampler order (views of its buffer)."""
-    x, lengths, labels, positions, offsets = unit
+    x, lengths, labels, positions, offsets, _lease = unit
+    lengths, labels, positions = map(torch.from_numpy, (lengths, labels, positions))
+    offsets = None if offsets is None else torch.from_numpy(offsets)
     for k in range(x.shape[0]):
         yield x[k], lengths[k], labels[k], positions[k], None if offsets is None else offsets[k]
 
@@ -77,12 +82,42 @@ def model_input(x: Tensor, bin_offsets: Tensor | None, device: torch.device) -> 
     return x
 
 
+class BufferLeases:
+    """Which of each worker's unit buffers the main process still holds: one shared byte per
+    (worker, buffer), set by the worker that fills the buffer, cleared here once every tensor of
+    the main process on it is gone (a weak reference to its storage). A worker reuses only
+    cleared buffers (no new pages to fault in: a fresh 25 MB buffer costs more than the reads
+    into it) and allocates a new one when all are held, so a caller that keeps batches (a list
+    of them) keeps them intact."""
+
+    def __init__(self, workers: int, per_worker: int):
+        self.flags = torch.zeros(max(workers, 1), per_worker, dtype=torch.uint8).share_memory_()
+        self._held: list[tuple[StorageWeakRef, int, int]] = []  # main process only
+
+    def hold(self, unit: Unit) -> None:
+        """The main process got `unit`; release the buffers of units no longer referenced."""
+        worker, buffer = (int(v) for v in unit[5])
+        if buffer >= 0:
+            self._held.append((StorageWeakRef(unit[0].untyped_storage()), worker, buffer))
+        flags, kept = self.flags.numpy(), []
+        for ref, worker, buffer in self._held:
+            if ref.expired():
+                flags[worker, buffer] = 0
+            else:
+                kept.append((ref, worker, buffer))
+        self._held = kept
+
+    def __getstate__(self) -> dict:
+        return {"flags": self.flags, "_held": []}  # workers only read and set flags
+
+
 class PackedBatchReader(torch.utils.data.Dataset):
     """Map-style dataset over units: `reader[unit]` reads the unit's batches from the training
     dataset's pack (AudioDataset.pack), as `AudioDataset[key]` + collate_padded would give them
-    (x in the pack's dtype, augmentation as offsets)."""
+    (x in the pack's dtype, augmentation as offsets), into one of its worker's buffers
+    (`leases`: None = a new buffer per unit)."""
 
-    def __init__(self, dataset: AudioDataset):
+    def __init__(self, dataset: AudioDataset, leases: BufferLeases | None = None):
         if dataset.pack is None or not dataset.train:
             raise ValueError("PackedBatchReader reads the training AudioDataset of a packed index")
         self.pack = dataset.pack
@@ -91,52 +126,75 @@ class PackedBatchReader(torch.utils.data.Dataset):
         self.augment = dataset.augment
         self.features, self.clips = dataset.cfg, dataset.clips
         self.default_crop = dataset.clips.crop_samples(dataset.cfg)
+        self.leases = leases
+        self._buffers: list[torch.UntypedStorage] = []  # this worker's, by buffer number
+        self._scratch = np.empty(0, dtype=np.uint16)  # the finite check's, reused
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _buffers=[], _scratch=np.empty(0, dtype=np.uint16))
+
     def __getitem__(self, unit: list[list[tuple]]) -> Unit:
-        keys = [unpack_key(key) for batch in unit for key in batch]
-        crop = keys[0][2] if keys[0][2] is not None else self.default_crop
-        n_frames = self.features.frames(int(crop))
-        positions = np.fromiter((k[0] for k in keys), dtype=np.int64, count=len(keys))
-        shape = (len(unit), len(unit[0]), n_frames, self.pack.n_bins)
-        if any(len(batch) != shape[1] for batch in unit):
+        keys = np.array([unpack_key(key)[:2] for batch in unit for key in batch], dtype=np.int64)
+        crop = unpack_key(unit[0][0])[2]
+        n_frames = self.features.frames(int(self.default_crop if crop is None else crop))
+        if any(len(batch) != len(unit[0]) for batch in unit):
             raise ValueError("the batches of a unit must have one size")
-        x = _shared_empty(shape, self.pack.dtype)
+        batch_shape = (len(unit), len(unit[0]))
+        x, lease = self._buffer((*batch_shape, n_frames, self.pack.n_bins))
         flat = x.numpy().reshape(len(keys), -1)
-        starts, lengths, offsets = self._plan(keys, n_frames)
+        positions, seeds = keys[:, 0], keys[:, 1]
+        totals = self.pack.frames[positions]
+        lengths = np.minimum(totals, n_frames)
+        starts = window_starts(seeds, totals, lengths)
         self._read(flat, positions, starts, lengths)
         self._fill_short(flat, lengths, n_frames)
         self._check_finite(flat, positions, starts, lengths)
-        batch_shape = shape[:2]
+        offsets = self._offsets(seeds)
+        # Only x is a tensor (in shared memory already); the rest travel as numpy arrays, by
+        # value: a small tensor would be moved into a shared-memory file of its own.
         return (
             x,
-            torch.full(batch_shape, n_frames, dtype=torch.int64),
-            torch.from_numpy(self.labels[positions].reshape(batch_shape)),
-            torch.from_numpy(positions.reshape(batch_shape)),
-            None if offsets is None else torch.from_numpy(offsets.reshape(*batch_shape, -1)),
+            np.full(batch_shape, n_frames, dtype=np.int64),
+            self.labels[positions].reshape(batch_shape),
+            positions.reshape(batch_shape),
+            None if offsets is None else offsets.reshape(*batch_shape, -1),
+            np.asarray(lease, dtype=np.int64),
         )
 
-    def _plan(self, keys, n_frames: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """Each crop's start and length (frames), and the augmentation's per-bin offsets (None
-        when no crop of the unit has any), drawn from each crop's seed as the dataset does."""
-        frames = self.pack.frames
-        starts = np.empty(len(keys), dtype=np.int64)
-        lengths = np.empty(len(keys), dtype=np.int64)
-        offsets = None
-        for slot, (position, seed, _) in enumerate(keys):
-            rng = np.random.default_rng(int(seed))
-            total = int(frames[position])
-            lengths[slot] = length = min(n_frames, total)
-            starts[slot] = crop_start(total, length, rng)
-            if self.augment is not None:
-                offset = self.augment.log_mel_offsets(rng)
-                if offset is not None:
-                    if offsets is None:
-                        offsets = np.zeros((len(keys), self.pack.n_bins), dtype=np.float32)
-                    offsets[slot] = offset
-        return starts, lengths, offsets
+    def _buffer(self, shape: tuple[int, ...]) -> tuple[Tensor, tuple[int, int]]:
+        """x for a unit of `shape`, and its lease (worker, buffer; buffer -1: not leased)."""
+        dtype = torch.float16 if self.pack.dtype == np.float16 else torch.float32
+        info = torch.utils.data.get_worker_info()
+        if info is None or self.leases is None:
+            return torch.empty(shape, dtype=dtype), (0, -1)
+        nbytes = math.prod(shape) * self.pack.dtype.itemsize
+        flags = self.leases.flags.numpy()[info.id]
+        free = np.flatnonzero(flags == 0)
+        if len(free) == 0:  # every buffer is held: a new one, not leased
+            storage, buffer = torch.UntypedStorage._new_shared(nbytes), -1
+        else:
+            buffer = int(free[0])
+            while len(self._buffers) <= buffer:
+                self._buffers.append(torch.UntypedStorage(0))
+            if self._buffers[buffer].nbytes() < nbytes:
+                self._buffers[buffer] = torch.UntypedStorage._new_shared(nbytes)
+            storage = self._buffers[buffer]
+            flags[buffer] = 1
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape), (info.id, buffer)
+
+    def _offsets(self, seeds: np.ndarray) -> np.ndarray | None:
+        """The augmentation's per-bin offsets of each crop (None when no crop has any), drawn
+        from each crop's seed as the dataset draws them."""
+        if self.augment is None:
+            return None
+        drawn = [self.augment.log_mel_offsets(np.random.default_rng(int(s))) for s in seeds]
+        if all(d is None for d in drawn):
+            return None
+        zeros = np.zeros(self.pack.n_bins, dtype=np.float32)
+        return np.stack([zeros if d is None else d for d in drawn])
 
     def _read(self, flat: np.ndarray, positions, starts, lengths) -> None:
         """Every crop into its slot: one positioned read each, in (file, offset) order."""
@@ -160,26 +218,23 @@ class PackedBatchReader(torch.utils.data.Dataset):
             flat[slot] = filled.reshape(-1)
 
     def _check_finite(self, flat: np.ndarray, positions, starts, lengths) -> None:
+        """One pass over the unit: a float16 value is non-finite when its 5 exponent bits are
+        all set (float32 packs: np.isfinite)."""
         if self.pack.dtype == np.float16:
-            bits = flat.view(np.uint16)
-            bad = np.bitwise_and(bits, 0x7C00).max(axis=1) == 0x7C00
+            if self._scratch.size < flat.size:
+                self._scratch = np.empty(flat.size, dtype=np.uint16)
+            bits = self._scratch[: flat.size].reshape(flat.shape)
+            np.bitwise_and(flat.view(np.uint16), 0x7C00, out=bits)
+            if bits.max() < 0x7C00:
+                return
+            bad = bits.max(axis=1) == 0x7C00
         else:
             bad = ~np.isfinite(flat).all(axis=1)
-        if bad.any():
-            slot = int(np.flatnonzero(bad)[0])
-            where = f"index row {self.rows[positions[slot]]}" if self.rows is not None else "a row"
-            raise PackError(
-                f"{where}: feature pack {self.pack.folder} has non-finite values (NaN or inf) in "
-                f"frames {starts[slot]}..{starts[slot] + lengths[slot] - 1}; pack again"
-            )
-
-
-def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> Tensor:
-    """An uninitialised tensor in shared memory when in a DataLoader worker (the worker's queue
-    then passes it without a copy), plain memory otherwise."""
-    torch_dtype = torch.float16 if dtype == np.float16 else torch.float32
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape, dtype=torch_dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    storage = torch.UntypedStorage._new_shared(nbytes)
-    return torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)
+            if not bad.any():
+                return
+        slot = int(np.flatnonzero(bad)[0])
+        where = f"index row {self.rows[positions[slot]]}" if self.rows is not None else "a row"
+        raise PackError(
+            f"{where}: feature pack {self.pack.folder} has non-finite values (NaN or inf) in "
+            f"frames {starts[slot]}..{starts[slot] + lengths[slot] - 1}; pack again"
+        )

@@ -147,14 +147,18 @@ class AudioDataset(torch.utils.data.Dataset):
         position, crop_seed, crop_samples = unpack_key(key)
         if not 0 <= position < len(self.paths):
             raise IndexError(f"position {position} is out of range for {len(self.paths)} items")
-        rng = np.random.default_rng(int(crop_seed)) if self.train else None
+        seed = int(crop_seed) if self.train else None
+        # a generator only where something draws from it: waveform crops and augmentation
+        # (crops of precomputed features start at window_starts(seed) without one)
+        needs_rng = self.train and (self.cfg.kind == "audio" or self.augment is not None)
+        rng = np.random.default_rng(seed) if needs_rng else None
         path = self.paths[position]
         where = f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
         if self.pack is not None:  # a checked pack: nothing to skip, an error is the pack's
-            x = self._read_packed(position, rng, crop_samples, where)
+            x = self._read_packed(position, seed, rng, crop_samples, where)
             return x, int(self.labels[position]), position
         try:
-            x = self._read(path, rng, self._crop_samples(crop_samples), self._span(position))
+            x = self._read(path, seed, rng, self._crop_samples(crop_samples), self._span(position))
         except (AudioReadError, FeatureFileError) as exc:
             if not self.skip_bad_files:
                 raise type(exc)(
@@ -166,14 +170,16 @@ class AudioDataset(torch.utils.data.Dataset):
             return None
         return x, int(self.labels[position]), position
 
-    def _read_packed(self, position: int, rng, crop_samples: int | None, where: str) -> Tensor:
+    def _read_packed(
+        self, position: int, seed: int | None, rng, crop_samples: int | None, where: str
+    ) -> Tensor:
         """A packed sample's crop (training, centre crops) or evaluation clip, float32."""
         cfg, clips = self.cfg, self.clips
         if self.train or clips.eval_crop == "center":
             n_frames, pad_mode = cfg.frames(self._crop_samples(crop_samples)), clips.pad_mode
         else:
             n_frames, pad_mode = clips.eval_max_frames(cfg), "none"
-        feats = self.pack.read_window(position, n_frames, rng, pad_mode, where)
+        feats = self.pack.read_window(position, n_frames, seed, pad_mode, where)
         if self.augment is not None:
             feats = self.augment.log_mel(feats, rng)
         return torch.from_numpy(feats)
@@ -188,6 +194,7 @@ class AudioDataset(torch.utils.data.Dataset):
     def _read(
         self,
         path: str,
+        seed: int | None,
         rng: np.random.Generator | None,
         crop_samples: int,
         span: tuple[float, float] | None = None,
@@ -207,7 +214,7 @@ class AudioDataset(torch.utils.data.Dataset):
             return wave
         if cropped:
             feats = read_npy_crop(
-                path, cfg.frames(crop_samples), rng, clips.npy_layout, cfg.n_mels, clips.pad_mode
+                path, cfg.frames(crop_samples), seed, clips.npy_layout, cfg.n_mels, clips.pad_mode
             )
             if augment is not None:
                 feats = augment.log_mel(feats, rng)

@@ -20,7 +20,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from audioclf.config import Config
-from audioclf.data.batches import PackedBatchReader, Units, batches_of, unit_as_is
+from audioclf.data.batches import (
+    BufferLeases,
+    PackedBatchReader,
+    Units,
+    batches_of,
+    unit_as_is,
+)
 from audioclf.data.dataset import AudioDataset, collate_padded
 from audioclf.data.index import Index
 from audioclf.data.sampler import MPerClassSampler
@@ -127,9 +133,14 @@ class TrainLoader:
         batches = SeededBatches(sampler, seed, crop_samples)
         # A packed training set is read a unit of batches at a time (audioclf.data.batches).
         self.packed = getattr(dataset, "pack", None) is not None
+        self.leases = None
         if self.packed:
             kwargs = dict(kwargs, collate_fn=unit_as_is)
-            dataset, batches = PackedBatchReader(dataset), Units(batches, read_batches)
+            workers = kwargs.get("num_workers", 0)
+            if workers:  # a worker's units in flight, the one being used and the one before
+                self.leases = BufferLeases(workers, kwargs.get("prefetch_factor", 2) + 3)
+            dataset = PackedBatchReader(dataset, self.leases)
+            batches = Units(batches, read_batches)
             self.loader = DataLoader(
                 dataset, sampler=batches, batch_size=None, generator=generator, **kwargs
             )
@@ -189,6 +200,8 @@ class TrainLoader:
 
     def __iter__(self) -> Iterator:
         for item in self.loader:
+            if self.leases is not None:
+                self.leases.hold(item)
             for batch in batches_of(item) if self.packed else (item,):
                 if self.limit_batches and self.position >= self.limit_batches:
                     return

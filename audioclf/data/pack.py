@@ -31,7 +31,7 @@ import pandas as pd
 
 from audioclf.config import FeaturesConfig
 from audioclf.data.index.table import PACK_COLUMNS
-from audioclf.data.readers import FeatureFileError, crop_start, pad_window
+from audioclf.data.readers import FeatureFileError, pad_window, seeded_or_centred
 
 MANIFEST = "pack.json"
 ROWS = "rows.npy"
@@ -166,15 +166,15 @@ class PackedFeatures:
         self,
         position: int,
         n_frames: int | None,
-        rng: np.random.Generator | None,
+        crop_seed: int | None,
         pad_mode: str,
         where: str,
     ) -> np.ndarray:
         """A float32 [n_frames, bins] window of one sample, as `read_npy_crop` cuts it from a
-        .npy file (the same start for the same rng; `n_frames=None`: the whole sample)."""
+        .npy file (the same start for the same crop seed; `n_frames=None`: the whole sample)."""
         total = int(self.frames[position])
         length = total if n_frames is None else min(n_frames, total)
-        start = crop_start(total, length, rng)
+        start = seeded_or_centred(total, length, crop_seed)
         window = np.empty((length, self.n_bins), dtype=self.dtype)
         self.read_into(memoryview(window.reshape(-1).view(np.uint8)), position, start, length)
         window = window.astype(np.float32)

@@ -76,6 +76,22 @@ class PackSummary:
     index_path: Path | None = None
     skipped_path: Path | None = None
 
+    def lines(self, command: str) -> list[str]:
+        """What prepare --pack prints: the counts, the files, and `command` to train on it."""
+        done = []
+        if self.already_complete:
+            done.append(f"{self.index_path.parent} already holds this pack (nothing to do)")
+        elif self.resumed_at:
+            done.append(f"continued a pack that had {self.resumed_at} of {self.rows} rows done")
+        done.append(
+            f"{self.rows} rows: {self.packed} packed ({self.frames:,} frames, "
+            f"{self.bytes / 1e9:.3g} GB in {self.files} data file(s)), {self.skipped} skipped; "
+            f"{self.elapsed:.1f} s"
+        )
+        if self.skipped_path is not None:
+            done.append(f"skipped files: {self.skipped_path}")
+        return [*done, f"index: {self.index_path}", f"train on it: {command}"]
+
 
 @dataclass
 class _Progress:
