@@ -344,10 +344,17 @@ def test_two_ranks_stop_mid_epoch_and_resume_bit_exactly_on_a_pack(tmp_path, tin
     packed = pack_features(
         tiny_demo, tmp_path / "pack", cfg, workers=1, skip_bad=False, progress=False
     )
+    # classes of uneven size: half the classes lose a third of their rows (dropped from the
+    # pack's index, as a user may), so the ranks' class shares differ in rows
+    index = pd.read_parquet(packed.index_path)
+    small = index["a_cls"].isin(sorted(index["a_cls"].unique())[::2])
+    uneven = index[~small | (np.arange(len(index)) % 3 != 0)]
+    assert 0 < len(index) - len(uneven) < len(index) // 4
+    uneven.to_parquet(tmp_path / "pack" / "uneven.parquet", index=False)
 
     def config(runs: str, *extra: str):
         return tiny_config(
-            packed.index_path,
+            tmp_path / "pack" / "uneven.parquet",
             tmp_path / runs,
             "cnn",
             "features.kind=npy",
@@ -369,3 +376,26 @@ def test_two_ranks_stop_mid_epoch_and_resume_bit_exactly_on_a_pack(tmp_path, tin
     assert resumed[0]["step"] == straight[0]["step"] > 2
     assert resumed[0]["parameters_sha256"] == straight[0]["parameters_sha256"]
     assert resumed[1]["parameters_sha256"] == resumed[0]["parameters_sha256"]
+
+
+@pytest.mark.slow
+def test_the_data_scale_benchmark_runs_at_its_smallest_size(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/data_scale.py", "--smoke", "--workdir", str(tmp_path)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a target missed at this size
+    out = proc.stdout
+    for row in (
+        "ceiling os.preadv loop, warm",
+        "packed loader, 1 worker, warm",
+        "per-file loader, 1 worker, cold",
+        "start-up from a cached index",
+    ):
+        assert row in out, out
+    verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 8, out
