@@ -86,21 +86,23 @@ class PackedFeatures:
         """The checked pack of a packed index table (None for a table without pack columns)."""
         if PACK_COLUMNS[0] not in table.columns:
             return None
+        # a few data files named by many rows: work on the distinct paths
+        codes, paths = pd.factorize(table["path"])
+        folder = _folder_of(paths)
         if features.kind != "npy":
-            raise PackError(
-                f"the index is a feature pack ({_folder_of(table)}): set features.kind=npy"
-            )
-        folder = _folder_of(table)
+            raise PackError(f"the index is a feature pack ({folder}): set features.kind=npy")
         manifest = read_manifest(folder)
         _check_settings(folder, manifest, features)
-        names = [f["name"] for f in manifest["files"]]
-        file_names = table["path"].map(os.path.basename)
-        unknown = ~file_names.isin(names).to_numpy()
-        if unknown.any():
+        names = {f["name"]: i for i, f in enumerate(manifest["files"])}
+        path_file = np.array([names.get(os.path.basename(p), -1) for p in paths], dtype=np.int64)
+        file_ids = path_file[codes]
+        if (file_ids < 0).any():
             raise _sheet_changed(
-                folder, table["row"].to_numpy(), unknown, "names a file that is not in the pack"
+                folder,
+                table["row"].to_numpy(),
+                file_ids < 0,
+                "names a file that is not in the pack",
             )
-        file_ids = file_names.map({name: i for i, name in enumerate(names)}).to_numpy(np.int64)
         offsets = table[PACK_COLUMNS[0]].to_numpy(np.int64)
         frames = table[PACK_COLUMNS[1]].to_numpy(np.int64)
         pack = cls(folder, manifest, file_ids, offsets, frames)
@@ -213,8 +215,9 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def _folder_of(table: pd.DataFrame) -> Path:
-    folders = table["path"].map(os.path.dirname).unique()
+def _folder_of(paths) -> Path:
+    """The one folder of a packed index's data files (`paths`: its distinct paths)."""
+    folders = sorted({os.path.dirname(p) for p in paths})
     if len(folders) != 1:
         raise PackError(
             f"a packed index names data files in {len(folders)} folders ({', '.join(folders[:3])}"
