@@ -5,7 +5,8 @@ A worker works out every crop of the unit at once from the keys (position, crop 
 samples]): the start `window_starts` gives for the seed, as every reader of precomputed features
 does. It reads each crop with one positioned read, sorted by (data file, offset) over the whole
 unit (the read planner: a class-major pack and the ranks' disjoint class shares make those reads
-close together), straight into one shared-memory buffer [K, B, frames, bins] of the pack's dtype,
+close together; each is announced with POSIX_FADV_WILLNEED first, so the kernel fetches the
+unit's uncached crops in parallel), straight into one shared-memory buffer [K, B, frames, bins] of the pack's dtype,
 reused once the main process has let go of it (`BufferLeases`). The main process gets the buffer
 without a copy and hands out its K batches in sampler order.
 
@@ -197,13 +198,16 @@ class PackedBatchReader(torch.utils.data.Dataset):
         return np.stack([zeros if d is None else d for d in drawn])
 
     def _read(self, flat: np.ndarray, positions, starts, lengths) -> None:
-        """Every crop into its slot: one positioned read each, in (file, offset) order."""
+        """Every crop into its slot: all announced to the kernel first, then one positioned
+        read each, in (file, offset) order."""
         pack = self.pack
         where = pack.offsets[positions] + starts * pack.frame_bytes
-        order = np.lexsort((where, pack.file_ids[positions]))
+        order = np.lexsort((where, pack.file_ids[positions])).tolist()
+        for slot in order:
+            pack.will_need(int(positions[slot]), int(starts[slot]), int(lengths[slot]))
         view = memoryview(flat.reshape(-1).view(np.uint8))
         slot_bytes = flat.shape[1] * flat.itemsize
-        for slot in order.tolist():
+        for slot in order:
             first, length = slot * slot_bytes, int(lengths[slot])
             buffer = view[first : first + length * pack.frame_bytes]
             pack.read_into(buffer, int(positions[slot]), int(starts[slot]), length)
