@@ -376,7 +376,8 @@ def pread_ceiling(keys, pack: PackedFeatures, frames: int) -> tuple[float, float
         length = min(frames, total)
         start = int(window_starts(crop_seed, total, length)[0])
         offset = int(pack.offsets[position]) + start * pack.frame_bytes
-        jobs.append((pack.fd(int(pack.file_ids[position])), offset, length * pack.frame_bytes))
+        fd = pack.descriptors()[int(pack.file_ids[position])]
+        jobs.append((fd, offset, length * pack.frame_bytes))
     buffer = memoryview(bytearray(frames * pack.frame_bytes))
     preadv = os.preadv
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -558,7 +559,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--measure",
         type=int,
-        default=60,
+        default=150,
         help="timed batches per throughput run (after each worker's first batch)",
     )
     parser.add_argument(

@@ -150,7 +150,8 @@ class PackedBatchReader(torch.utils.data.Dataset):
         totals = self.pack.frames[positions]
         lengths = np.minimum(totals, n_frames)
         starts = window_starts(seeds, totals, lengths)
-        self._read(flat, positions, starts, lengths)
+        view = memoryview(flat.reshape(-1).view(np.uint8))
+        self.pack.read_crops(view, flat.shape[1] * flat.itemsize, positions, starts, lengths)
         self._fill_short(flat, lengths, n_frames)
         self._check_finite(flat, positions, starts, lengths)
         offsets = self._offsets(seeds)
@@ -196,21 +197,6 @@ class PackedBatchReader(torch.utils.data.Dataset):
             return None
         zeros = np.zeros(self.pack.n_bins, dtype=np.float32)
         return np.stack([zeros if d is None else d for d in drawn])
-
-    def _read(self, flat: np.ndarray, positions, starts, lengths) -> None:
-        """Every crop into its slot: all announced to the kernel first, then one positioned
-        read each, in (file, offset) order."""
-        pack = self.pack
-        where = pack.offsets[positions] + starts * pack.frame_bytes
-        order = np.lexsort((where, pack.file_ids[positions])).tolist()
-        for slot in order:
-            pack.will_need(int(positions[slot]), int(starts[slot]), int(lengths[slot]))
-        view = memoryview(flat.reshape(-1).view(np.uint8))
-        slot_bytes = flat.shape[1] * flat.itemsize
-        for slot in order:
-            first, length = slot * slot_bytes, int(lengths[slot])
-            buffer = view[first : first + length * pack.frame_bytes]
-            pack.read_into(buffer, int(positions[slot]), int(starts[slot]), length)
 
     def _fill_short(self, flat: np.ndarray, lengths: np.ndarray, n_frames: int) -> None:
         """Samples shorter than the crop: tiled or zero-padded as clips.pad_mode says."""
