@@ -1,4 +1,5 @@
-"""Map-style dataset of audio clips or precomputed log-mel files, and its padding collate.
+"""Map-style dataset of audio clips, precomputed log-mel files or a feature pack's samples
+(audioclf.data.pack: an index with pack columns), and its padding collate.
 
 Items are read in DataLoader workers; the log-mel front end runs later, batched, on the device.
 A key is a position, `(position, crop_seed)` or `(position, crop_seed, crop_samples)`: the seed

@@ -6,7 +6,8 @@ very same crops as an uninterrupted one. With a crop schedule (train.final_epoch
 carry the epoch's crop length: the batch sampler runs in the main process, while a persistent
 worker's dataset is the copy it was given at its start and never hears of a new epoch.
 `TrainLoader` is stateful: it counts the batches it has handed out, so a checkpoint resumes at
-the very next batch (torchtitan's stateful loader).
+the very next batch (torchtitan's stateful loader). Over a feature pack it reads whole batches
+in its workers (audioclf.data.batches), from the same keys.
 """
 
 from __future__ import annotations
