@@ -251,6 +251,12 @@ class Config:
         _check(self.model.head == "none" or self.loss.ce_weight > 0, "loss.ce_weight",
                self.loss.ce_weight, f"> 0 with model.head={self.model.head} (its cross-entropy "
                "weight; e.g. 1.0), or set model.head=none")
+        # DataParallel's replicas copy the module's __dict__, the compiled call with it, so every
+        # replica would run the original's weights (a device mismatch on 2+ GPUs).
+        _check(not (self.train.compile and self.dist.strategy == "dp"), "train.compile",
+               self.train.compile, "false with dist.strategy=dp (DataParallel's replicas would "
+               "all run the compiled original's weights): set train.compile=false, or compile "
+               "under DDP (torchrun, dist.strategy=ddp or auto)")
 
 
 def architecture(cfg: Config) -> dict:
