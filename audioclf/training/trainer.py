@@ -40,6 +40,7 @@ from audioclf.models import build_net, count_parameters
 from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer, param_groups
 from audioclf.precision import configure_backends, resolve_precision
 from audioclf.training import averaging
+from audioclf.training.compiled import compile_embedder
 from audioclf.training.rundir import (
     RunLock,
     StopRequested,
@@ -304,7 +305,7 @@ class Trainer:
         self.ema = averaging.build_ema(cfg, self.model)
         self._compiling = cfg.train.compile  # until the first step has compiled
         if cfg.train.compile:  # in place: the state dict keeps its keys; after the EMA's copy
-            net.embedder.compile(dynamic=False)  # static: a new crop length compiles anew
+            compile_embedder(net)  # a batch size or crop length that changes becomes dynamic
 
     def _checkpointer(self) -> checkpoint.Checkpointer:
         """The run's stateful parts, by name, in one Checkpointer (with "ema" when kept)."""
