@@ -5,10 +5,11 @@
 #      requirements.txt's floor, a GPU visible;
 #   cuda tests (pytest -m cuda tests/test_cuda.py; ~1-2 min): bf16/fp16 steps, NCCL
 #      collectives, SyncBN under DDP, a GPU checkpoint resumed on CPU and exported;
-#   throughput (benchmarks/gpu_throughput.py; ~2 min): samples/s of configs/cnn.yaml and
-#      configs/conformer.yaml at fp32 / bf16 / fp16 on synthetic batches, the real .npy loader
-#      at the auto precision, peak GPU memory, a cnn cell with train.compile=true (its compilation
-#      in the warm-up steps); targets: conformer bf16 >= 1.8x fp32, the loader
+#   throughput (benchmarks/gpu_throughput.py; ~2.5 min): samples/s of configs/cnn.yaml and
+#      configs/conformer.yaml at fp32 (IEEE, train.tf32=false) / tf32 / bf16 / fp16 on synthetic
+#      batches, the real .npy loader at the auto precision, peak GPU memory, a cnn cell with
+#      train.compile=true (its compilation in the warm-up steps); targets: conformer bf16 >=
+#      1.8x IEEE fp32, the loader
 #      keeps the GPU >= 90 % busy; bf16 is SKIP on a GPU without native bfloat16;
 #   ddp (~1 min): audioclf.train under torchrun with NCCL, 1 rank (2 with 2+ GPUs), on the demo
 #      features: SyncBN, cross-rank mining, the parameter-consistency check every step, the EMA,

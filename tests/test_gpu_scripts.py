@@ -93,15 +93,16 @@ def test_throughput_measures_every_model_and_precision_on_the_cpu():
     returncode, output = run_group([*cmd, "--set", *TINY], child_env(), timeout=300)
     assert returncode == 0, output[-3000:]
     rows = table_rows(output)
-    assert set(rows) == {(m, p) for m in ("cnn", "conformer") for p in ("fp32", "bf16", "fp16")}
+    cells = ("fp32", "tf32", "bf16", "fp16")
+    assert set(rows) == {(m, p) for m in ("cnn", "conformer") for p in cells}
     for (model, precision), (synthetic, x_fp32, _peak, loader, busy) in rows.items():
         assert float(synthetic) > 0, (model, precision, output[-2000:])
         if precision == "fp32":  # the precision auto picks on a CPU: the loader ran there
             assert float(x_fp32) == 1 and float(loader) > 0 and 0 < float(busy) <= 1
         else:
             assert loader == busy == "-"
-    assert "gpu_throughput: 6 of 6 cells measured on cpu, 0 FAIL line(s)" in output
-    assert re.search(r"^SKIP conformer bf16 speed-up: [0-9.]+x fp32 samples/s", output, re.M)
+    assert "gpu_throughput: 8 of 8 cells measured on cpu, 0 FAIL line(s)" in output
+    assert re.search(r"^SKIP conformer bf16 speed-up: [0-9.]+x IEEE fp32 samples/s", output, re.M)
     for model in ("cnn", "conformer"):
         assert re.search(rf"^SKIP {model} loader: keeps the GPU \d+ % busy at fp32", output, re.M)
 
@@ -116,7 +117,7 @@ def test_throughput_targets_pass_and_fail_on_a_gpu_and_skip_without_cells():
     cuda = torch.device("cuda")
     fast = [row("conformer", "fp32", 100.0), row("conformer", "bf16", 190.0, busy=0.95)]
     assert throughput.verdicts(fast, cuda) == [
-        "PASS conformer bf16 speed-up: 1.90x fp32 samples/s (target >= 1.8x)",
+        "PASS conformer bf16 speed-up: 1.90x IEEE fp32 samples/s (target >= 1.8x)",
         "PASS conformer loader: keeps the GPU 95 % busy at bf16 (target >= 90 %)",
     ]
     slow = [row("conformer", "fp32", 100.0), row("conformer", "bf16", 150.0, busy=0.5)]
@@ -129,6 +130,23 @@ def test_throughput_targets_pass_and_fail_on_a_gpu_and_skip_without_cells():
         "SKIP conformer bf16 speed-up: no measured conformer fp32 and bf16 cells to compare"
     ]
     assert throughput.verdicts(fast, torch.device("cpu"))[0].startswith("SKIP")
+
+
+def test_the_speed_up_baseline_is_ieee_fp32_and_tf32_a_cell_beside_it(tmp_path):
+    # The recipes turn TF32 on (train.tf32=true); a baseline measured so would leave bf16 a
+    # small gain on a healthy GPU and fail the target.
+    throughput = script_module(THROUGHPUT)
+    import torch
+
+    def settings(model, cell):
+        cfg = throughput.recipe(model, cell, torch.device("cpu"), tmp_path / "i.csv", [])
+        return cfg.train.precision, cfg.train.tf32
+
+    assert throughput.PRECISIONS == ("fp32", "tf32", "bf16", "fp16")
+    for model in ("cnn", "conformer"):
+        assert settings(model, "fp32") == ("fp32", False)
+        assert settings(model, "tf32") == ("fp32", True)
+        assert settings(model, "bf16") == ("bf16", True)
 
 
 # ------------------------------------------------------------------------------- preflight
