@@ -3,8 +3,10 @@
 # 8 at most (GPU_CHECK_BUDGET=480 s: each step's time limit is cut to what is left).
 #   preflight (~10 s): every module imports (a missing one is named with its wheel), torch at
 #      requirements.txt's floor, a GPU visible;
-#   cuda tests (pytest -m cuda tests/test_cuda.py; ~1-2 min): bf16/fp16 steps, NCCL
-#      collectives, SyncBN under DDP, a GPU checkpoint resumed on CPU and exported;
+#   cuda tests (pytest -m cuda tests/test_cuda.py tests/test_search.py; ~1-2 min): bf16/fp16
+#      steps, NCCL collectives, SyncBN under DDP, a GPU checkpoint resumed on CPU and exported,
+#      exact search on the GPU against the CPU's (after trainings in the same process: each
+#      puts back the TF32 and autotuning flags it found);
 #   throughput (benchmarks/gpu_throughput.py; ~2.5 min): samples/s of configs/cnn.yaml and
 #      configs/conformer.yaml at fp32 (IEEE, train.tf32=false) / tf32 / bf16 / fp16 on synthetic
 #      batches, the real .npy loader at the auto precision, peak GPU memory, a cnn cell with
@@ -106,7 +108,7 @@ check_cuda_tests() {  # PASS needs a test that passed: skipped cuda tests check 
     local log="$WORK/cuda_tests.log" limit rc passed
     limit="$(time_left 180)"
     timeout -k 10 "$limit" "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/cuda_tmp" \
-        -m cuda tests/test_cuda.py > "$log" 2>&1
+        -m cuda tests/test_cuda.py tests/test_search.py > "$log" 2>&1
     rc=$?
     tail -n 15 "$log"
     passed="$(grep -oE '[0-9]+ passed' "$log" | tail -n 1 | cut -d' ' -f1)"

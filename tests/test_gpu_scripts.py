@@ -227,6 +227,19 @@ if log:
 """
 
 
+def test_the_check_runs_every_test_file_with_cuda_tests():
+    # test_search.py's exact search on the GPU was never run by the check.
+    script = (ROOT / "benchmarks/gpu_check.sh").read_text()
+    command = next(line for line in script.splitlines() if "-m cuda tests/" in line)
+    holders = sorted(
+        path.name
+        for path in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"^\s*@?pytest\.mark\.cuda\b", path.read_text(), re.M)  # decorator, pytestmark
+    )
+    assert "test_search.py" in holders and "test_cuda.py" in holders
+    assert [name for name in holders if f"tests/{name}" not in command] == []
+
+
 def test_cpu_smoke_of_the_whole_check_with_a_wheel_installed_offline(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()  # a wheel whose sitecustomize logs every Python that starts with it

@@ -38,7 +38,7 @@ from audioclf.logs import EpochRow, MetricsWriter, setup_logging
 from audioclf.losses import build_loss, final_epochs_start
 from audioclf.models import build_net, count_parameters
 from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer, param_groups
-from audioclf.precision import configure_backends, resolve_precision
+from audioclf.precision import BackendFlags, configure_backends, resolve_precision
 from audioclf.training import averaging
 from audioclf.training.compiled import compile_embedder
 from audioclf.training.rundir import (
@@ -190,6 +190,7 @@ class Trainer:
         self.cfg, self.env, self.stop, self.hooks = cfg, env, stop, hooks
         self.run_dir = Path(cfg.train.runs_dir) / cfg.train.name
         self.lock: RunLock | None = None
+        self.backends = BackendFlags.current()  # put back by close()
         setup_logging(None, env.rank)  # console only until the input is known to be valid
         distributed.primary_first(check_free, self.run_dir)  # before reading what it holds
         resume_path, ckpt, resume_notes = resume_point(cfg, self.run_dir)
@@ -383,7 +384,8 @@ class Trainer:
 
     def close(self) -> None:
         """End the tracker run of a run that did not finish; release the run folder (the lock
-        goes with the process anyway)."""
+        goes with the process anyway); put back the TF32 and autotuning flags it found."""
+        self.backends.apply()
         if getattr(self, "tracker", None) is not None:
             try:
                 self.tracker.finish([])
