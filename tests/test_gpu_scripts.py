@@ -240,6 +240,18 @@ def test_the_check_runs_every_test_file_with_cuda_tests():
     assert [name for name in holders if f"tests/{name}" not in command] == []
 
 
+def test_the_test_processes_run_torch_on_one_thread():
+    # conftest set OMP_NUM_THREADS after importing torch, which had read it already: each CPU
+    # shard of the check took every core of the GPU box.
+    env = {k: v for k, v in child_env().items() if not k.endswith("_NUM_THREADS")}
+    code = "import tests.conftest, torch; print(torch.get_num_threads())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"], out.stdout
+
+
 def test_cpu_smoke_of_the_whole_check_with_a_wheel_installed_offline(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()  # a wheel whose sitecustomize logs every Python that starts with it
