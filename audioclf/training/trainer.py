@@ -241,7 +241,6 @@ class Trainer:
             env,
             self.val,
             self.val_set,
-            precision=self.precision,
             loader_options=self.loader_options,
             metrics=self.metrics,
         )
