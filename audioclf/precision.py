@@ -97,14 +97,40 @@ def _native_bf16(device: torch.device) -> bool:
     return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+@dataclass(frozen=True)
+class BackendFlags:
+    """torch's process-wide TF32 and cuDNN autotuning flags (plain attributes, on a CPU too).
+
+    `BackendFlags.current()` reads them, `.apply()` sets them: the Trainer puts back at its
+    close what it found, so a run in this process (a benchmark cell, a test) leaves no TF32 or
+    autotuning behind for what runs next."""
+
+    matmul_tf32: bool
+    cudnn_tf32: bool
+    cudnn_benchmark: bool
+
+    @classmethod
+    def current(cls) -> BackendFlags:
+        backends = torch.backends
+        return cls(
+            backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark
+        )
+
+    def apply(self) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = self.matmul_tf32
+        torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+
+
+EXACT = BackendFlags(matmul_tf32=False, cudnn_tf32=False, cudnn_benchmark=False)
+
+
 def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
     """TF32 matmuls/convolutions (train.tf32) and cuDNN autotuning (train.cudnn_benchmark) on
     CUDA; train.deterministic turns autotuning off."""
     if device.type != "cuda":
         return
-    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-    torch.backends.cudnn.allow_tf32 = cfg.tf32
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
+    BackendFlags(cfg.tf32, cfg.tf32, cfg.cudnn_benchmark and not cfg.deterministic).apply()
 
 
 @contextmanager
@@ -114,11 +140,10 @@ def exact_arithmetic() -> Iterator[None]:
     so (validation, evaluate, embed): its clips vary in length, so autotuning would re-tune and
     a compiled model recompile per batch, and validation's metrics (which pick best.pt) then
     equal evaluate's. Mixed precision still applies where asked for."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark
-    matmul.allow_tf32 = cudnn.allow_tf32 = cudnn.benchmark = False
+    saved = BackendFlags.current()
+    EXACT.apply()
     try:
         with torch.compiler.set_stance("force_eager"):
             yield
     finally:
-        matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark = saved
+        saved.apply()

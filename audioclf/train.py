@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from audioclf.config import load_config
-from audioclf.distributed.launch import LaunchStopped, launch_ranks
+from audioclf.distributed.launch import LaunchStopped, check_local_gpus, launch_ranks
 from audioclf.errors import UsageError, run_cli
 
 PROG = "python -m audioclf.train"
@@ -85,6 +85,7 @@ def launch(args: argparse.Namespace, cfg) -> int:
             "--nproc-per-node needs N >= 1 and no launcher around it (under torchrun or srun, "
             "leave it out)"
         )
+    check_local_gpus(args.nproc, cfg.train.device)  # before any rank starts
     argv = [*(["--config", args.config] if args.config else []), *args.overrides]
     try:
         launch_ranks(args.nproc, "audioclf.train", argv)

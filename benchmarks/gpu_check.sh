@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# One-shot check of a CUDA machine, offline: about 5 minutes on one H100/H200 with 16 cores,
-# 8 at most (GPU_CHECK_BUDGET=480 s: each step's time limit is cut to what is left).
+# One-shot check of a CUDA machine, offline: an estimated 6 minutes on one H100/H200 with 16
+# cores, 8 at most (GPU_CHECK_BUDGET=480 s: each step's time limit is cut to what is left), so
+# it fits a machine lent for 10 minutes with the wheels' install.
 #   preflight (~10 s): every module imports (a missing one is named with its wheel), torch at
 #      requirements.txt's floor, a GPU visible;
-#   cuda tests (pytest -m cuda tests/test_cuda.py; ~1-2 min): bf16/fp16 steps, NCCL
-#      collectives, SyncBN under DDP, a GPU checkpoint resumed on CPU and exported;
-#   throughput (benchmarks/gpu_throughput.py; ~2 min): samples/s of configs/cnn.yaml and
-#      configs/conformer.yaml at fp32 / bf16 / fp16 on synthetic batches, the real .npy loader
-#      at the auto precision, peak GPU memory, a cnn cell with train.compile=true (its compilation
-#      in the warm-up steps); targets: conformer bf16 >= 1.8x fp32, the loader
+#   cuda tests (pytest -m cuda tests/test_cuda.py tests/test_search.py; ~1-2 min): bf16/fp16
+#      steps, NCCL collectives, SyncBN under DDP, a GPU checkpoint resumed on CPU and exported,
+#      exact search on the GPU against the CPU's (after trainings in the same process: each
+#      puts back the TF32 and autotuning flags it found);
+#   throughput (benchmarks/gpu_throughput.py; ~2.5 min): samples/s of configs/cnn.yaml and
+#      configs/conformer.yaml at fp32 (IEEE, train.tf32=false) / tf32 / bf16 / fp16 on synthetic
+#      batches, the real .npy loader at the auto precision, peak GPU memory, a cnn cell with
+#      train.compile=true (its compilation in the warm-up steps); targets: conformer bf16 >=
+#      1.8x IEEE fp32, the loader
 #      keeps the GPU >= 90 % busy; bf16 is SKIP on a GPU without native bfloat16;
 #   ddp (~1 min): audioclf.train under torchrun with NCCL, 1 rank (2 with 2+ GPUs), on the demo
 #      features: SyncBN, cross-rank mining, the parameter-consistency check every step, the EMA,
@@ -105,7 +109,7 @@ check_cuda_tests() {  # PASS needs a test that passed: skipped cuda tests check 
     local log="$WORK/cuda_tests.log" limit rc passed
     limit="$(time_left 180)"
     timeout -k 10 "$limit" "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/cuda_tmp" \
-        -m cuda tests/test_cuda.py > "$log" 2>&1
+        -m cuda tests/test_cuda.py tests/test_search.py > "$log" 2>&1
     rc=$?
     tail -n 15 "$log"
     passed="$(grep -oE '[0-9]+ passed' "$log" | tail -n 1 | cut -d' ' -f1)"
@@ -167,7 +171,7 @@ check_throughput() {  # the table; its PASS/FAIL/SKIP lines are recorded as they
             model.conformer.d_model=32 model.conformer.num_heads=2 model.conformer.ffn_dim=64
             model.conformer.num_layers=1 model.conformer.kernel_size=7)
     fi
-    limit="$(time_left 200)"
+    limit="$(time_left 240)"
     timeout -k 10 "$limit" "$PY" benchmarks/gpu_throughput.py --device "$device" \
         --steps "$STEPS" "${extra[@]}" > "$log" 2>&1
     rc=$?

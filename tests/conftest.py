@@ -6,11 +6,14 @@ import logging
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Each test process (and the processes it starts) on one thread: the machines have 2 cores,
+# and the GPU check's CPU shards would each take every core of a GPU box. Set before torch is
+# imported: torch reads them once, at its import (set after it, torch kept a thread per core).
+for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_threads, "1")
 
-# Keep each test process (and the processes it spawns) on one thread: the machines have 2 cores.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import pytest  # noqa: E402 - after the thread variables
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

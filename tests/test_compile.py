@@ -1,5 +1,6 @@
 """train.compile: torch.compile of the embedder gives the eager loss and gradients on a fixed
-batch; a compiled run trains, validates eagerly (no compilation for the validation clips'
+batch; a new batch size compiles once more (the batch axis then dynamic), logged, and no more;
+a compiled run trains, validates eagerly (no compilation for the validation clips'
 lengths), leaves the compilation step out of samples/s and saves the eager state-dict keys.
 Compiling takes tens of seconds on a CPU: every test here is slow."""
 
@@ -10,6 +11,7 @@ from torch._dynamo.utils import counters
 from audioclf import checkpoint
 from audioclf.losses import build_loss
 from audioclf.models import build_net
+from audioclf.training.compiled import compile_embedder
 from tests.helpers import feature_batches, fit, tiny_config, tiny_net_config
 
 pytestmark = pytest.mark.slow
@@ -22,7 +24,7 @@ def loss_and_grads(compiled: bool):
     torch.manual_seed(0)
     net = build_net(cfg, 0).train()
     if compiled:
-        net.embedder.compile(dynamic=False)
+        compile_embedder(net)  # as train.compile does
     loss_fn = build_loss(cfg)
     loss_fn.set_epoch(0)
     x, lengths, labels, _ = feature_batches(1)[0]
@@ -42,6 +44,42 @@ def test_compile_gives_the_eager_loss_and_gradients_on_a_fixed_batch():
         torch.testing.assert_close(grad, eager_grads[name], atol=1e-4, rtol=1e-3, msg=name)
 
 
+def compiled_steps(sizes, graphs: list) -> int:
+    """A tiny net's embedder compiled by compile_embedder with a backend that counts graphs and
+    runs them as they are, through a forward and backward of a batch of each size; returns
+    the compilations it counted."""
+
+    def eager(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = build_net(tiny_net_config("cnn", *NO_RANDOMNESS), 0).train()
+    compilations = compile_embedder(net, backend=eager)
+    for rows in sizes:
+        embeddings, _ = net(torch.randn(rows, 120, 32), torch.full((rows,), 120))
+        embeddings.sum().backward()
+    return compilations.count
+
+
+def test_a_new_batch_size_compiles_once_more_and_is_logged(notes):
+    # Batches shrink when files are skipped as unreadable; the empty-batch placeholder has 2
+    # rows. With static shapes each size compiled anew (5 here), up to torch's limit of 8.
+    graphs = []
+    assert compiled_steps((16, 14, 12, 16, 2, 15), graphs) == len(graphs) == 2
+    said = [line for line in notes if line.startswith("train.compile:")]
+    assert said[0] == "train.compile: compiling the embedder for lengths [16], feats [16, 120, 32]"
+    assert said[1].startswith("train.compile: the embedder compiles again (compilation 2) for ")
+    assert "a new batch size or crop length" in said[1] and ", 120, 32]" in said[1]
+    assert "[14, 120, 32]" not in said[1]  # the batch axis is symbolic: dynamic
+    assert len(said) == 2
+    # At torch's recompile limit, past which it would run the embedder eagerly: a warning.
+    with torch._dynamo.config.patch(recompile_limit=2):  # (monkeypatch's undo breaks it)
+        assert compiled_steps((16, 14), []) == 2
+    assert notes[-1].startswith("train.compile: 2 compilations of the embedder, torch's recompile")
+
+
 def test_a_compiled_run_trains_validates_eagerly_and_keeps_the_checkpoint_keys(tmp_path, tiny_demo):
     torch._dynamo.reset()
     counters.clear()
@@ -56,6 +94,7 @@ def test_a_compiled_run_trains_validates_eagerly_and_keeps_the_checkpoint_keys(t
     assert all(h["map_at_r"] > 0 for h in compiled["history"])
     log = (tmp_path / "c" / "t" / "train.log").read_text()
     assert "train.compile: the first step took" in log
+    assert "train.compile: compiling the embedder for lengths [8], feats [8, " in log
     first, again = (checkpoint.load(tmp_path / run / "t" / checkpoint.LAST) for run in "ce")
     assert first["model"].keys() == again["model"].keys()
     assert not any("_orig_mod" in key for key in first["model"])

@@ -88,6 +88,11 @@ def test_int_accepted_for_float_and_null_for_optional():
         (["train.epochs"], r"not of the form section\.key=value"),
         (["train..epochs=1"], r"empty key"),
         (["model=3"], r"section model must be a mapping"),
+        (
+            ["train.compile=true", "dist.strategy=dp"],
+            r"^config key train\.compile=True is invalid: expected false with dist\.strategy=dp "
+            r"\(DataParallel.*set train\.compile=false, or compile under DDP[^\n]*$",
+        ),
     ],
 )
 def test_rejections(overrides, match):

@@ -93,15 +93,16 @@ def test_throughput_measures_every_model_and_precision_on_the_cpu():
     returncode, output = run_group([*cmd, "--set", *TINY], child_env(), timeout=300)
     assert returncode == 0, output[-3000:]
     rows = table_rows(output)
-    assert set(rows) == {(m, p) for m in ("cnn", "conformer") for p in ("fp32", "bf16", "fp16")}
+    cells = ("fp32", "tf32", "bf16", "fp16")
+    assert set(rows) == {(m, p) for m in ("cnn", "conformer") for p in cells}
     for (model, precision), (synthetic, x_fp32, _peak, loader, busy) in rows.items():
         assert float(synthetic) > 0, (model, precision, output[-2000:])
         if precision == "fp32":  # the precision auto picks on a CPU: the loader ran there
             assert float(x_fp32) == 1 and float(loader) > 0 and 0 < float(busy) <= 1
         else:
             assert loader == busy == "-"
-    assert "gpu_throughput: 6 of 6 cells measured on cpu, 0 FAIL line(s)" in output
-    assert re.search(r"^SKIP conformer bf16 speed-up: [0-9.]+x fp32 samples/s", output, re.M)
+    assert "gpu_throughput: 8 of 8 cells measured on cpu, 0 FAIL line(s)" in output
+    assert re.search(r"^SKIP conformer bf16 speed-up: [0-9.]+x IEEE fp32 samples/s", output, re.M)
     for model in ("cnn", "conformer"):
         assert re.search(rf"^SKIP {model} loader: keeps the GPU \d+ % busy at fp32", output, re.M)
 
@@ -116,7 +117,7 @@ def test_throughput_targets_pass_and_fail_on_a_gpu_and_skip_without_cells():
     cuda = torch.device("cuda")
     fast = [row("conformer", "fp32", 100.0), row("conformer", "bf16", 190.0, busy=0.95)]
     assert throughput.verdicts(fast, cuda) == [
-        "PASS conformer bf16 speed-up: 1.90x fp32 samples/s (target >= 1.8x)",
+        "PASS conformer bf16 speed-up: 1.90x IEEE fp32 samples/s (target >= 1.8x)",
         "PASS conformer loader: keeps the GPU 95 % busy at bf16 (target >= 90 %)",
     ]
     slow = [row("conformer", "fp32", 100.0), row("conformer", "bf16", 150.0, busy=0.5)]
@@ -129,6 +130,23 @@ def test_throughput_targets_pass_and_fail_on_a_gpu_and_skip_without_cells():
         "SKIP conformer bf16 speed-up: no measured conformer fp32 and bf16 cells to compare"
     ]
     assert throughput.verdicts(fast, torch.device("cpu"))[0].startswith("SKIP")
+
+
+def test_the_speed_up_baseline_is_ieee_fp32_and_tf32_a_cell_beside_it(tmp_path):
+    # The recipes turn TF32 on (train.tf32=true); a baseline measured so would leave bf16 a
+    # small gain on a healthy GPU and fail the target.
+    throughput = script_module(THROUGHPUT)
+    import torch
+
+    def settings(model, cell):
+        cfg = throughput.recipe(model, cell, torch.device("cpu"), tmp_path / "i.csv", [])
+        return cfg.train.precision, cfg.train.tf32
+
+    assert throughput.PRECISIONS == ("fp32", "tf32", "bf16", "fp16")
+    for model in ("cnn", "conformer"):
+        assert settings(model, "fp32") == ("fp32", False)
+        assert settings(model, "tf32") == ("fp32", True)
+        assert settings(model, "bf16") == ("bf16", True)
 
 
 # ------------------------------------------------------------------------------- preflight
@@ -207,6 +225,31 @@ if log:
     with open(log, "a") as f:
         f.write(open("/proc/self/cmdline", "rb").read().replace(b"\\0", b" ").decode() + "\\n")
 """
+
+
+def test_the_check_runs_every_test_file_with_cuda_tests():
+    # test_search.py's exact search on the GPU was never run by the check.
+    script = (ROOT / "benchmarks/gpu_check.sh").read_text()
+    command = next(line for line in script.splitlines() if "-m cuda tests/" in line)
+    holders = sorted(
+        path.name
+        for path in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"^\s*@?pytest\.mark\.cuda\b", path.read_text(), re.M)  # decorator, pytestmark
+    )
+    assert "test_search.py" in holders and "test_cuda.py" in holders
+    assert [name for name in holders if f"tests/{name}" not in command] == []
+
+
+def test_the_test_processes_run_torch_on_one_thread():
+    # conftest set OMP_NUM_THREADS after importing torch, which had read it already: each CPU
+    # shard of the check took every core of the GPU box.
+    env = {k: v for k, v in child_env().items() if not k.endswith("_NUM_THREADS")}
+    code = "import tests.conftest, torch; print(torch.get_num_threads())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"], out.stdout
 
 
 def test_cpu_smoke_of_the_whole_check_with_a_wheel_installed_offline(tmp_path):

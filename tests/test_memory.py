@@ -1,16 +1,21 @@
 """Cross-batch memory (loss.memory_size): its item-aware mining against a brute-force reference,
-the in-batch loss while the queue is empty, the queue's order, its checkpoint state, and a
-training run that stops mid-epoch and resumes bit-exactly with the memory in use."""
+the in-batch loss while the queue is empty, the queue's order, its checkpoint state, the host
+syncs of a step, and a training run that stops mid-epoch and resumes bit-exactly with the
+memory in use."""
 
 import itertools
+from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from audioclf import checkpoint
 from audioclf.config import load_config
-from audioclf.losses import build_loss
+from audioclf.losses import _gather_global, build_loss
 from audioclf.losses.memory import CrossBatchMemory, mine_with_items
 from tests.helpers import fit, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
@@ -75,7 +80,7 @@ def test_an_empty_memory_gives_the_in_batch_loss(miner):
     got, memory_stats = memory.with_stats(emb, classes, items=items)
     assert stats["triplets"] > 0 and memory_stats["triplets"] == stats["triplets"]
     torch.testing.assert_close(got, expected)
-    assert memory_stats["memory"] == 12 and len(memory.memory) == 12  # the batch was queued
+    assert len(memory.memory) == 12  # the batch was queued
     # the next batch mines against it too: another loss than its own alone
     second = batch(5, rows=12)[:2]
     again, _ = memory.with_stats(*second, items=items + 100)
@@ -133,3 +138,92 @@ def test_a_run_with_the_memory_resumes_bit_exactly(tmp_path, tiny_demo):
     assert int((a["loss_memory"]["classes"] >= 0).sum()) == 24  # full: it was in use
     for key, value in a["loss_memory"].items():
         assert torch.equal(value, b["loss_memory"][key]), key
+
+
+# --------------------------------------------------------------------------------------------
+# Host syncs: counted on the CPU as the operations that make the host wait for a GPU
+# --------------------------------------------------------------------------------------------
+
+ATEN = torch.ops.aten
+READS = {ATEN._local_scalar_dense.default, ATEN.is_nonzero.default, ATEN.equal.default}
+SIZED_BY_DATA = {ATEN.nonzero.default, ATEN.masked_select.default}
+INDEXING = {ATEN.index.Tensor, ATEN.index_put_.default, ATEN.index_put.default}
+
+
+class SyncingOps(TorchDispatchMode):
+    """Counts reads of a value (item, bool, int), ops whose output size depends on the data
+    (nonzero, masked_select) and boolean-mask indexing (a nonzero inside)."""
+
+    def __init__(self, counts: Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masks = func in INDEXING and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()
+        )
+        if func in READS or func in SIZED_BY_DATA or masks:
+            self.counts[f"{func}{'[bool]' * masks}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CopiesToTheHost(TorchFunctionMode):
+    """Counts .cpu(), .numpy() and .tolist(): copies to the host (no-ops on a CPU tensor)."""
+
+    def __init__(self, counts: Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist):
+            self.counts[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def host_syncs():
+    """A Counter of what in the block would make the host wait for a GPU."""
+    counts = Counter()
+    with CopiesToTheHost(counts), SyncingOps(counts):
+        yield counts
+
+
+def memory_loss(miner: str, size: int = 32):
+    cfg = ["loss.memory_warmup_epochs=0", f"loss.memory_size={size}", f"loss.miner={miner}"]
+    loss = build_loss(load_config(None, cfg), items=torch.arange(100).numpy() // 2)
+    loss.set_epoch(0)
+    return loss
+
+
+def test_the_objective_adds_no_host_sync_to_its_terms_without_the_memory():
+    # It copied the rows' positions to the host to look their items up on every step, which
+    # only the memory reads.
+    loss = memory_loss("semi_hard", size=0)
+    emb, classes, _ = batch(0, rows=12)
+    with host_syncs() as terms:
+        loss.with_stats(emb, classes, stats=False)
+    with host_syncs() as objective:
+        loss.objective((emb, None), classes, torch.arange(12))
+    assert objective == terms
+
+
+@pytest.mark.parametrize("miner, mining", [("batch_hard", 1), ("semi_hard", 2), ("all", 2)])
+def test_a_step_with_the_memory_syncs_only_where_the_mining_needs_it(miner, mining):
+    # The queue's empty slots (class -1) go to the miner, the finite check stays on the
+    # device, the item table lives on the device and one process gathers nothing: what is left
+    # is the mining's torch.nonzero calls and pytorch-metric-learning's reducer (a boolean
+    # index). It was 11-12 with the memory (5 reads, 4 boolean indexes, a copy to the host).
+    loss = memory_loss(miner)
+    for step in range(3):
+        emb, classes, _ = batch(step, rows=12)
+        with host_syncs() as syncs:
+            loss.objective((emb, None), classes, torch.arange(12) + 12 * step)
+    assert len(loss.memory) == 32  # a full queue, mined against
+    assert syncs == Counter({"aten.nonzero.default": mining, "aten.index.Tensor[bool]": 1})
+    memory, (emb, classes, items) = loss.memory, batch(5, rows=12)
+    with host_syncs() as syncs:
+        memory.references(emb, classes, items)
+        memory.enqueue(emb, classes, items)
+        memory.enqueue(emb * float("nan"), classes, items)  # not queued, decided on the device
+        _gather_global(emb, classes, items)
+    assert syncs == Counter()

@@ -72,6 +72,32 @@ def test_retrieval_perfect_for_separated_clusters():
     assert result["per_sample_correct_at_1"].all()
 
 
+def test_retrieval_searches_in_ieee_fp32_whatever_the_process_left_on(monkeypatch):
+    # A training in the process turns TF32 on (configure_backends); validation's retrieval,
+    # which picks best.pt, must rank as evaluate's does. On a CPU the flags are plain
+    # attributes: what the search saw is what a GPU's matmul would use.
+    from audioclf.metrics.retrieval import ExactSearch
+    from audioclf.precision import EXACT, BackendFlags
+
+    seen, search = [], ExactSearch.search
+
+    def spy(self, *args, **kwargs):
+        seen.append(BackendFlags.current())
+        return search(self, *args, **kwargs)
+
+    monkeypatch.setattr(ExactSearch, "search", spy)
+    saved = BackendFlags.current()
+    try:
+        BackendFlags(True, True, True).apply()
+        embeddings, labels = separated_clusters()
+        assert retrieval_metrics(embeddings, labels)["precision_at_1"] == 1.0
+        after = BackendFlags.current()
+    finally:
+        saved.apply()
+    assert seen and set(seen) == {EXACT}
+    assert after == BackendFlags(True, True, True)  # put back after
+
+
 def test_retrieval_hand_computed_case():
     # Points on the unit circle (cosine ranks by angular distance), scaled to various norms.
     #   class 0: a0 at 0 deg, a1 at 10, a2 at 55;  class 1: b0 at 25, b1 at 120;

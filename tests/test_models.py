@@ -117,6 +117,32 @@ def test_pooling_helpers_ignore_padding():
     assert pool(x, mask).shape == (2, 8)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ecapa_embeds_a_30_s_clip_under_fp16_autocast(seed):
+    # The attentive statistics' x * x and means, in fp16, overflow (65504) over a long clip at
+    # activations of a few units; they are computed in fp32, as pooling.py's. The aggregation
+    # layer's weights are scaled up to give activations of a trained net's size.
+    frames = 3001  # 30 s at a 10 ms hop
+    model = tiny_model("ecapa", seed=seed).eval()
+    with torch.no_grad():
+        model.mfa.weight.mul_(16.0)
+        x = torch.randn(1, frames, N_MELS, generator=torch.Generator().manual_seed(seed))
+        lengths = torch.tensor([frames])
+        exact = model(x, lengths)
+        with torch.autocast("cpu", dtype=torch.float16):
+            half = model(x, lengths)
+    assert torch.isfinite(half).all()
+    torch.testing.assert_close(half.float(), exact, atol=5e-3, rtol=0)
+
+
+def test_masked_mean_sums_half_precision_in_fp32():
+    # A sum of 1000 frames of 100.0 is 1e5, past fp16's largest value.
+    x = torch.full((1, 1000, 2), 100.0, dtype=torch.float16)
+    mean = masked_mean(x, torch.ones(1, 1000, dtype=torch.bool))
+    assert mean.dtype == torch.float32
+    torch.testing.assert_close(mean, torch.full((1, 2), 100.0))
+
+
 def test_build_model_registry_and_errors():
     assert set(MODELS) == {"cnn", "conformer", "resnet", "ecapa"}
     cfg = tiny_config("cnn")

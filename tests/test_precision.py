@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from audioclf.config import TrainConfig
-from audioclf.precision import configure_backends, resolve_precision
-from tests.helpers import mixed_precision_steps, train_resume_export
+from audioclf.precision import BackendFlags, configure_backends, resolve_precision
+from tests.helpers import fit, mixed_precision_steps, tiny_config, train_resume_export
 
 CPU = torch.device("cpu")
 
@@ -73,6 +73,55 @@ def test_tf32_and_cudnn_benchmark_follow_the_config():
             torch.backends.cudnn.allow_tf32,
             torch.backends.cudnn.benchmark,
         ) = flags
+
+
+@pytest.mark.slow  # a training in this process
+def test_a_run_puts_back_the_backend_flags_it_found(tmp_path, tiny_demo):
+    # A run in this process (a benchmark cell, the cuda tests' trainings) turned TF32 and cuDNN
+    # autotuning on for good: exact search after it missed its 1e-5 tolerance. On a CPU the
+    # run sets nothing, so the hook turns them on as configure_backends does on a GPU.
+    from audioclf.training.trainer import TrainHooks
+
+    saved, during = BackendFlags.current(), []
+
+    def turn_on(trainer):
+        BackendFlags(True, True, True).apply()
+        during.append(BackendFlags.current())
+
+    try:
+        BackendFlags(False, False, False).apply()
+        cfg = tiny_config(tiny_demo, tmp_path, "cnn", "train.epochs=1", "train.limit_batches=2")
+        fit(cfg, TrainHooks(on_step=turn_on))
+        after = BackendFlags.current()
+    finally:
+        saved.apply()
+    assert during and after == BackendFlags(False, False, False)
+
+
+@pytest.mark.slow  # a training in this process
+def test_validation_embeds_in_fp32_whatever_the_training_precision(tmp_path, tiny_demo):
+    # Validation's figures pick best.pt: they are evaluate's, which embeds in fp32. It embedded
+    # under the run's autocast (bf16 here).
+    from audioclf import distributed
+    from audioclf.training.trainer import TrainHooks
+
+    forwards = []  # (training mode, autocast on) of each forward of the embedder after step 1
+
+    def watch(trainer):
+        if not forwards:
+            embedder = distributed.unwrap(trainer.model).embedder
+            embedder.register_forward_pre_hook(
+                lambda module, args: forwards.append(
+                    (module.training, torch.is_autocast_enabled("cpu"))
+                )
+            )
+            forwards.append(("hooked", None))
+
+    extra = ["train.epochs=1", "train.limit_batches=2", "train.precision=bf16", "eval.every=1"]
+    summary = fit(tiny_config(tiny_demo, tmp_path, "cnn", *extra), TrainHooks(on_step=watch))
+    assert summary["metrics"]["map_at_r"] > 0
+    assert (True, True) in forwards  # training steps in bf16
+    assert (False, True) not in forwards and (False, False) in forwards  # validation in fp32
 
 
 def test_auto_fits_the_device(monkeypatch):

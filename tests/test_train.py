@@ -442,3 +442,31 @@ def test_validation_is_cross_item_and_matches_the_offline_evaluation(tmp_path, t
     ).results
     assert offline["map_at_r"] == pytest.approx(cross["map_at_r"], abs=1e-6)
     assert offline["loo_map_at_r"] == pytest.approx(retrieval_summary(emb, labels)["map_at_r"])
+
+
+@pytest.mark.parametrize(
+    "device, visible, started",
+    [("auto", 1, False), ("cuda", 2, True), ("cuda", 0, False), ("cpu", 0, True)],
+)
+def test_nproc_is_checked_against_the_visible_gpus_before_any_rank_starts(
+    device, visible, started, monkeypatch, capsys
+):
+    # A rank past the visible GPUs died in set_device ("invalid device ordinal") and the
+    # launcher could only name exit codes. The device count is monkeypatched: no GPU here.
+    import audioclf.train as train
+
+    launched = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(train, "launch_ranks", lambda *args: launched.append(args))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    status = train.main(["--nproc-per-node", "2", f"train.device={device}"])
+    lines = capsys.readouterr().err.splitlines()
+    assert (status, len(launched)) == ((0, 1) if started else (2, 0)), lines
+    if not started:
+        fix = "use --nproc-per-node 1 or fewer" if visible else "use train.device=cpu"
+        assert lines == [
+            "python -m audioclf.train: error: --nproc-per-node 2 starts a rank per GPU, but "
+            f"{visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES={','.join(map(str, range(visible)))}): {fix}"
+        ]

@@ -63,7 +63,7 @@ def setup(
     every collective, including the barrier other ranks wait at while rank 0 evaluates.
     """
     rank, local_rank, world_size = launch.env_ranks(local_rank_arg)
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    use_cuda = launch.uses_cuda(device)
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
     if strategy == "auto":

@@ -2,8 +2,9 @@
 
 `env_ranks()` reads the launcher's environment (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or
 an srun task's SLURM_* variables, which it exports under torchrun's names with MASTER_ADDR and
-MASTER_PORT for the env:// rendezvous). It does not talk to torch.distributed: that is
-audioclf.distributed's job.
+MASTER_PORT for the env:// rendezvous). `launch_ranks` starts local ranks as torchrun does,
+after `check_local_gpus` has made sure a CUDA run has a GPU for each. It does not talk to
+torch.distributed: that is audioclf.distributed's job.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+
+import torch
 
 log = logging.getLogger("audioclf")
 
@@ -135,6 +138,28 @@ def _slurm_master_port() -> str:
     ephemeral range (32768 and up) that outgoing connections draw from."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     return str(10000 + int(job_id) % 20000) if job_id.isascii() and job_id.isdigit() else "29500"
+
+
+def uses_cuda(device: str) -> bool:
+    """Whether train.device (auto | cpu | cuda) trains on CUDA: auto does when a GPU is visible."""
+    return torch.cuda.is_available() if device == "auto" else device == "cuda"
+
+
+def check_local_gpus(nproc: int, device: str) -> None:
+    """Before `nproc` local ranks start: on CUDA each takes cuda:<local rank>, so a rank past
+    the visible GPUs would die in set_device ("invalid device ordinal") with only an exit code
+    for the launcher to show. Raises ValueError in one line; nothing to check on the CPU."""
+    if not uses_cuda(device):
+        return
+    visible = torch.cuda.device_count()
+    if nproc <= visible:
+        return
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    fix = f"use --nproc-per-node {visible} or fewer" if visible else "use train.device=cpu"
+    raise ValueError(
+        f"--nproc-per-node {nproc} starts a rank per GPU, but {visible} GPU(s) are visible"
+        f"{'' if shown is None else f' (CUDA_VISIBLE_DEVICES={shown})'}: {fix}"
+    )
 
 
 class LaunchStopped(Exception):

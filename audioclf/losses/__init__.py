@@ -54,7 +54,7 @@ from pytorch_metric_learning import distances, losses, miners
 from torch import Tensor, nn
 
 from audioclf.config import Config, LossConfig, ModelConfig, choices
-from audioclf.distributed import all_gather_nograd, all_gather_with_grad
+from audioclf.distributed import all_gather_nograd, all_gather_with_grad, get_world_size
 from audioclf.losses.memory import CrossBatchMemory, mine_with_items
 from audioclf.models.heads import angular_margin_logits
 
@@ -208,7 +208,7 @@ class TripletLoss(_MarginSchedule):
         # The global batch joins the queue (gathered here unless it already is).
         batch = (embeddings.detach(), labels, items)
         self.memory.enqueue(*(batch if self.cross_rank else _gather_global(*batch, grad=False)))
-        return loss, {**stats, "memory": float(len(self.memory))}
+        return loss, stats  # the memory's fill (len) is left out: a host sync every step
 
     def _triplet_loss(self, embeddings, labels, triplets, refs=()):
         n_triplets = int(triplets[0].shape[0]) if triplets else 0
@@ -322,8 +322,11 @@ class WeightedLosses(nn.Module):
         `positions`: what TrainStep calls."""
         embeddings, logits = output
         items = None
-        if self.items is not None:
-            items = self.items[positions.cpu()].to(labels.device)
+        if self.items is not None and self.memory is not None:  # only the memory reads them
+            if self.items.device != labels.device:  # once: the table then lives there
+                self.items = self.items.to(labels.device)
+            # on the device, no host sync (positions come with the batch, non_blocking)
+            items = self.items[positions.to(labels.device, non_blocking=True)]
         return self.with_stats(embeddings, labels, logits, items=items, stats=False)[0]
 
     def with_stats(
@@ -352,12 +355,14 @@ def _gather_global(embeddings: Tensor, *labels: Tensor, grad: bool = True) -> li
 
     Ranks may hold different numbers of items (e.g. after skipped files): sizes are gathered
     first, and shorter batches are padded to the longest for the gather, then cut out again.
-    Identity without a process group.
+    Identity in one process; else one host sync (the sizes).
     """
+    if get_world_size() == 1:
+        return [embeddings, *labels]
     gather = all_gather_with_grad if grad else all_gather_nograd
     sizes = all_gather_nograd(torch.tensor([embeddings.shape[0]], device=embeddings.device))
-    largest = int(sizes.max())
-    if int(sizes.min()) == largest:
+    largest, smallest = torch.stack([sizes.max(), sizes.min()]).tolist()
+    if smallest == largest:
         return [gather(embeddings), *(all_gather_nograd(t) for t in labels)]
     missing = largest - embeddings.shape[0]
     embeddings = F.pad(embeddings, (0, 0, 0, missing))

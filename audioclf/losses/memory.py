@@ -17,7 +17,9 @@ with s(a,p) - s(a,n) <= margin (a non-zero loss).
 
 The queue is filled with the global batch (every rank's, in rank order), so under DDP every
 rank holds the same memory; a batch with a non-finite embedding is not queued (its step is
-skipped). The queue's entries and write pointer are buffers: the checkpoint keeps them
+skipped). Neither `references` nor `enqueue` reads a value on the host: the queue's empty
+slots go to the miner with class -1, which it never picks, and the finite check decides on
+the device (the mining itself has data-dependent sizes: a sync per torch.nonzero). The queue's entries and write pointer are buffers: the checkpoint keeps them
 ("loss_memory"), so a resumed run mines as the uninterrupted one.
 """
 
@@ -64,7 +66,8 @@ class CrossBatchMemory(nn.Module):
         return super().load_state_dict(state, strict=strict, assign=assign)
 
     def references(self, embeddings: Tensor, classes: Tensor, items: Tensor):
-        """(embeddings, classes, items) of the batch followed by the filled queue slots."""
+        """(embeddings, classes, items) of the batch followed by the queue's slots, empty ones
+        with class -1 (mine_with_items never picks them); no host sync."""
         self._place(embeddings)
         if self.embeddings.shape[1] not in (0, embeddings.shape[1]):
             raise ValueError(
@@ -72,21 +75,20 @@ class CrossBatchMemory(nn.Module):
                 f"batch {embeddings.shape[1]}-d: resume with the model.embedding_dim it was "
                 "filled with"
             )
-        kept = self.classes >= 0
-        if not bool(kept.any()):
+        if self.embeddings.shape[1] == 0:  # nothing queued yet
             return embeddings, classes, items
         return (
-            torch.cat([embeddings, self.embeddings[kept]]),
-            torch.cat([classes, self.classes[kept]]),
-            torch.cat([items, self.items[kept]]),
+            torch.cat([embeddings, self.embeddings]),
+            torch.cat([classes, self.classes]),
+            torch.cat([items, self.items]),
         )
 
     @torch.no_grad()
     def enqueue(self, embeddings: Tensor, classes: Tensor, items: Tensor) -> None:
-        """Queue a (global) batch, overwriting the oldest rows; skipped when not all finite."""
+        """Queue a (global) batch, overwriting the oldest rows; skipped when not all finite
+        (decided on the device: no host sync)."""
         self._place(embeddings)
-        rows = embeddings.shape[0]
-        if rows == 0 or not bool(torch.isfinite(embeddings).all()):
+        if embeddings.shape[0] == 0:
             return
         if self.embeddings.shape[1] == 0:
             self.embeddings = embeddings.new_zeros(self.size, embeddings.shape[1])
@@ -95,10 +97,12 @@ class CrossBatchMemory(nn.Module):
             classes[-self.size :],
             items[-self.size :],
         )
+        finite = torch.isfinite(embeddings).all()
         slots = (self.pointer + torch.arange(len(classes), device=self.pointer.device)) % self.size
-        self.embeddings[slots] = embeddings.detach().float()
-        self.classes[slots], self.items[slots] = classes, items
-        self.pointer.copy_((self.pointer + len(classes)) % self.size)
+        for queue, rows in ((self.embeddings, embeddings.float()), (self.classes, classes),
+                            (self.items, items)):  # fmt: skip
+            queue[slots] = torch.where(finite, rows, queue[slots])
+        self.pointer.copy_((self.pointer + len(classes) * finite) % self.size)
 
     def _place(self, like: Tensor) -> None:
         if self.classes.device != like.device:
@@ -125,7 +129,7 @@ def mine_with_items(
         sim = embeddings @ refs.T
         same = classes[:, None] == ref_classes[None, :]
         positive = same & (items[:, None] != ref_items[None, :])
-        negative = ~same
+        negative = ~same & (ref_classes >= 0)[None, :]  # class -1: an empty slot of the queue
         if miner == "batch_hard":
             found = positive.any(1) & negative.any(1)
             hardest_positive = sim.masked_fill(~positive, torch.inf).argmin(1)

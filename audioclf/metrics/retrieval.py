@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from audioclf.metrics.checks import check_chunk_size, check_embeddings, resolve_device
+from audioclf.precision import exact_arithmetic
 
 RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
 # Similarity entries computed per exact-search block (a [chunk, N] float32 buffer: 512 MiB).
@@ -153,7 +154,8 @@ def retrieval_metrics(
     return_per_sample: bool = False,
 ) -> dict:
     """Every sample (or each of `query_rows`) queries all the others, ranked by `index`, which
-    must hold `embeddings` (default: ExactSearch on `device`, `chunk_size` queries a block).
+    must hold `embeddings` (default: ExactSearch on `device`, `chunk_size` queries a block),
+    searched in IEEE fp32 whatever the process's TF32 flags (precision.exact_arithmetic).
 
     The numbers of pytorch-metric-learning 2.9 ``AccuracyCalculator`` with query = reference
     (``ref_includes_query=True``): a query never retrieves itself; R is the number of other
@@ -186,7 +188,10 @@ def retrieval_metrics(
     rel = relevance(lab, items)
     rows = _query_selection(query_rows, len(lab))
     scored = rel.queries(rows)
-    correct, average_precision, r_precision = _score_queries(index, emb, scored, rel, progress)
+    # IEEE fp32 similarities whatever a training in this process left on (TF32): validation's
+    # figures, which pick best.pt, are evaluate's.
+    with exact_arithmetic():
+        correct, average_precision, r_precision = _score_queries(index, emb, scored, rel, progress)
     # Averaged in row order, so the figures do not depend on the order queries were ranked in
     # (the sum of the same values in another order can differ by an ulp).
     in_row_order = np.sort(scored)

@@ -28,6 +28,9 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x [B, C, T] over the valid frames → [B, C], in fp32 (or fp64): a sum over a long
+    clip overflows fp16 (65504) at activations of a few units."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     weights = mask[:, None, :].to(x.dtype)
     return (x * weights).sum(dim=2) / weights.sum(dim=2).clamp_min(1.0)
 
@@ -73,7 +76,10 @@ class SERes2Block(nn.Module):
 
 class AttentiveStatistics(nn.Module):
     """Channel- and context-dependent attentive statistics pooling: the attention over time
-    sees each frame with the clip's mean and standard deviation; returns [mean, std] [B, 2C]."""
+    sees each frame with the clip's mean and standard deviation; returns [mean, std] [B, 2C].
+
+    The statistics are computed in fp32 (or fp64) even under fp16 autocast, as pooling.py's:
+    in fp16, x * x and its sum over a 30 s clip overflow to inf at activations of about 5."""
 
     def __init__(self, channels: int, attention_channels: int):
         super().__init__()
@@ -87,13 +93,14 @@ class AttentiveStatistics(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         frames = x.shape[2]
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
         mean = _masked_mean(x, mask)
         std = (_masked_mean(x * x, mask) - mean * mean).clamp_min(1e-6).sqrt()
         context = torch.cat(
             [x, mean[:, :, None].expand(-1, -1, frames), std[:, :, None].expand(-1, -1, frames)],
             dim=1,
         )
-        scores = self.attention(_masked(context, mask))
+        scores = self.attention(_masked(context, mask)).to(x.dtype)
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))  # lengths >= 1
         weights = torch.softmax(scores, dim=2)
         mean = (weights * x).sum(dim=2)

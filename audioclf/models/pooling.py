@@ -22,7 +22,9 @@ def valid_lengths(feats: Tensor, lengths: Tensor | None) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of x [B, T, D] over the frames where mask [B, T] is True → [B, D]."""
+    """Mean of x [B, T, D] over the frames where mask [B, T] is True → [B, D], in fp32 (or
+    fp64) even from half precision: a sum over a long clip overflows fp16 (65504)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     weights = mask.unsqueeze(-1).to(x.dtype)
     return (x * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
 

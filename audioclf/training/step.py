@@ -114,7 +114,7 @@ class TrainStep:
     """One rank's optimizer steps: micro-batches accumulated into updates.
 
     `objective(model_output, labels, positions)` returns the scalar loss (positions: the rows'
-    places in the training split, on the CPU). `accumulate` micro-batches make
+    places in the training split; labels and positions on the device). `accumulate` micro-batches make
     one update (each backward scaled by 1 / accumulate). `batch_size` is the sampler's: a shorter
     batch lost unreadable items. `placeholder` (x, lengths of a few rows) stands in for a batch
     with no readable item.
@@ -170,9 +170,9 @@ class TrainStep:
         if self._saved_batchnorm is None:  # the first micro-batch of an update
             self._saved_batchnorm = [b.clone() for b in self._batchnorm]
             self._step_bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        x, lengths, labels, empty = self._inputs(batch)
+        x, lengths, labels, positions, empty = self._inputs(batch)
         with distributed.no_sync(self.model, skip=not sync_grads):
-            loss = self._forward_backward(x, lengths, labels, batch[3], empty)
+            loss = self._forward_backward(x, lengths, labels, positions, empty)
         finite = torch.isfinite(loss)
         rows = labels.numel()
         self._step_bad |= ~finite
@@ -180,10 +180,11 @@ class TrainStep:
         self._totals[1] += torch.where(finite, float(rows), 0.0)
         self._shown_loss = loss.double()
 
-    def _inputs(self, batch) -> tuple[Tensor, Tensor, Tensor, bool]:
-        """(x, lengths, labels) on the device, and whether the batch had no readable item (its
-        x and lengths are then the placeholder's)."""
-        x, lengths, labels, _positions, *bin_offsets = batch  # a packed batch has offsets
+    def _inputs(self, batch) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+        """(x, lengths, labels, positions) on the device (copies that do not block the host
+        from pinned memory), and whether the batch had no readable item (its x and lengths are
+        then the placeholder's)."""
+        x, lengths, labels, positions, *bin_offsets = batch  # a packed batch has offsets
         rows = labels.numel()
         if self.batch_size:
             self._totals[2] += self.batch_size - rows
@@ -193,12 +194,11 @@ class TrainStep:
                 raise RuntimeError("a batch with no readable item and no placeholder input")
             x, lengths = self.placeholder
             self._totals[3] += 1
-        return (
-            model_input(x, bin_offsets[0] if bin_offsets else None, self.device),
-            lengths.to(self.device, non_blocking=True),
-            labels.to(self.device, non_blocking=True),
-            empty,
+        x = model_input(x, bin_offsets[0] if bin_offsets else None, self.device)
+        lengths, labels, positions = (
+            t.to(self.device, non_blocking=True) for t in (lengths, labels, positions)
         )
+        return x, lengths, labels, positions, empty
 
     def _forward_backward(
         self, x: Tensor, lengths: Tensor, labels: Tensor, positions: Tensor, empty: bool

@@ -38,8 +38,9 @@ from audioclf.logs import EpochRow, MetricsWriter, setup_logging
 from audioclf.losses import build_loss, final_epochs_start
 from audioclf.models import build_net, count_parameters
 from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer, param_groups
-from audioclf.precision import configure_backends, resolve_precision
+from audioclf.precision import BackendFlags, configure_backends, resolve_precision
 from audioclf.training import averaging
+from audioclf.training.compiled import compile_embedder
 from audioclf.training.rundir import (
     RunLock,
     StopRequested,
@@ -189,6 +190,7 @@ class Trainer:
         self.cfg, self.env, self.stop, self.hooks = cfg, env, stop, hooks
         self.run_dir = Path(cfg.train.runs_dir) / cfg.train.name
         self.lock: RunLock | None = None
+        self.backends = BackendFlags.current()  # put back by close()
         setup_logging(None, env.rank)  # console only until the input is known to be valid
         distributed.primary_first(check_free, self.run_dir)  # before reading what it holds
         resume_path, ckpt, resume_notes = resume_point(cfg, self.run_dir)
@@ -239,7 +241,6 @@ class Trainer:
             env,
             self.val,
             self.val_set,
-            precision=self.precision,
             loader_options=self.loader_options,
             metrics=self.metrics,
         )
@@ -304,7 +305,7 @@ class Trainer:
         self.ema = averaging.build_ema(cfg, self.model)
         self._compiling = cfg.train.compile  # until the first step has compiled
         if cfg.train.compile:  # in place: the state dict keeps its keys; after the EMA's copy
-            net.embedder.compile(dynamic=False)  # static: a new crop length compiles anew
+            compile_embedder(net)  # a batch size or crop length that changes becomes dynamic
 
     def _checkpointer(self) -> checkpoint.Checkpointer:
         """The run's stateful parts, by name, in one Checkpointer (with "ema" when kept)."""
@@ -382,7 +383,8 @@ class Trainer:
 
     def close(self) -> None:
         """End the tracker run of a run that did not finish; release the run folder (the lock
-        goes with the process anyway)."""
+        goes with the process anyway); put back the TF32 and autotuning flags it found."""
+        self.backends.apply()
         if getattr(self, "tracker", None) is not None:
             try:
                 self.tracker.finish([])

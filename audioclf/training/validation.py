@@ -1,6 +1,10 @@
 """Validation during training: cross-item retrieval on the validation split (rank 0 alone, or
 sharded over every rank with eval.distributed), on a fixed class-stratified subset when
-eval.max_samples is set, with a sample of the embeddings for TensorBoard's projector."""
+eval.max_samples is set, with a sample of the embeddings for TensorBoard's projector.
+
+Its numbers pick best.pt, so they are computed as evaluate computes them: the embeddings in
+fp32 whatever train.precision (no autocast), without TF32 or autotuning (extract_embeddings),
+and the retrieval's similarities in IEEE fp32 (retrieval_metrics)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,6 @@ from audioclf.data.index import Index, stratified_subset
 from audioclf.inference import extract_embeddings
 from audioclf.logs import MetricsWriter
 from audioclf.metrics import RETRIEVAL_KEYS, retrieval_summary
-from audioclf.precision import Precision
 
 log = logging.getLogger("audioclf")
 
@@ -31,12 +34,11 @@ class Validator:
         val: Index | None,
         val_set: AudioDataset | None,
         *,
-        precision: Precision,
         loader_options: dict,
         metrics: MetricsWriter,
     ):
         self.cfg, self.env, self.val, self.val_set = cfg, env, val, val_set
-        self.precision, self.loader_options, self.metrics = precision, loader_options, metrics
+        self.loader_options, self.metrics = loader_options, metrics
         self.positions = self._positions()
         self._said_leave_one_out = False
 
@@ -95,8 +97,7 @@ class Validator:
             device=env.device,
             positions=positions,
             loader_options=self.loader_options,
-            precision=self.precision,
-            progress=env.is_primary,
+            progress=env.is_primary,  # fp32, as evaluate: no precision is passed
             description="validate",
         )
         if not sharded:
