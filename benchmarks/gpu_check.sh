@@ -10,10 +10,10 @@
 #      puts back the TF32 and autotuning flags it found);
 #   throughput (benchmarks/gpu_throughput.py; ~2.5 min): samples/s of configs/cnn.yaml and
 #      configs/conformer.yaml at fp32 (IEEE, train.tf32=false) / tf32 / bf16 / fp16 on synthetic
-#      batches, the real .npy loader at the auto precision, peak GPU memory, a cnn cell with
-#      train.compile=true (its compilation in the warm-up steps); targets: conformer bf16 >=
-#      1.8x IEEE fp32, the loader
-#      keeps the GPU >= 90 % busy; bf16 is SKIP on a GPU without native bfloat16;
+#      batches, the real .npy loader and a feature pack of the same files (+pack) at the auto
+#      precision, peak GPU memory, a cnn cell with train.compile=true (its compilation in the
+#      warm-up steps); targets: conformer bf16 >= 1.8x IEEE fp32, each loader keeps the GPU
+#      >= 90 % busy; bf16 is SKIP on a GPU without native bfloat16;
 #   ddp (~1 min): audioclf.train under torchrun with NCCL, 1 rank (2 with 2+ GPUs), on the demo
 #      features: SyncBN, cross-rank mining, the parameter-consistency check every step, the EMA,
 #      validation every epoch, last.pt, then a second run that resumes it for one more epoch

@@ -20,6 +20,9 @@ log-mel .npy files in 64 classes on local disk:
     precision train.precision=auto picks (bf16 on Ampere and newer, fp16 before, fp32 on a CPU).
     The files fit one epoch and sit in the page cache: this measures the workers, not the disk.
     The GPU is busy `synthetic time / loader time` of the time.
+A "+pack" cell per model feeds the same steps from a feature pack of the same files (prepare
+--pack features.kind=npy: float16, one positioned read per crop, whole batches read in the
+workers, float32 on the GPU) at the auto precision, beside the per-file loader.
 A "+compile" cell per model in --compile (default: cnn on a GPU, none on a CPU) trains with
 train.compile=true at the auto precision, synthetic batches only; its compilation falls in the
 warm-up steps.
@@ -57,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 from audioclf import distributed  # noqa: E402
 from audioclf.config import Config, load_config  # noqa: E402
 from audioclf.precision import auto_precision, resolve_precision  # noqa: E402
+from audioclf.precompute.pack import pack_features  # noqa: E402
 from audioclf.training.rundir import StopRequested  # noqa: E402
 from audioclf.training.trainer import Trainer, TrainHooks  # noqa: E402
 
@@ -108,6 +112,16 @@ def write_feature_set(cfg: Config, folder: Path, files: int) -> Path:
     index = folder / "index.csv"
     pd.DataFrame(rows, columns=["a_cls", "a_item", "a_id", "path"]).to_csv(index, index=False)
     return index
+
+
+def pack_feature_set(cfg: Config, index: Path) -> Path:
+    """The feature set of `index` as a feature pack (audioclf.precompute.pack); its index."""
+    settings = ["features.kind=npy", f"features.n_mels={cfg.features.n_mels}"]
+    pack_cfg = load_config(None, [f"data.index={index}", *settings])
+    summary = pack_features(
+        index, index.parent / "pack", pack_cfg, workers=4, skip_bad=False, progress=False
+    )
+    return summary.index_path
 
 
 def feature_files(cfg: Config, steps: int, files: int) -> int:
@@ -308,12 +322,14 @@ def main() -> int:
             shipped = recipe(model, "auto", device, Path(tmp) / "unused.csv", args.set)
             files = feature_files(shipped, args.steps, args.files)
             index = write_feature_set(shipped, Path(tmp) / model, files)
-            cells = [(p, p, args.set) for p in args.precisions]
+            cells = [(p, p, args.set, index) for p in args.precisions]
+            packed = pack_feature_set(shipped, index)
+            cells.append((f"{loader_precision}+pack", loader_precision, args.set, packed))
             if model in compiled:
                 compile_set = [*args.set, "train.compile=true"]
-                cells.append((f"{loader_precision}+compile", loader_precision, compile_set))
-            for name, precision, overrides in cells:
-                cfg = recipe(model, precision, device, index, overrides)
+                cells.append((f"{loader_precision}+compile", loader_precision, compile_set, index))
+            for name, precision, overrides, cell_index in cells:
+                cfg = recipe(model, precision, device, cell_index, overrides)
                 row = {"model": model, "precision": name, "synthetic_sps": math.nan}
                 row.update(peak_gib=math.nan, loader_sps=math.nan, busy=math.nan)
                 rows.append(row)
@@ -323,7 +339,7 @@ def main() -> int:
                     print(problems[-1], flush=True)
                     continue
                 try:
-                    loader = name == loader_precision  # the auto precision, eager
+                    loader = name in (loader_precision, f"{loader_precision}+pack")  # eager
                     row.update(measure(cfg, device, args.steps, loader, name))
                 except Exception as exc:  # one cell's failure (an OOM, a kernel error) is a line
                     traceback.print_exc()

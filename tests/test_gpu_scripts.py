@@ -93,18 +93,21 @@ def test_throughput_measures_every_model_and_precision_on_the_cpu():
     returncode, output = run_group([*cmd, "--set", *TINY], child_env(), timeout=300)
     assert returncode == 0, output[-3000:]
     rows = table_rows(output)
-    cells = ("fp32", "tf32", "bf16", "fp16")
+    cells = ("fp32", "tf32", "bf16", "fp16", "fp32+pack")
     assert set(rows) == {(m, p) for m in ("cnn", "conformer") for p in cells}
     for (model, precision), (synthetic, x_fp32, _peak, loader, busy) in rows.items():
         assert float(synthetic) > 0, (model, precision, output[-2000:])
-        if precision == "fp32":  # the precision auto picks on a CPU: the loader ran there
-            assert float(x_fp32) == 1 and float(loader) > 0 and 0 < float(busy) <= 1
+        if precision in ("fp32", "fp32+pack"):  # auto's precision on a CPU: the loaders ran
+            assert float(loader) > 0 and 0 < float(busy) <= 1
+            assert precision != "fp32" or float(x_fp32) == 1
         else:
             assert loader == busy == "-"
-    assert "gpu_throughput: 8 of 8 cells measured on cpu, 0 FAIL line(s)" in output
+    assert "gpu_throughput: 10 of 10 cells measured on cpu, 0 FAIL line(s)" in output
     assert re.search(r"^SKIP conformer bf16 speed-up: [0-9.]+x IEEE fp32 samples/s", output, re.M)
     for model in ("cnn", "conformer"):
-        assert re.search(rf"^SKIP {model} loader: keeps the GPU \d+ % busy at fp32", output, re.M)
+        for cell in ("fp32", "fp32\\+pack"):
+            busy = rf"^SKIP {model} loader: keeps the GPU \d+ % busy at {cell} "
+            assert re.search(busy, output, re.M), output[-2000:]
 
 
 def test_throughput_targets_pass_and_fail_on_a_gpu_and_skip_without_cells():
