@@ -3,6 +3,7 @@ concurrency (threads of clients), the batcher on its own, and the command as a u
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -13,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from socket import IPPROTO_TCP, TCP_NODELAY
 
 import numpy as np
 import pandas as pd
@@ -247,7 +249,7 @@ def test_a_full_queue_answers_503_at_once_and_the_admitted_requests_still_comple
         assert "queue is full (2 of 2 clips waiting)" in json.loads(body)["error"]
         gate.set()
         assert [f.result(60)[0] for f in admitted] == [200, 200]
-        assert metric(url, "audioclf_rejected_clips_total") == 1
+        assert metric(url, "audioclf_rejected_requests_total") == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,3 +387,25 @@ def test_a_stop_answers_the_requests_in_flight_and_exits_0(served, stop):
     assert [status for status, _ in answers] == [200, 200, 200]
     assert proc.returncode == 0, "".join(lines) + out
     assert "stopped after" in out
+
+
+def test_accepted_connections_send_at_once():
+    """TCP_NODELAY on every accepted socket (asyncio sets it for IPPROTO_TCP sockets only):
+    without it each answer on a kept-alive connection waited ~40 ms for a delayed ACK."""
+    from audioclf.serve.server import listen
+
+    async def accepted_nodelay() -> int:
+        sock, seen = listen("127.0.0.1", 0), []
+
+        async def handle(reader, writer):
+            seen.append(writer.get_extra_info("socket").getsockopt(IPPROTO_TCP, TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handle, sock=sock)
+        reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        await reader.read()
+        writer.close()
+        server.close()
+        return seen[0]
+
+    assert asyncio.run(accepted_nodelay()) == 1

@@ -138,6 +138,7 @@ async def embedded(request: Request) -> tuple[list[str], object]:
     """The request's clips decoded, batched with other requests' and embedded: (names,
     embeddings [n, D])."""
     service: Service = request.app.state.service
+    service.batcher.check_room()  # a full server refuses before reading the body
     clips = await clips_of(request, service)
     with service.batcher.reserve(len(clips)) as slot:
         waves = await run_in_threadpool(

@@ -116,20 +116,29 @@ class MicroBatcher:
         if self._thread.is_alive():
             self._thread.join()
 
+    def check_room(self, count: int = 1) -> None:
+        """Overloaded (at once) when `count` clips do not fit in the queue now: a request is
+        refused so before its body is read; reserve() then admits its clips."""
+        with self._cond:
+            self._refuse_when_full(count)
+
     def reserve(self, count: int) -> Reservation:
         """Room for `count` clips; Overloaded (at once) when the queue has less."""
         with self._cond:
-            if self._closing:
-                raise Overloaded("the server is shutting down")
-            if self._admitted + count > self.max_queue:
-                self.stats.count("audioclf_rejected_clips_total", by=count)
-                raise Overloaded(
-                    f"the queue is full ({self._admitted} of {self.max_queue} clips waiting); "
-                    "try again shortly"
-                )
+            self._refuse_when_full(count)
             self._admitted += count
             self.stats.set("audioclf_queue_clips", self._admitted)
         return Reservation(self, count)
+
+    def _refuse_when_full(self, count: int) -> None:  # under the lock
+        if self._closing:
+            raise Overloaded("the server is shutting down")
+        if self._admitted + count > self.max_queue:
+            self.stats.count("audioclf_rejected_requests_total")
+            raise Overloaded(
+                f"the queue is full ({self._admitted} of {self.max_queue} clips waiting); "
+                "try again shortly"
+            )
 
     def _release(self, count: int) -> None:
         with self._cond:

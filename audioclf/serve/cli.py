@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+import torch
+
 from audioclf.cli import add_trust_flag
 from audioclf.errors import UsageError, run_cli
 from audioclf.metrics import SCORE_NORMS
@@ -45,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine)")
     parser.add_argument("--port", type=int, default=8000, help="default 8000; 0: a free one")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument(
+        "--threads", type=int, help="torch's CPU threads for the model (default: torch's)"
+    )
     add_trust_flag(parser)
     for field in fields(ServeOptions):
         flag = "--" + field.name.replace("_", "-")
@@ -67,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
     options = ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
     options.check()
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
     service = Service.open(
         args.model,

@@ -41,7 +41,10 @@ class _Server(uvicorn.Server):
 def listen(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (port 0: a free one); OSError naming them when taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on the accepted sockets
+    # only then; without it every answer on a kept-alive connection waits ~40 ms (Nagle's
+    # algorithm against the client's delayed ACK)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -23,7 +23,7 @@ METRICS = {
     "audioclf_requests_total": ("counter", "HTTP requests answered, by path and status code"),
     "audioclf_request_seconds": ("summary", "time from a request's arrival to its answer"),
     "audioclf_clips_total": ("counter", "clips embedded"),
-    "audioclf_rejected_clips_total": ("counter", "clips refused at once: the queue was full"),
+    "audioclf_rejected_requests_total": ("counter", "requests refused at once: the queue was full"),
     "audioclf_queue_clips": ("gauge", "clips admitted and not yet embedded"),
     "audioclf_queue_seconds": ("summary", "time a clip waited to join a model batch"),
     "audioclf_batch_size": ("summary", "clips per model batch"),
