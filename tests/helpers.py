@@ -13,7 +13,9 @@ import json
 import math
 import os
 import pickle
+import re
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -542,6 +544,26 @@ class LockHolder:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# The commands of the documentation
+
+
+FENCE = re.compile(r"^( *)```bash\n(.*?)^ *```", re.MULTILINE | re.DOTALL)
+
+
+def doc_commands(document: str) -> list[str]:
+    """The commands of a document's ```bash blocks (a path from the checkout's root), in
+    order: comments stripped, lines continued with a backslash joined, comment-only lines left
+    out."""
+    commands = []
+    for match in FENCE.finditer((ROOT / document).read_text()):
+        for line in match.group(2).replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(shlex.join(words))
+    return commands
 
 
 # ---------------------------------------------------------------------------------------------

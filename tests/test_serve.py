@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,8 +30,17 @@ from audioclf.serve.app import build_app
 from audioclf.serve.batcher import MicroBatcher, Overloaded
 from audioclf.serve.cli import main as serve_main
 from audioclf.serve.cli import parse_args
+from audioclf.serve.server import listen
 from audioclf.serve.service import ServeOptions, Service
-from tests.helpers import ROOT, child_env, http_request, make_checkpoint, multipart, serving
+from tests.helpers import (
+    ROOT,
+    child_env,
+    doc_commands,
+    http_request,
+    make_checkpoint,
+    multipart,
+    serving,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +58,15 @@ def served(tiny_demo, tmp_path_factory) -> dict:
     )
     files = sorted(tiny_demo.parent.rglob("*.wav"))
     with serving(build_app(service)) as url:
-        yield {"url": url, "model": model, "files": files, "sheet": tiny_demo, "prefix": prefix,
-               "service": service, "model_path": model_path}  # fmt: skip
+        yield {
+            "url": url,
+            "model": model,
+            "files": files,
+            "sheet": tiny_demo,
+            "prefix": prefix,
+            "service": service,
+            "model_path": model_path,
+        }
 
 
 def post(url: str, files: list[Path], query: str = "") -> tuple[int, dict]:
@@ -357,21 +375,33 @@ def test_the_command_binds_the_loopback_by_default_and_names_a_taken_port(capsys
     assert "absent.pt does not exist" in capsys.readouterr().err
 
 
+def start_server(command: list[str], cwd: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    """A `python -m audioclf.serve ...` process on a free port: (process, URL, its lines)."""
+    proc = subprocess.Popen(
+        [*command, "--port", "0"],
+        cwd=cwd,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+    while not (lines and "listening on http://" in lines[-1]):
+        lines.append(proc.stdout.readline())
+        if not lines[-1]:
+            proc.wait()
+            raise AssertionError("the server did not start:\n" + "".join(lines))
+    return proc, re.search(r"http://[\d.]+:\d+", lines[-1]).group(0), lines
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_a_stop_answers_the_requests_in_flight_and_exits_0(served, stop):
-    command = [sys.executable, "-m", "audioclf.serve", str(served["model_path"]), "--port", "0",
-               "--max-wait-ms", "1500", "--max-batch", "64"]  # fmt: skip
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "audioclf.serve", str(served["model_path"])]
+    command += ["--max-wait-ms", "1500", "--max-batch", "64"]
+    proc, url, lines = start_server(command, ROOT)
     try:
-        lines = []
-        while not (lines and "listening on http://" in lines[-1]):
-            lines.append(proc.stdout.readline())
-            assert lines[-1], "".join(lines)
-        url = re.search(r"http://[\d.]+:\d+", lines[-1]).group(0)
         with ThreadPoolExecutor(3) as pool:
             in_flight = [pool.submit(post, url + "/embed", [f]) for f in served["files"][:3]]
             deadline = time.monotonic() + 60
@@ -392,7 +422,6 @@ def test_a_stop_answers_the_requests_in_flight_and_exits_0(served, stop):
 def test_accepted_connections_send_at_once():
     """TCP_NODELAY on every accepted socket (asyncio sets it for IPPROTO_TCP sockets only):
     without it each answer on a kept-alive connection waited ~40 ms for a delayed ACK."""
-    from audioclf.serve.server import listen
 
     async def accepted_nodelay() -> int:
         sock, seen = listen("127.0.0.1", 0), []
@@ -409,3 +438,81 @@ def test_accepted_connections_send_at_once():
         return seen[0]
 
     assert asyncio.run(accepted_nodelay()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/serving.md's commands and benchmarks/serve.py, as a user runs them
+
+
+@pytest.mark.slow
+def test_the_serving_docs_run_as_written(served, tmp_path):
+    if shutil.which("curl") is None:
+        pytest.skip("no curl on PATH")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "demo").symlink_to(served["sheet"].parent)
+    (tmp_path / "runs" / "demo_cnn").mkdir(parents=True)
+    shutil.copy(served["model_path"], tmp_path / "runs" / "demo_cnn" / "best.pt")
+    commands = doc_commands("docs/serving.md")
+    embed, serve, curls = commands[0], commands[1], commands[2:]
+    assert embed.startswith("python -m audioclf.embed") and serve.startswith(
+        "python -m audioclf.serve"
+    )
+    python = [sys.executable if word == "python" else word for word in shlex.split(embed)]
+    subprocess.run(python, cwd=tmp_path, env=child_env(), check=True, capture_output=True)
+    python = [sys.executable if word == "python" else word for word in shlex.split(serve)]
+    proc, url, lines = start_server(python, tmp_path)
+    try:
+        answers = []
+        for command in curls:
+            assert "http://127.0.0.1:8000/" in command
+            done = subprocess.run(
+                ["bash", "-c", command.replace("http://127.0.0.1:8000", url)],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 0, f"{command}: {done.stderr}"
+            answers.append(done.stdout)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, "".join(lines) + out
+    *replies, metrics_text = answers
+    for command, reply in zip(curls, replies):
+        assert "error" not in json.loads(reply), f"{command}: {reply}"
+    assert 'audioclf_requests_total{code="200",path="/rank"} 1' in metrics_text
+    assert json.loads(replies[3])["clips"][0]["neighbours"][0]["norm_score"] > 0  # --cohort
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_in_its_quick_mode():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/serve.py", "--quick"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    table = re.compile(r"^(.{34}) +(\S+) +(\d+) +(\S+) +([\d.]+) +(\S+) +(\S+) +(\S+) +(\d+)$")
+    rows = {(m.group(1).strip(), m.group(2)) for line in lines if (m := table.match(line))}
+    for server in ("checkpoint batched (32, 5 ms)", "checkpoint max-batch 1"):
+        assert {(server, "1"), (server, "8")} <= rows, rows
+    for backend in ("checkpoint", "torchscript", "onnx"):
+        assert (f"{backend} in-process Model.embed", "-") in rows
+    verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL ", "SKIP "))]
+    for target in (
+        "max-batch 1",
+        "in-process ceiling",
+        "80 % of the peak",
+        "503",
+        "memory",
+        "round trip",
+    ):
+        assert any(target in line for line in verdicts), (target, verdicts)
