@@ -161,7 +161,7 @@ async def rank(request: Request):
         return error(404, "no gallery: start the server with --gallery SHEET")
     top = query_int(request, "top", service.options.top, 1000)
     names, embeddings = await embedded(request)
-    ranked = service.rank(embeddings, top)
+    ranked = await run_in_threadpool(service.rank, embeddings, top)
     clips = [
         {"name": name, "classes": [{"class": c, "score": s} for c, s in classes]}
         for name, classes in zip(names, ranked)

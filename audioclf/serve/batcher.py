@@ -16,10 +16,11 @@ embedded, so a full server refuses a request before decoding it instead of answe
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 from torch import Tensor
@@ -40,15 +41,15 @@ class _Job:
         self.left = count
 
     def put(self, slot: int, row: np.ndarray) -> None:
-        if self.future.done():  # another of its clips failed
-            return
         self.rows[slot] = row
         self.left -= 1
         if not self.left:
-            self.future.set_result(np.stack(self.rows))
+            # a future already done: another of its clips failed, or its request went away
+            with contextlib.suppress(InvalidStateError):
+                self.future.set_result(np.stack(self.rows))
 
     def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
+        with contextlib.suppress(InvalidStateError):
             self.future.set_exception(exc)
 
 
@@ -188,10 +189,11 @@ class MicroBatcher:
             self.stats.observe("audioclf_queue_seconds", start - clip.arrived)
         try:
             rows = self._embed([clip.clip for clip in batch])
-            for clip, row in zip(batch, rows):
-                clip.job.put(clip.slot, row)
         except Exception as exc:  # each request gets its own answer
             self._run_apart(batch, exc)
+        else:
+            for clip, row in zip(batch, rows):
+                clip.job.put(clip.slot, row)
         self.stats.observe("audioclf_batch_size", len(batch))
         self.stats.observe("audioclf_batch_seconds", time.monotonic() - start)
         self.stats.count("audioclf_clips_total", by=len(batch))
