@@ -2,7 +2,7 @@
 
     app = build_app(Service.open("runs/demo_cnn/best.pt", gallery="data/demo/index.xlsx"))
 
-    POST /embed    audio -> {"clips": [{"name", "embedding": [D floats]}]}  (unit vectors)
+    POST /embed    audio -> {"dim", "clips": [{"name", "embedding": [D floats]}]}  (unit vectors)
     POST /rank     audio -> {"clips": [{"name", "classes": [{"class", "score"}]}]}  (?top=N)
     POST /search   audio -> {"clips": [{"name", "neighbours": [{"rank", "score", "class",
                    "item", "id", "row", "clip"}]}]}  (?k=N; norm_score with a cohort)
