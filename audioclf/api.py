@@ -32,6 +32,7 @@ from audioclf.embedding.gallery import Ranking, rank_files
 from audioclf.inference import LoadedEmbedder, load_embedder
 from audioclf.inference.extract import LOG_MEL, check_finite
 from audioclf.inference.inputs import embed_inputs
+from audioclf.precision import exact_arithmetic
 from audioclf.search import collection as collections
 from audioclf.search import queries as search_queries
 from audioclf.spectrogram import log_mel
@@ -77,21 +78,17 @@ class Model:
         """Embeddings [N, D] of in-memory audio: each a 1-D array of samples (or [channels,
         samples], mixed down) at `sample_rate`, resampled and cut to the evaluation length as
         a file would be."""
+        if not waves:
+            raise ValueError("no waveforms to embed")
+        return self.embed_prepared([self.prepare_waveform(wave, sample_rate) for wave in waves])
+
+    def prepare_waveform(self, wave: np.ndarray | torch.Tensor, sample_rate: int) -> torch.Tensor:
+        """One waveform as the model takes it (resampled, cut to the evaluation length, or its
+        log-mel for an export without a front end): embed_waveforms in two steps, so that a
+        server can prepare clips as they arrive and embed them together (embed_prepared)."""
         cfg = self.loaded.cfg
         if cfg.features.kind != "audio":
             raise ValueError("this model takes precomputed .npy features, not waveforms")
-        items = [(self._prepared(wave, sample_rate), 0, i) for i, wave in enumerate(waves)]
-        if not items:
-            raise ValueError("no waveforms to embed")
-        x, lengths, _, _ = collate_padded(items)
-        with torch.no_grad():
-            emb = self.loaded.embed_fn(x.to(self.loaded.device), lengths.to(self.loaded.device))
-        embeddings = emb.float().cpu().numpy()
-        check_finite(embeddings, [f"waveform {i}" for i in range(len(items))], "the waveforms")
-        return embeddings
-
-    def _prepared(self, wave, sample_rate: int) -> torch.Tensor:
-        cfg = self.loaded.cfg
         wave = torch.as_tensor(np.asarray(wave, dtype=np.float32))
         if wave.ndim == 2:
             wave = wave.mean(dim=0)
@@ -108,6 +105,18 @@ class Model:
         if self.loaded.input_kind == LOG_MEL:
             return torch.from_numpy(log_mel(wave, cfg.features))
         return wave
+
+    def embed_prepared(self, clips: Sequence[torch.Tensor]) -> np.ndarray:
+        """Embeddings [N, D] of clips from prepare_waveform, in one padded batch on the model's
+        device (as evaluation runs a batch: exact fp32 arithmetic)."""
+        if not clips:
+            raise ValueError("no waveforms to embed")
+        x, lengths, _, _ = collate_padded([(clip, 0, i) for i, clip in enumerate(clips)])
+        with torch.no_grad(), exact_arithmetic():
+            emb = self.loaded.embed_fn(x.to(self.loaded.device), lengths.to(self.loaded.device))
+        embeddings = emb.float().cpu().numpy()
+        check_finite(embeddings, [f"waveform {i}" for i in range(len(clips))], "the waveforms")
+        return embeddings
 
     @staticmethod
     def score(a: np.ndarray, b: np.ndarray) -> np.ndarray | float:

@@ -60,6 +60,7 @@ COMMANDS = {
     "embed": ("audioclf.embed", "embed files against a gallery, or a whole index sheet"),
     "prepare": ("audioclf.prepare", "precompute log-mel features for a sheet"),
     "search": ("audioclf.search.cli", "build or query a nearest-neighbour index"),
+    "serve": ("audioclf.serve.cli", "a model behind an HTTP server, with a page to try it"),
     "demo": ("audioclf.data.demo", "generate the demo dataset"),
     "config": ("audioclf.config", "print the configuration reference"),
 }

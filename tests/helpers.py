@@ -1,20 +1,31 @@
 """Helpers shared by several test files (test modules do not import each other): tiny
 configs and checkpoints, real process groups (gloo over spawn, no mocks), launching the tools
-as a user would, a stand-in epoch loop over TrainStep, and small index sheets."""
+as a user would, a stand-in epoch loop over TrainStep, small index sheets, and a served app
+with plain HTTP and headless Chromium to talk to it."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import datetime
+import http.client
 import json
 import math
 import os
 import pickle
+import re
+import select
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
+import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -533,3 +544,204 @@ class LockHolder:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# The commands of the documentation
+
+
+FENCE = re.compile(r"^( *)```bash\n(.*?)^ *```", re.MULTILINE | re.DOTALL)
+
+
+def doc_commands(document: str) -> list[str]:
+    """The commands of a document's ```bash blocks (a path from the checkout's root), in
+    order: comments stripped, lines continued with a backslash joined, comment-only lines left
+    out."""
+    commands = []
+    for match in FENCE.finditer((ROOT / document).read_text()):
+        for line in match.group(2).replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(shlex.join(words))
+    return commands
+
+
+# ---------------------------------------------------------------------------------------------
+# audioclf serve: an app served on the loopback, plain HTTP, and headless Chromium
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """`app` (audioclf.serve.app.build_app) served by uvicorn in a thread, on 127.0.0.1 at a
+    free port; yields its base URL, and always stops it (its lifespan closes the batcher)."""
+    from audioclf.serve.server import listen, make_server
+
+    sock = listen("127.0.0.1", 0)
+    server = make_server(app)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop within 60 s"
+
+
+def http_request(
+    method: str, url: str, body=None, headers: dict | None = None, timeout: float = 60
+) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of one request (a fresh connection; `body` may be bytes or an
+    iterable of bytes, sent chunked)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        chunked = body is not None and not isinstance(body, bytes | str)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request(method, path, body=body, headers=headers or {}, encode_chunked=chunked)
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
+def multipart(files: list[tuple[str, str, bytes]]) -> tuple[bytes, dict]:
+    """(body, headers) of a multipart/form-data request holding each (field, filename, bytes)
+    as a file part."""
+    boundary = "audioclf-test-boundary-7d3f"
+    body = b""
+    for field, filename, data in files:
+        body += (
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; '
+                f'filename="{filename}"\r\nContent-Type: application/octet-stream\r\n\r\n'
+            ).encode()
+            + data
+            + b"\r\n"
+        )
+    body += f"--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+def chromium_binary() -> str | None:
+    """Debian's chromium (apt-get install chromium), or another on PATH; None without one."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        if found := shutil.which(name):
+            return found
+    return None
+
+
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
+    JSON messages ending in NUL on fds 3 and 4; no port, no websocket library). One page.
+
+        with Chromium(binary, tmp_path) as browser:
+            browser.open("http://127.0.0.1:8000/")
+            browser.set_files("#file", [path])
+            browser.wait_for("document.body.dataset.state === 'done'")
+            browser.evaluate("document.title")
+            png = browser.screenshot()
+    """
+
+    def __init__(self, binary: str, profile: Path, width: int = 1000, height: int = 1100):
+        to_browser, self._to_browser = os.pipe()
+        self._from_browser, from_browser = os.pipe()
+        args = [
+            *("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run"),
+            *("--disable-extensions", "--disable-background-networking", "--mute-audio"),
+            *("--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"),
+        ]
+        # bash moves the pipe ends to fds 3 (commands in) and 4 (answers out)
+        script = f'exec "$@" 3<&{to_browser} 4>&{from_browser} {to_browser}<&- {from_browser}>&-'
+        self.proc = subprocess.Popen(
+            ["bash", "-c", script, "bash", binary, *args],
+            pass_fds=(to_browser, from_browser),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        os.close(to_browser)
+        os.close(from_browser)
+        self._buffer, self._next_id, self.session = b"", 0, None
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        attached = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})
+        self.session = attached["sessionId"]
+        self.send("Page.enable")
+        size = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
+        self.send("Emulation.setDeviceMetricsOverride", size)
+
+    def send(self, method: str, params: dict | None = None, timeout: float = 60) -> dict:
+        """The result of one DevTools command (events in between are dropped)."""
+        self._next_id += 1
+        message = {"id": self._next_id, "method": method, "params": params or {}}
+        if self.session is not None:
+            message["sessionId"] = self.session
+        os.write(self._to_browser, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\0" not in self._buffer:
+                left = deadline - time.monotonic()
+                ready, _, _ = select.select([self._from_browser], [], [], max(left, 0))
+                chunk = os.read(self._from_browser, 1 << 20) if ready else b""
+                if not chunk:
+                    raise RuntimeError(f"chromium did not answer {method} within {timeout} s")
+                self._buffer += chunk
+            raw, self._buffer = self._buffer.split(b"\0", 1)
+            answer = json.loads(raw)
+            if answer.get("id") == self._next_id:
+                if "error" in answer:
+                    raise RuntimeError(f"{method}: {answer['error']}")
+                return answer["result"]
+
+    def evaluate(self, expression: str):
+        """The value of a JavaScript expression in the page (awaited when a promise)."""
+        result = self.send(
+            "Runtime.evaluate",
+            {"expression": expression, "returnByValue": True, "awaitPromise": True},
+        )
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, seconds: float = 60) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.evaluate(expression):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{expression!r} still false after {seconds} s")
+            time.sleep(0.02)
+
+    def open(self, url: str) -> None:
+        self.send("Page.navigate", {"url": url})
+        self.wait_for("document.readyState === 'complete'")
+
+    def set_files(self, selector: str, paths: list[Path]) -> None:
+        """Choose files in an <input type=file>, as a person does (its change event fires)."""
+        root = self.send("DOM.getDocument")["root"]["nodeId"]
+        node = self.send("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
+        files = [str(Path(p).resolve()) for p in paths]
+        self.send("DOM.setFileInputFiles", {"nodeId": node, "files": files})
+
+    def screenshot(self) -> bytes:
+        """The whole page as PNG."""
+        shot = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+        return base64.b64decode(shot["data"])
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        os.close(self._to_browser)
+        os.close(self._from_browser)
+
+    def __enter__(self) -> Chromium:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

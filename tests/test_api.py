@@ -67,6 +67,7 @@ def test_the_wheel_holds_the_recipes_and_the_report_template(installed):
     for name in ("cpu_small", "demo_cnn", "demo_conformer", "cnn", "conformer", "ecapa"):
         assert f"audioclf/recipes/{name}.yaml" in files
     assert "audioclf/evaluation/embeddings.html" in files and "bin/audioclf" in files
+    assert "audioclf/serve/page.html" in files  # audioclf serve's page
 
 
 def test_the_page_runs_as_written_with_the_installed_command(installed, tmp_path):

@@ -35,7 +35,7 @@ from audioclf.export import parse_args as export_args
 from audioclf.prepare import parse_args as prepare_args
 from audioclf.search.cli import parse_args as search_args
 from audioclf.train import parse_args as train_args
-from tests.helpers import TINY
+from tests.helpers import TINY, doc_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/*.md")))
@@ -62,6 +62,10 @@ BACKGROUND = "a background job on 4 GPUs (tests/test_run_sh.py runs --bg and sto
 SLURM = "needs a SLURM cluster (tests/test_slurm.py checks the batch script)"
 PLACEHOLDER = "placeholder paths (N, big.xlsx, out/big, clips/) to replace with your own"
 INSTALLED = "the installed audioclf command (pip install .): tests/test_api.py runs it from a wheel"
+SERVED = (
+    "a server that runs until stopped, and requests to it: tests/test_serve.py"
+    "::test_the_serving_docs_run_as_written starts it and runs them"
+)
 SKIP = {
     "./run.sh demo": "all five stages on the full demo set; tests/test_run_sh.py runs them "
     "(SETUP stands in for stages 1-2, the README's commands below are stages 3-5)",
@@ -102,6 +106,17 @@ SKIP = {
     "audioclf evaluate --checkpoint runs/api_demo/best.pt --out runs/api_demo/eval": INSTALLED,
     "audioclf embed --model runs/api_demo/best.pt --index data/demo/index.xlsx "
     "--save runs/api_demo/embed/all": INSTALLED,
+    "python -m audioclf.serve runs/demo_cnn/best.pt --gallery data/demo/index.xlsx --collection "
+    "runs/demo_cnn/embed/all --cohort runs/demo_cnn/embed/all": SERVED,
+    "curl -s http://127.0.0.1:8000/health": SERVED,
+    "curl -s -F a=@data/demo/wav/c03/c03_i0/c03_i0_00.wav -F "
+    "b=@data/demo/wav/c05/c05_i1/c05_i1_02.wav http://127.0.0.1:8000/embed": SERVED,
+    "curl -s -F clip=@data/demo/wav/c03/c03_i0/c03_i0_00.wav 'http://127.0.0.1:8000/rank?top=3'": (
+        SERVED
+    ),
+    "curl -s --data-binary @data/demo/wav/c03/c03_i0/c03_i0_00.wav "
+    "'http://127.0.0.1:8000/search?k=5'": SERVED,
+    "curl -s http://127.0.0.1:8000/metrics": SERVED,
     "benchmarks/gpu_wheels.sh /path/wheels": "downloads wheels from a package index",
     "PYTHON=python3 benchmarks/gpu_check.sh --wheels /path/wheels": "needs a CUDA GPU and the "
     "wheels of gpu_wheels.sh",
@@ -111,19 +126,6 @@ SETUP = [
     "python -m audioclf.data.demo --out data/demo",
     "./run.sh --nproc 2 configs/demo_cnn.yaml",
 ]
-FENCE = re.compile(r"^( *)```bash\n(.*?)^ *```", re.MULTILINE | re.DOTALL)
-
-
-def doc_commands(document: str) -> list[str]:
-    """The commands of a document's ```bash blocks, in order: comments stripped, lines
-    continued with a backslash joined, comment-only lines left out."""
-    commands = []
-    for match in FENCE.finditer((ROOT / document).read_text()):
-        for line in match.group(2).replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words:
-                commands.append(shlex.join(words))
-    return commands
 
 
 def with_overrides(command: str) -> str:

@@ -1,5 +1,7 @@
 """Reading audio and precomputed features (audioclf.data.readers)."""
 
+import io
+
 import numpy as np
 import pytest
 import soundfile
@@ -239,3 +241,17 @@ def test_nonfinite_feature_frames_name_the_file(tmp_path):
     np.save(path, frames)
     with pytest.raises(FeatureFileError, match=r"bad\.npy has non-finite values"):
         read_npy_crop(path, None, None, "frames_bins", 8)
+
+
+def test_load_audio_reads_the_bytes_of_a_file_as_the_file(tmp_path):
+    path = tmp_path / "stereo.flac"
+    data = np.random.default_rng(1).uniform(-0.5, 0.5, (4410, 2))
+    soundfile.write(path, data, 44100)
+    from_bytes = load_audio(io.BytesIO(path.read_bytes()), 16000, name="in part 1 (x.flac)")
+    assert torch.equal(from_bytes, load_audio(path, 16000))
+    with pytest.raises(AudioReadError, match=r"^cannot read audio in part 2 \(y\): Format not"):
+        load_audio(io.BytesIO(b"not audio" * 10), 16000, name="in part 2 (y)")
+    soundfile.write(tmp_path / "full.wav", np.full(1600, 0.1, np.float32), 16000)
+    cut = (tmp_path / "full.wav").read_bytes()[:2000]
+    with pytest.raises(AudioReadError, match=r"^cannot read audio the body: .*truncated"):
+        load_audio(io.BytesIO(cut), 16000, name="the body")

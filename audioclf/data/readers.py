@@ -1,6 +1,7 @@
 """Reading audio and precomputed features, in DataLoader workers (numpy / soundfile, no model).
 
-    load_audio      any soundfile format → float32 mono tensor at the target rate (or a span of it)
+    load_audio      any soundfile format (a file or its bytes) → float32 mono tensor at the target
+                    rate (or a span of it)
     crop_or_pad     fixed-length waveform crop (random when given an rng, else centred)
     read_npy_crop   a window of a precomputed [frames, bins] .npy file (only its bytes are read)
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import soundfile
@@ -46,39 +49,53 @@ class FeatureFileError(ValueError):
 
 
 def load_audio(
-    path: str | Path, sample_rate: int, span: tuple[float, float] | None = None
+    source: str | Path | BinaryIO,
+    sample_rate: int,
+    span: tuple[float, float] | None = None,
+    *,
+    name: str | None = None,
 ) -> Tensor:
     """Read an audio file (any AUDIO_SUFFIXES format), mix down to mono, resample: float32 [samples].
 
-    `span` (start, end) in seconds reads only those frames from disk (a segment of a longer
-    recording; an end past the file's end stops there). A file whose samples are not all finite
-    (float wavs can hold NaN / inf) or a wav cut short behind an intact header raises
-    AudioReadError naming it: both would otherwise go on silently.
+    `source` is a path, or an open binary file holding a whole audio file (an upload's bytes in
+    io.BytesIO), which messages call `name` ("file <path>" by default). `span` (start, end) in
+    seconds reads only those frames (a segment of a longer recording; an end past the file's
+    end stops there). A file whose samples are not all finite (float wavs can hold NaN / inf) or
+    a wav cut short behind an intact header raises AudioReadError naming it: both would
+    otherwise go on silently.
     """
+    is_path = isinstance(source, (str, Path))
+    what = name or f"file {source}"
     try:
         if span is None:
-            data, file_rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+            target = str(source) if is_path else source
+            data, file_rate = soundfile.read(target, dtype="float32", always_2d=True)
         else:
-            data, file_rate = _read_span(path, *span)
-        if str(path).lower().endswith(".wav"):
-            _check_wav_length(path)
+            data, file_rate = _read_span(source, *span)
+        if not is_path:
+            _check_wav_length(source)
+        elif str(source).lower().endswith(".wav"):
+            with open(source, "rb") as handle:
+                _check_wav_length(handle)
     except (RuntimeError, OSError, ValueError, TypeError, EOFError) as exc:
-        raise AudioReadError(f"cannot read audio file {path}: {exc}") from exc
+        # libsndfile names a file object by its repr: `name` says which it is
+        reason = str(exc) if is_path else re.sub(r"^Error opening <[^>]*>: ", "", str(exc))
+        raise AudioReadError(f"cannot read audio {what}: {reason}") from exc
     if data.shape[0] == 0:
-        raise AudioReadError(f"audio file {path} contains no samples")
+        raise AudioReadError(f"audio {what} contains no samples")
     if not np.isfinite(data).all():
         bad = int(np.count_nonzero(~np.isfinite(data)))
-        raise AudioReadError(f"audio file {path} has {bad} non-finite samples (NaN or inf)")
+        raise AudioReadError(f"audio {what} has {bad} non-finite samples (NaN or inf)")
     wave = torch.from_numpy(data.mean(axis=1, dtype=np.float32))
     if file_rate != sample_rate:
         wave = torchaudio.functional.resample(wave, int(file_rate), int(sample_rate))
     return wave.contiguous()
 
 
-def _read_span(path: str | Path, start: float, end: float) -> tuple[np.ndarray, int]:
+def _read_span(source: str | Path | BinaryIO, start: float, end: float) -> tuple[np.ndarray, int]:
     """(frames [start, end) seconds as float32 [frames, channels], the file's rate), read by a
     seek and one read of those frames; ValueError when the span starts at or past the end."""
-    with soundfile.SoundFile(str(path)) as handle:
+    with soundfile.SoundFile(str(source) if isinstance(source, (str, Path)) else source) as handle:
         rate, frames = handle.samplerate, handle.frames
         first, stop = round(start * rate), min(round(end * rate), frames)
         if first >= stop:
@@ -90,26 +107,26 @@ def _read_span(path: str | Path, start: float, end: float) -> tuple[np.ndarray, 
         return handle.read(stop - first, dtype="float32", always_2d=True), rate
 
 
-def _check_wav_length(path: str | Path) -> None:
+def _check_wav_length(handle: BinaryIO) -> None:
     """ValueError when a RIFF/WAVE file's data chunk promises more bytes than the file holds
     (libsndfile then returns the samples that are there, without a word)."""
-    with open(path, "rb") as handle:
-        head = handle.read(12)
-        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-            return  # RF64 / other containers: libsndfile's own checks
-        size = os.fstat(handle.fileno()).st_size
-        offset = 12
-        while offset + 8 <= size:
-            handle.seek(offset)
-            chunk, length = handle.read(4), int.from_bytes(handle.read(4), "little")
-            if chunk == b"data":
-                if length not in (0, 0xFFFFFFFF) and offset + 8 + length > size:
-                    raise ValueError(
-                        f"the wav file is truncated: its data chunk promises "
-                        f"{length} bytes, {size - offset - 8} are there"
-                    )
-                return
-            offset += 8 + length + (length & 1)
+    handle.seek(0)
+    head = handle.read(12)
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return  # RF64 / other containers: libsndfile's own checks
+    size = handle.seek(0, io.SEEK_END)
+    offset = 12
+    while offset + 8 <= size:
+        handle.seek(offset)
+        chunk, length = handle.read(4), int.from_bytes(handle.read(4), "little")
+        if chunk == b"data":
+            if length not in (0, 0xFFFFFFFF) and offset + 8 + length > size:
+                raise ValueError(
+                    f"the wav file is truncated: its data chunk promises "
+                    f"{length} bytes, {size - offset - 8} are there"
+                )
+            return
+        offset += 8 + length + (length & 1)
 
 
 def crop_start(total: int, length: int, rng: np.random.Generator | None) -> int:

@@ -1,0 +1,291 @@
+"""What `audioclf serve` does with a request, without the HTTP: a loaded model with its
+micro-batcher, and the gallery, collection and cohort it answers from.
+
+    service = Service.open("runs/demo_cnn/best.pt", gallery="data/demo/index.xlsx",
+                           collection="runs/demo_cnn/embed/all", options=ServeOptions())
+    service.start()
+    clips = [service.decode(data, "in part 1 (a.wav)")]    # bytes of any soundfile format
+    with service.batcher.reserve(len(clips)) as slot:
+        embeddings = slot.submit(clips).result()           # as Model.embed gives for the file
+    service.rank(embeddings, top=5)                        # [[(class, score), ...] per clip]
+    service.search(embeddings, ["a.wav"], k=10)            # [[neighbour dict, ...] per clip]
+    service.close()
+
+Embedding, ranking and searching are the API's own (audioclf.api.Model,
+audioclf.embedding.gallery, audioclf.search.queries): a served clip gets the numbers
+`audioclf.load(MODEL).embed([file])` gives, its ranking `embed --gallery`'s, its neighbours
+`search query`'s.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import soundfile
+import torch
+
+from audioclf.api import Model, load
+from audioclf.data.readers import AudioReadError, load_audio
+from audioclf.embedding.gallery import class_scores, load_gallery, top_classes
+from audioclf.inference.extract import check_finite
+from audioclf.search import collection as collections
+from audioclf.search.queries import Queries, ScoreNorm, search_neighbours
+from audioclf.serve.batcher import MicroBatcher
+from audioclf.serve.stats import Stats
+
+log = logging.getLogger("audioclf")
+
+
+class OverLimit(ValueError):
+    """A clip over --max-clip-seconds, or a request with more clips than --max-clips (HTTP
+    413)."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The server's knobs (audioclf serve --help says what each trades)."""
+
+    max_batch: int = 32  # clips per model call
+    max_wait_ms: float = 5.0  # how long the oldest waiting clip may wait for more
+    max_queue: int = 256  # clips admitted and not yet embedded; more: 503 at once
+    max_clips: int = 32  # clips in one request
+    max_request_mb: float = 16.0  # request body; more: 413
+    max_clip_seconds: float = 60.0  # one clip's duration; longer: 413
+    top: int = 5  # classes per clip in /rank (?top=N)
+    k: int = 10  # neighbours per clip in /search (?k=N)
+
+    def check(self) -> None:
+        """ValueError naming the flag of the first knob out of range."""
+        lowest = {"max_batch": 1, "max_queue": 1, "max_clips": 1, "top": 1, "k": 1}
+        for name, value in asdict(self).items():
+            flag = f"--{name.replace('_', '-')}"
+            if name in lowest and value < lowest[name]:
+                raise ValueError(f"{flag} must be >= {lowest[name]}, got {value}")
+            if name not in lowest and not (value >= 0 if name == "max_wait_ms" else value > 0):
+                raise ValueError(
+                    f"{flag} must be {'>=' if name == 'max_wait_ms' else '>'} 0, got {value}"
+                )
+        if self.max_clips > self.max_queue:
+            raise ValueError(
+                f"--max-clips {self.max_clips} exceeds --max-queue {self.max_queue}: such a "
+                "request could never be admitted; raise --max-queue or lower --max-clips"
+            )
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * 1024 * 1024)
+
+
+@dataclass
+class Gallery:
+    """A gallery sheet's embeddings and classes, ranked against as `embed --gallery` does."""
+
+    sheet: Path
+    embeddings: np.ndarray
+    classes: np.ndarray
+    cached: bool
+
+    def rank(self, embeddings: np.ndarray, top: int) -> list[list[tuple[str, float]]]:
+        """Each clip's `top` classes, best first, with their scores (kNN, k=1)."""
+        names, scores, votes = class_scores(embeddings, self.embeddings, self.classes)
+        order = top_classes(scores, min(top, len(names)), votes)
+        return [[(names[c], float(scores[i, c])) for c in row] for i, row in enumerate(order)]
+
+
+@dataclass
+class Searched:
+    """An embedded collection, its index, its rows by id, and the cohort (or None)."""
+
+    collection: collections.Collection
+    index: Any  # audioclf.search.base.SearchIndex
+    norm: ScoreNorm | None
+    row_of: dict[str, int]
+
+    def search(self, embeddings: np.ndarray, names: list[str], k: int) -> list[list[dict]]:
+        labels = pd.DataFrame({"query": names})
+        queries = Queries(embeddings, labels, f"{len(names)} uploaded clip(s)")
+        table = search_neighbours(self.index, self.collection, queries, k, score_norm=self.norm)
+        found: list[list[dict]] = [[] for _ in names]
+        query_at = np.cumsum(table["rank"].to_numpy() == 1) - 1  # by query, then by rank
+        for at, record in zip(query_at, table.to_dict("records")):
+            row = self.row_of[str(record["id"])]
+            hit = {key: record[key] for key in ("rank", "score", "class", "item", "id")}
+            if "norm_score" in record:
+                hit["norm_score"] = record["norm_score"]
+            found[at].append({**hit, "row": row, "clip": f"/clips/{row}"})
+        return found
+
+
+class Service:
+    """A model behind the micro-batcher, with what it ranks and searches against."""
+
+    def __init__(self, model: Model, options: ServeOptions, stats: Stats | None = None):
+        options.check()
+        self.model, self.options = model, options
+        self.stats = stats or Stats()
+        self.batcher = MicroBatcher(
+            model.embed_prepared,
+            max_batch=options.max_batch,
+            max_wait_ms=options.max_wait_ms,
+            max_queue=options.max_queue,
+            stats=self.stats,
+        )
+        self.gallery: Gallery | None = None
+        self.searched: Searched | None = None
+        silence = np.zeros(model.sample_rate, np.float32)  # also warms the model up
+        self.dim = int(model.embed_waveforms([silence], model.sample_rate).shape[1])
+
+    @classmethod
+    def open(
+        cls,
+        model: str | Path,
+        *,
+        gallery: str | Path | None = None,
+        collection: str | Path | None = None,
+        cohort: str | Path | None = None,
+        score_norm: str | None = None,
+        cohort_top: int | None = None,
+        device: str = "auto",
+        trust: bool = False,
+        options: ServeOptions | None = None,
+    ) -> Service:
+        """The model (any artefact audioclf.load takes) with the gallery sheet and the
+        collection PREFIX (with its cohort PREFIX) loaded; ValueError naming a file that does
+        not fit, before the server listens."""
+        options = options or ServeOptions()
+        options.check()
+        if cohort is not None and collection is None:
+            raise ValueError("--cohort normalises --collection's scores: give --collection too")
+        service = cls(load(model, device=device, trust=trust), options)
+        if gallery is not None:
+            service.gallery = service._load_gallery(Path(gallery))
+        if collection is not None:
+            service.searched = service._open_collection(collection, cohort, score_norm, cohort_top)
+        return service
+
+    def _load_gallery(self, sheet: Path) -> Gallery:
+        loaded = self.model.loaded
+        embeddings, rows, cached = load_gallery(
+            loaded, sheet, root=None, batch_size=32, use_cache=True, progress=False
+        )
+        classes = rows["cls"].to_numpy(dtype=str)
+        check_finite(embeddings, [str(c) for c in classes], f"the gallery {sheet}")
+        return Gallery(sheet, embeddings, classes, cached)
+
+    def _open_collection(self, prefix, cohort, score_norm, cohort_top) -> Searched:
+        loaded = self.model.loaded
+        opened = collections.Collection.open(prefix, flag="--collection")
+        index = collections.open_index(opened, None, device=loaded.device)
+        warning = collections.check_model(index, loaded, opened)
+        if warning:
+            log.warning("%s", warning)
+        if index.dim != self.dim:
+            raise ValueError(
+                f"--collection {prefix} holds {index.dim}-d embeddings but the model makes "
+                f"{self.dim}-d ones; serve the model that embedded it"
+            )
+        norm = ScoreNorm.from_options(cohort, score_norm, cohort_top, index=index)
+        row_of = {str(id_): row for row, id_ in enumerate(opened.rows["id"])}
+        return Searched(opened, index, norm, row_of)
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def close(self) -> None:
+        """Embed the clips already queued, then stop the batcher."""
+        self.batcher.close()
+
+    def decode(self, data: bytes, name: str) -> torch.Tensor:
+        """An uploaded file's bytes as the model takes them (read as a file of that format is
+        read for Model.embed); `name` says where they came from ("in part 2 (a.wav)"):
+        AudioReadError naming it when they are no audio, OverLimit past --max-clip-seconds."""
+        limit = self.options.max_clip_seconds
+        try:
+            info = soundfile.info(io.BytesIO(data))
+        except (RuntimeError, ValueError, TypeError, EOFError, OSError):
+            info = None  # load_audio below says what is wrong with it
+        if info is not None and info.samplerate > 0 and info.frames / info.samplerate > limit:
+            raise OverLimit(
+                f"the audio {name} is {info.frames / info.samplerate:.1f} s long; this server takes "
+                f"clips of at most {limit:g} s (--max-clip-seconds)"
+            )
+        if not data:
+            raise AudioReadError(f"no audio {name}: send the bytes of an audio file")
+        wave = load_audio(io.BytesIO(data), self.model.sample_rate, name=name)
+        return self.model.prepare_waveform(wave, self.model.sample_rate)
+
+    def rank(self, embeddings: np.ndarray, top: int) -> list[list[tuple[str, float]]]:
+        if self.gallery is None:
+            raise LookupError("no gallery: start the server with --gallery SHEET")
+        return self.gallery.rank(embeddings, top)
+
+    def search(self, embeddings: np.ndarray, names: list[str], k: int) -> list[list[dict]]:
+        if self.searched is None:
+            raise LookupError("no collection: start the server with --collection PREFIX")
+        return self.searched.search(embeddings, names, k)
+
+    def clip_path(self, row: int) -> Path:
+        """The audio file of a collection row (the rows of the server's own collection only)."""
+        if self.searched is None or not 0 <= row < self.searched.collection.size:
+            raise LookupError(f"no clip {row} in the collection")
+        return Path(str(self.searched.collection.rows["path"].iloc[row]))
+
+    def describe(self) -> str:
+        """One line: the model, and the gallery and collection loaded."""
+        loaded = self.model.loaded
+        parts = [f"model {loaded.path} ({loaded.description}) on {loaded.device}"]
+        if self.gallery is not None:
+            cached = ", cached" if self.gallery.cached else ""
+            parts.append(
+                f"gallery {self.gallery.sheet} ({len(self.gallery.classes)} clips, "
+                f"{len(np.unique(self.gallery.classes))} classes{cached})"
+            )
+        if self.searched is not None:
+            norm = self.searched.norm
+            parts.append(
+                f"collection {self.searched.index.describe()}"
+                + ("" if norm is None else f", norm_score: {norm.describe()}")
+            )
+        return "; ".join(parts)
+
+    def answered(self) -> int:
+        """Requests answered so far (any status)."""
+        return int(self.stats.total("audioclf_requests_total"))
+
+    def health(self) -> dict[str, Any]:
+        """What GET /health answers: the model, its embedding size and rate, what is loaded."""
+        loaded = self.model.loaded
+        gallery = self.gallery
+        searched = self.searched
+        return {
+            "status": "ok",
+            "model": {
+                "path": str(loaded.path),
+                "description": loaded.description,
+                "embedding_dim": self.dim,
+                "sample_rate": self.model.sample_rate,
+                "device": str(loaded.device),
+            },
+            "gallery": None
+            if gallery is None
+            else {
+                "sheet": str(gallery.sheet),
+                "clips": len(gallery.classes),
+                "classes": len(np.unique(gallery.classes)),
+            },
+            "collection": None
+            if searched is None
+            else {
+                "prefix": str(searched.collection.prefix),
+                "clips": searched.collection.size,
+                "index": searched.index.method,
+                "score_norm": None if searched.norm is None else searched.norm.record(),
+            },
+            "options": asdict(self.options),
+        }
