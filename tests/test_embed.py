@@ -544,8 +544,8 @@ def test_knn_ranks_a_class_of_distinct_items_where_centroids_do_not():
     names, scores, votes = class_scores(query, gallery, classes, k=3)
     assert votes.tolist() == [[2.0, 1.0]]
     # the query's own item (the first two rows) left out: b's blob is now nearest
-    exclude = np.array([[True, True, False, False, False, False, False]])
-    names, scores, votes = class_scores(query, gallery, classes, exclude=exclude)
+    groups = (np.array([0]), np.array([0, 0, 1, 2, 3, 4, 5]))
+    names, scores, votes = class_scores(query, gallery, classes, groups=groups)
     assert names[top_classes(scores, 2, votes)[0][0]] == "b"
 
 

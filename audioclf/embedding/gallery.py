@@ -40,7 +40,7 @@ from audioclf.fileio import atomic_write_bytes, file_stamp
 from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.extract import check_finite, embed_files
 from audioclf.inference.inputs import embed_inputs
-from audioclf.metrics import class_centroids
+from audioclf.metrics import LIST_BUDGET, ExactSearch, class_centroids
 
 log = logging.getLogger("audioclf")
 
@@ -182,36 +182,49 @@ def class_scores(
     *,
     rule: str = "knn",
     k: int = DEFAULT_K,
-    exclude: np.ndarray | None = None,
+    groups: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(class names, scores [queries, classes], votes [queries, classes]) by cosine similarity.
 
     rule "knn" (the default, evaluate's kNN rule): a class scores its nearest gallery clip;
     the k nearest clips vote (one vote each), so with k > 1 the majority class ranks first.
-    rule "centroid": a class scores its centroid (class_centroids; no votes). `exclude`
-    [queries, gallery] masks gallery rows out per query (a query's own item)."""
+    rule "centroid": a class scores its centroid (class_centroids; no votes). `groups`
+    (query groups [queries], gallery groups [gallery]): a query never sees a gallery row of its
+    own group (its own item)."""
     names, codes = np.unique(classes, return_inverse=True)
-    queries = torch.nn.functional.normalize(torch.from_numpy(query).float(), dim=1)
     if rule == "centroid":
         _, centroids = class_centroids(gallery, codes)
+        queries = torch.nn.functional.normalize(torch.from_numpy(query).float(), dim=1)
         scores = (queries @ centroids.T).numpy()
         return names.tolist(), scores, np.zeros_like(scores)
-    rows = torch.nn.functional.normalize(torch.from_numpy(gallery).float(), dim=1)
-    codes_t = torch.from_numpy(codes)
-    scores = torch.full((len(query), len(names)), -np.inf)
-    votes = torch.zeros((len(query), len(names)))
-    for start in range(0, len(query), 256):  # [256, gallery] similarities at a time
-        sims = queries[start : start + 256] @ rows.T
-        if exclude is not None:
-            sims[torch.from_numpy(exclude[start : start + 256])] = -np.inf
-        index = codes_t.expand_as(sims)
-        scores[start : start + 256] = scores[start : start + 256].scatter_reduce(
-            1, index, sims, reduce="amax"
+    index = ExactSearch(gallery)
+    scores = np.empty((len(query), len(names)), dtype=np.float32)
+    votes = np.empty((len(query), len(names)), dtype=np.float32)
+    step = max(1, LIST_BUDGET // len(gallery))  # every gallery row is listed: [step, gallery]
+    for start in range(0, len(query), step):
+        part = slice(start, start + step)
+        grouped = (
+            {} if groups is None else {"query_groups": groups[0][part], "index_groups": groups[1]}
         )
-        nearest = sims.topk(min(k, sims.shape[1]), dim=1)
-        kept = torch.isfinite(nearest.values).float()
-        votes[start : start + 256].scatter_add_(1, codes_t[nearest.indices], kept)
-    return names.tolist(), scores.numpy(), votes.numpy()
+        sims, ids = index.search(query[part], len(gallery), **grouped)
+        scores[part], votes[part] = class_votes(sims, codes, ids, len(names), k)
+    return names.tolist(), scores, votes
+
+
+def class_votes(
+    sims: np.ndarray, codes: np.ndarray, ids: np.ndarray, n_classes: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """From full neighbour lists (sims, ids [Q, gallery], best first; id -1 and score -inf:
+    left out) of a gallery with class `codes`: each class's nearest clip's score (-inf without
+    one) and the votes of the k nearest clips."""
+    found = ids >= 0
+    listed = torch.from_numpy(codes[np.maximum(ids, 0)])  # a left-out row adds -inf, no vote
+    scores = torch.full((len(ids), n_classes), -np.inf)
+    scores = scores.scatter_reduce(1, listed, torch.from_numpy(sims), "amax")
+    votes = torch.zeros(len(ids), n_classes).scatter_add_(
+        1, listed[:, :k], torch.from_numpy(found[:, :k]).float()
+    )
+    return scores.numpy(), votes.numpy()
 
 
 def top_classes(scores: np.ndarray, top: int, votes: np.ndarray | None = None) -> np.ndarray:
@@ -347,12 +360,12 @@ def rank_files(
     check_finite(gallery_emb, [str(c) for c in classes], f"the gallery {gallery}")
     row_of = {str(Path(p).resolve()): i for i, p in enumerate(gallery_rows["path"])}
     rows = [row_of.get(str(Path(f).resolve())) for f in files]
-    exclude = None
-    if exclude_own_item:
-        items = (gallery_rows["cls"] + "\x00" + gallery_rows["item"]).to_numpy()
-        exclude = np.stack([items == items[r] if r is not None else items != items for r in rows])
+    groups = None
+    if exclude_own_item:  # a file that is no gallery row has group -1: nothing left out
+        items = pd.factorize(gallery_rows["cls"] + "\x00" + gallery_rows["item"])[0]
+        groups = (np.array([-1 if r is None else items[r] for r in rows]), items)
     names, scores, votes = class_scores(
-        embeddings, gallery_emb, classes, rule=rule, k=k, exclude=exclude
+        embeddings, gallery_emb, classes, rule=rule, k=k, groups=groups
     )
     order = top_classes(scores, min(DEFAULT_TOP if top is None else top, len(names)), votes)
     ranking = Ranking(files, embeddings, skipped, names, scores, order, len(classes), cached)
