@@ -8,6 +8,7 @@
     model.score(emb[0], emb[1])                                # cosine similarity
     ranking = model.rank(["clip.wav"], gallery="data/demo/index.xlsx", top=3)
     table = model.search(["clip.wav"], "runs/demo_cnn/embed/all", k=5)
+    evaluated = model.evaluate("data/demo/index.xlsx", split="val")  # a checkpoint's report
 
 Embeddings are float32 unit vectors; files are read as `python -m audioclf.evaluate` reads
 them (the model's features and evaluation clips). These names stay as they are across
@@ -19,29 +20,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 import torchaudio
 
-from audioclf.cli import resolve_device
 from audioclf.data.dataset import collate_padded
 from audioclf.data.readers import crop_or_pad
 from audioclf.embedding.gallery import Ranking, rank_files
-from audioclf.inference import LoadedEmbedder, load_embedder
+from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
 from audioclf.inference.extract import LOG_MEL, check_finite
 from audioclf.inference.inputs import embed_inputs
 from audioclf.search import collection as collections
 from audioclf.search import queries as search_queries
 from audioclf.spectrogram import log_mel
 
+if TYPE_CHECKING:
+    from audioclf.evaluation import Evaluated
+
 
 def load(path: str | Path, *, device: str = "auto", trust: bool = False) -> Model:
     """The model in `path`: an audioclf checkpoint or state-dict export, or a TorchScript /
     ONNX export beside its sidecar <path>.json. `device`: cpu, cuda, cuda:N or auto. `trust`
     loads a checkpoint holding more than tensors and plain data (only one you trust)."""
-    return Model(load_embedder(path, resolve_device(device), flag="model", trust=trust))
+    device = resolve_device(device, flag="device")
+    return Model(load_embedder(path, device, flag="model", trust=trust))
 
 
 @dataclass
@@ -166,3 +171,31 @@ class Model:
             self.loaded, list(inputs), batch_size=batch_size, progress=False
         )
         return search_queries.search_neighbours(index, opened, queries, k, score_norm=norm)
+
+    def evaluate(
+        self,
+        sheet: str | Path | None = None,
+        *,
+        split: str = "val",
+        gallery: str = "train",
+        out: str | Path | None = None,
+        batch_size: int = 32,
+        **options,
+    ) -> Evaluated:
+        """The model (loaded from a checkpoint) evaluated on `split` of `sheet` (default: its
+        training's index), as `audioclf evaluate` does, with its report written into `out`
+        (default <checkpoint folder>/eval): `.metrics` (report.json's), `.out_dir`, `.lines()`
+        (the printed summary). `options`: audioclf.evaluation.evaluate's (score_norm, cohort,
+        search, seed, ...)."""
+        from audioclf.evaluation import evaluate  # noqa: PLC0415 - lazy: the report loads matplotlib
+
+        return evaluate(
+            self.loaded,
+            index=sheet,
+            split=split,
+            gallery=gallery,
+            out=out,
+            batch_size=batch_size,
+            progress=options.pop("progress", False),
+            **options,
+        )

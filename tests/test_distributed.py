@@ -323,7 +323,7 @@ def test_the_cpu_suite_sees_no_gpu_in_this_process_or_the_ones_it_starts():
     import subprocess
     import sys
 
-    from audioclf.cli import resolve_device
+    from audioclf.inference import resolve_device
     from tests.helpers import child_env
 
     probe = "import torch; print(torch.cuda.device_count(), torch.cuda.is_available())"

@@ -522,8 +522,8 @@ def test_score_norm_alone_takes_the_train_split_and_notes_its_shared_classes(
         ("one-row sheet", "has 1 row(s); it needs at least 2"),
         ("train cohort of the train split", "--split train overlaps the train cohort"),
         ("cohort with --score-norm none", "is unused with --score-norm none; drop one of them"),
-        ("top of 1", "--cohort-top 1: give N >= 2, and only with asnorm"),
-        ("top with snorm", "--cohort-top 50: give N >= 2, and only with asnorm"),
+        ("top of 1", "--cohort-top must be >= 2, got 1"),
+        ("top with snorm", "--cohort-top 50 is AS-norm's; snorm takes no top N"),
     ],
 )
 @pytest.mark.filterwarnings("ignore:index file .* fewer than 2 items")  # the one-row sheet
@@ -557,8 +557,11 @@ def test_a_bad_cohort_is_one_line_exit_2_and_writes_nothing(
 
 
 def test_score_norm_and_cohort_default_from_each_other():
-    from audioclf.evaluation.metrics import score_norm_options
+    from functools import partial
 
+    from audioclf.metrics import resolve_score_norm
+
+    score_norm_options = partial(resolve_score_norm, default_cohort="train")  # evaluate's
     assert score_norm_options(None, None, None) == ("none", None)  # off by default
     assert score_norm_options("none", None, None) == ("none", None)
     assert score_norm_options("asnorm", None, None) == ("asnorm", "train")
@@ -566,6 +569,11 @@ def test_score_norm_and_cohort_default_from_each_other():
     assert score_norm_options(None, "cohort.csv", None) == ("asnorm", "cohort.csv")
     assert score_norm_options(None, None, 50) == ("asnorm", "train")
     assert score_norm_options("snorm", "cohort.csv", None) == ("snorm", "cohort.csv")
+    # search and the API have no default cohort: normalising needs one
+    assert resolve_score_norm(None, None, None) == ("none", None)
+    assert resolve_score_norm(None, "out/train", 50) == ("asnorm", "out/train")
+    with pytest.raises(ValueError, match=r"score normalisation \(snorm\) needs a cohort"):
+        resolve_score_norm("snorm", None, None)
 
 
 def test_asnorm_keeps_300_cohort_scores_or_a_fifth_of_a_small_cohort():

@@ -10,7 +10,8 @@ Modules:
     inputs              the files a user names, found and embedded (embed, search)
     formats             TorchScript / ONNX artefacts: each format's writer and loader
     sidecar             the export sidecar <artefact>.json
-    artefacts           load_embedder: checkpoint, state_dict, TorchScript, ONNX → LoadedEmbedder
+    artefacts           load_embedder: checkpoint, state_dict, TorchScript, ONNX → LoadedEmbedder;
+                        resolve_device: the --device / device= choice
     exporting           export_model: the exported module, the parity check, the sidecar
 
 Evaluation (audioclf.evaluation) and embedding a collection (audioclf.embedding) build on it.
@@ -18,7 +19,7 @@ Nothing here imports the trainer, search or a CLI module; the names below are wh
 benchmarks import from `audioclf.inference`.
 """
 
-from audioclf.inference.artefacts import LoadedEmbedder, load_embedder
+from audioclf.inference.artefacts import LoadedEmbedder, load_embedder, resolve_device
 from audioclf.inference.checkpoints import (
     describe_checkpoint,
     init_weights,
@@ -37,4 +38,5 @@ __all__ = [
     "init_weights",
     "load_embedder",
     "load_trained",
+    "resolve_device",
 ]

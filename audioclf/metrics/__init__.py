@@ -14,7 +14,8 @@ did. Nothing in this package talks to ``torch.distributed``; callers gather firs
   the per-class centroids the latter uses.
 - ``verification_metrics`` (verification.py): same/different pairs scored by cosine
   similarity (EER, minDCF), also normalised against a cohort; ``normalised_scores``: S-norm
-  and AS-norm of any trials (``asnorm_top``: how many cohort scores AS-norm keeps by default).
+  and AS-norm of any trials (``asnorm_top``: how many cohort scores AS-norm keeps by default;
+  ``resolve_score_norm``: the --score-norm / --cohort / --cohort-top rule of every caller).
 - ``clustering_metrics`` (clustering.py): k-means with one cluster per class (NMI, AMI).
 - ``check_embeddings`` (checks.py): the input checks all of them run.
 """
@@ -40,6 +41,7 @@ from audioclf.metrics.verification import (
     SCORE_NORMS,
     asnorm_top,
     normalised_scores,
+    resolve_score_norm,
     verification_metrics,
     verification_pairs,
 )
@@ -64,6 +66,7 @@ __all__ = [
     "relevance",
     "retrieval_metrics",
     "retrieval_summary",
+    "resolve_score_norm",
     "verification_metrics",
     "verification_pairs",
 ]

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from audioclf.cli import add_trust_flag, resolve_device
+from audioclf.cli import add_trust_flag
 from audioclf.errors import UsageError, run_cli
-from audioclf.inference import load_embedder
+from audioclf.inference import load_embedder, resolve_device
 from audioclf.metrics import SCORE_NORMS
 from audioclf.search.collection import (
     Collection,
