@@ -25,17 +25,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 import torch
-import torchaudio
 
-from audioclf.data.dataset import collate_padded
-from audioclf.data.readers import crop_or_pad
 from audioclf.embedding.gallery import Ranking, rank_files
 from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
-from audioclf.inference.extract import LOG_MEL, check_finite
-from audioclf.inference.inputs import embed_inputs
+from audioclf.inference.extract import embed_paths, embed_waves, find_files
 from audioclf.search import collection as collections
 from audioclf.search import queries as search_queries
-from audioclf.spectrogram import log_mel
 
 if TYPE_CHECKING:
     from audioclf.evaluation import Evaluated
@@ -66,8 +61,9 @@ class Model:
         """(the files found, their embeddings [N, D]): audio files, or folders searched
         recursively. A file that cannot be read raises ValueError naming it."""
         inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
-        files, embeddings, skipped = embed_inputs(
-            self.loaded, inputs, "the files", batch_size=batch_size, progress=progress
+        files = find_files(inputs, self.loaded.features)
+        files, embeddings, skipped = embed_paths(
+            self.loaded, files, skip_bad=True, batch_size=batch_size, progress=progress
         )
         if skipped:
             path, reason = skipped[0]
@@ -82,37 +78,7 @@ class Model:
         """Embeddings [N, D] of in-memory audio: each a 1-D array of samples (or [channels,
         samples], mixed down) at `sample_rate`, resampled and cut to the evaluation length as
         a file would be."""
-        cfg = self.loaded.cfg
-        if cfg.features.kind != "audio":
-            raise ValueError("this model takes precomputed .npy features, not waveforms")
-        items = [(self._prepared(wave, sample_rate), 0, i) for i, wave in enumerate(waves)]
-        if not items:
-            raise ValueError("no waveforms to embed")
-        x, lengths, _, _ = collate_padded(items)
-        with torch.no_grad():
-            emb = self.loaded.embed_fn(x.to(self.loaded.device), lengths.to(self.loaded.device))
-        embeddings = emb.float().cpu().numpy()
-        check_finite(embeddings, [f"waveform {i}" for i in range(len(items))], "the waveforms")
-        return embeddings
-
-    def _prepared(self, wave, sample_rate: int) -> torch.Tensor:
-        cfg = self.loaded.cfg
-        wave = torch.as_tensor(np.asarray(wave, dtype=np.float32))
-        if wave.ndim == 2:
-            wave = wave.mean(dim=0)
-        if wave.ndim != 1 or wave.numel() == 0:
-            raise ValueError(
-                f"a waveform must be 1-D samples (or [channels, samples]), got shape {tuple(wave.shape)}"
-            )
-        if sample_rate != cfg.features.sample_rate:
-            wave = torchaudio.functional.resample(wave, int(sample_rate), cfg.features.sample_rate)
-        if cfg.clips.eval_crop == "center":  # as AudioDataset reads an evaluation clip
-            wave = crop_or_pad(wave, cfg.clips.crop_samples(cfg.features), None, cfg.clips.pad_mode)
-        elif wave.shape[0] > (longest := cfg.features.samples(cfg.clips.eval_max_seconds)):
-            wave = crop_or_pad(wave, longest, None, cfg.clips.pad_mode)
-        if self.loaded.input_kind == LOG_MEL:
-            return torch.from_numpy(log_mel(wave, cfg.features))
-        return wave
+        return embed_waves(self.loaded, waves, sample_rate)
 
     @staticmethod
     def score(a: np.ndarray, b: np.ndarray) -> np.ndarray | float:

@@ -247,7 +247,7 @@ def mfcc_features(paths: list[str]) -> np.ndarray:
 
 def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) -> dict[str, dict]:
     """{row name: {set key: metrics}} for the MFCC baseline and the trained model."""
-    from audioclf.inference import embed_files, load_trained
+    from audioclf.inference import LoadedEmbedder, embed_paths
 
     sets = {key: read_set(sheets[key]) for key in domain.eval_sets if key in sheets}
     device = (
@@ -267,17 +267,10 @@ def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) ->
         say(f"baseline on {domain.eval_sets[key]}: {summary(results[MFCC_ROW][key])}")
 
     say(f"model: loading {checkpoint} on {device}")
-    net, cfg, ckpt = load_trained(checkpoint, device)
+    model = LoadedEmbedder.from_checkpoint(checkpoint, torch.device(device))
     for key, table in sets.items():
         started = time.perf_counter()
-        embeddings = embed_files(
-            net,
-            cfg,
-            table["path"].tolist(),
-            batch_size=args.batch_size,
-            device=device,
-            progress=False,
-        )
+        _, embeddings, _ = embed_paths(model, table["path"].tolist(), batch_size=args.batch_size)
         results[args.name][key] = cross_item(embeddings, table)
         say(
             f"model on {domain.eval_sets[key]}: {summary(results[args.name][key])} "

@@ -19,7 +19,7 @@ from audioclf.evaluate import main
 from audioclf.evaluation.metrics import enrollment_split
 from audioclf.evaluation.report import REPORT_FILES
 from audioclf.evaluation.run import SUMMARY_METRICS, select_data
-from audioclf.inference import embed_files, load_trained
+from audioclf.inference import LoadedEmbedder, embed_paths, load_trained
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,13 +329,10 @@ def test_ddp_prefixed_weights_load(trained, tmp_path, tiny_demo):
     ckpt["model"] = {f"module.{k}": v for k, v in ckpt["model"].items()}
     wrapped = tmp_path / "wrapped.pt"
     torch.save(ckpt, wrapped)
-    net, cfg, _ = load_trained(wrapped)
-    reference, _, _ = load_trained(trained)
-    files = load_index(cfg.data).table["path"].tolist()[:3]
-    np.testing.assert_array_equal(
-        embed_files(net, cfg, files, progress=False),
-        embed_files(reference, cfg, files, progress=False),
-    )
+    model = LoadedEmbedder.from_checkpoint(wrapped, torch.device("cpu"))
+    reference = LoadedEmbedder.from_checkpoint(trained, torch.device("cpu"))
+    files = load_index(model.data).table["path"].tolist()[:3]
+    np.testing.assert_array_equal(embed_paths(model, files)[1], embed_paths(reference, files)[1])
 
 
 def test_enrollment_split_is_by_item_and_keeps_both_sides():

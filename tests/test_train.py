@@ -36,7 +36,7 @@ def _fit_worker(rank, world, cfg: Config):
 
 def untrained_metrics(cfg: Config) -> dict:
     """Validation metrics of the freshly initialised network, built as the trainer builds it."""
-    from audioclf.inference import extract_embeddings
+    from audioclf.inference import embed_dataset
     from audioclf.metrics import retrieval_summary
     from audioclf.models import build_net
     from audioclf.training.trainer import seed_everything
@@ -45,7 +45,7 @@ def untrained_metrics(cfg: Config) -> dict:
     seed_everything(cfg.train.seed, False)
     train, _, val_set = run_datasets(cfg)
     net = build_net(cfg, len(train.classes))
-    emb, labels, _ = extract_embeddings(net, val_set, batch_size=cfg.eval.batch_size)
+    emb, labels, _ = embed_dataset(net, val_set, batch_size=cfg.eval.batch_size)
     return retrieval_summary(emb, labels)
 
 

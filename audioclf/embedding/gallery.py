@@ -9,7 +9,7 @@ centroid (see `python -m audioclf.embed --help`).
 which is, step by step:
 
     files = find_files(["clips/"], model.features)
-    files, emb, skipped = embed_readable(model, files, batch_size=16, progress=True)
+    files, emb, skipped = embed_paths(model, files, skip_bad=True, batch_size=16, progress=True)
     gallery, rows, cached = load_gallery(model, "refs.xlsx", root=None, batch_size=16,
                                          use_cache=True, progress=True)
     names, scores, votes = class_scores(emb, gallery, rows["cls"].to_numpy(str))  # kNN
@@ -22,7 +22,6 @@ content and path, the model file, and the features settings.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import logging
@@ -36,10 +35,10 @@ import pandas as pd
 import torch
 
 from audioclf.data.index import load_index
+from audioclf.embedding.parts import digest
 from audioclf.fileio import atomic_write_bytes, file_stamp
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.extract import check_finite, embed_files
-from audioclf.inference.inputs import embed_inputs
+from audioclf.inference.extract import check_finite, embed_paths, find_files
 from audioclf.metrics import LIST_BUDGET, ExactSearch, class_centroids
 
 log = logging.getLogger("audioclf")
@@ -76,10 +75,6 @@ def check_ranking_request(
 # The gallery
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
 def gallery_cache_file(model: LoadedEmbedder, sheet: Path, root: str) -> Path:
     key = json.dumps(
         [
@@ -95,7 +90,7 @@ def gallery_cache_file(model: LoadedEmbedder, sheet: Path, root: str) -> Path:
         sort_keys=True,
         default=str,
     )
-    return model.path.parent / CACHE_DIR / f"gallery-{sheet.stem}-{_digest(key.encode())}.npz"
+    return model.path.parent / CACHE_DIR / f"gallery-{sheet.stem}-{digest(key.encode())}.npz"
 
 
 def load_gallery(
@@ -123,16 +118,14 @@ def load_gallery(
     if cached is not None:
         return cached, rows, True
     table = index.table
-    embeddings = embed_files(
-        model.embed_fn,
-        model.cfg,
+    _, embeddings, _ = embed_paths(
+        model,
         table["path"].tolist(),
         spans=table[["start", "end"]].to_numpy(np.float64) if "start" in table else None,
         batch_size=batch_size,
-        device=model.device,
-        input_kind=model.input_kind,
-        progress=progress,
         num_workers=num_workers,
+        progress=progress,
+        what=f"the gallery {sheet}",
     )
     if cache is not None:
         _write_cache(cache, embeddings, classes)
@@ -339,13 +332,13 @@ def rank_files(
     gallery is ranked without the rows of its own item (recording), as evaluate's cross-item
     metrics: how the model does on a new recording of a known class. ValueError when no file
     is found or readable, or an embedding is not finite."""
-    files, embeddings, skipped = embed_inputs(
+    files, embeddings, skipped = embed_paths(
         model,
-        inputs,
-        "the files",
+        find_files(inputs, model.features),
+        skip_bad=True,
         batch_size=batch_size,
-        progress=progress,
         num_workers=num_workers,
+        progress=progress,
     )
     gallery_emb, gallery_rows, cached = load_gallery(
         model,

@@ -26,11 +26,10 @@ import torch
 from audioclf.config import Config, DataConfig
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index, split_index
-from audioclf.data.loader import loader_kwargs
 from audioclf.evaluation.metrics import Evaluation, check_search, compute_metrics
 from audioclf.evaluation.report import REPORT_FILES, scalar_metrics, write_report
 from audioclf.inference import LoadedEmbedder, resolve_device
-from audioclf.inference.extract import extract_embeddings, model_input
+from audioclf.inference.extract import check_loader_options, embed_dataset, model_input
 from audioclf.metrics import resolve_score_norm
 from audioclf.outputs import FolderLock
 
@@ -172,12 +171,9 @@ def check_evaluation_options(
     """ValueError for an out-of-range option (None workers: the config's), or a --search
     method that cannot run here (faiss missing), before any work."""
     check_search(search)
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    check_loader_options(batch_size, num_workers)
     if max_pairs < 2:
         raise ValueError(f"--max-pairs must be >= 2, got {max_pairs}")
-    if num_workers is not None and num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
 
 
 @dataclass
@@ -307,19 +303,17 @@ def embed_index(
     """Embeddings [n, D] of the rows of `index` that could be read, and those rows of its table
     (fewer than all only with data.skip_bad_files=true). `skip_hint`: how an unreadable file's
     message says to skip such files (default: the config key)."""
-    table = index.table
     dataset = AudioDataset.from_index(index, model.cfg, train=False, skip_hint=skip_hint)
-    options = loader_kwargs(num_workers, True, False, 2, model.device)
-    emb, _, positions = extract_embeddings(
+    emb, _, positions = embed_dataset(
         model.embed_fn,
         model_input(dataset, model.input_kind),
         batch_size=batch_size,
         device=model.device,
-        loader_options=options,
+        num_workers=num_workers,
         progress=progress,
         description=description,
     )
-    return emb, table.iloc[positions].reset_index(drop=True)
+    return emb, index.table.iloc[positions].reset_index(drop=True)
 
 
 def evaluate_split(

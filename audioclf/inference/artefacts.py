@@ -2,7 +2,7 @@
 state_dict export, or a TorchScript / ONNX export with its sidecar <artefact>.json.
 
     model = load_embedder("runs/demo/best.pt", torch.device("cpu"))
-    emb = embed_files(model.embed_fn, model.cfg, files, input_kind=model.input_kind)
+    files, emb, skipped = embed_paths(model, files)   # audioclf.inference.extract
 
 evaluate, embed (and search) read files through what this returns; the features, clips and
 sheet columns come from the checkpoint's config or from the sidecar.

@@ -31,7 +31,7 @@ import pandas as pd
 
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.inputs import embed_inputs
+from audioclf.inference.extract import embed_paths, find_files
 from audioclf.metrics import asnorm_top, normalised_scores, resolve_score_norm
 from audioclf.search.base import SearchIndex
 from audioclf.search.collection import Collection
@@ -65,13 +65,14 @@ def audio_queries(
 ) -> Queries:
     """The audio files of `inputs` (folders searched recursively) embedded by `model`; files
     that cannot be read are listed in `skipped` (ValueError when none can be)."""
-    files, embeddings, skipped = embed_inputs(
+    files, embeddings, skipped = embed_paths(
         model,
-        inputs,
-        "the query files",
+        find_files(inputs, model.features),
+        skip_bad=True,
         batch_size=batch_size,
-        progress=progress,
         num_workers=num_workers,
+        progress=progress,
+        what="the query files",
     )
     labels = pd.DataFrame({"query": [str(f) for f in files]})
     return Queries(embeddings, labels, f"{len(files)} audio file(s)", skipped)
