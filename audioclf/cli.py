@@ -1,6 +1,5 @@
-"""The `audioclf` command (`audioclf <tool> ...`, installed by `pip install .`), and what the
-tool CLIs share beyond the error policy (audioclf.errors): the --trust-checkpoint flag (the
---device choice is audioclf.inference.resolve_device).
+"""The `audioclf` command (`audioclf <tool> ...`, installed by `pip install .`): each tool's
+own options, as `python -m audioclf.<tool>`. Nothing in the package imports it.
 
     audioclf train --config cpu_small data.index=my/index.xlsx     # = python -m audioclf.train
     audioclf evaluate --checkpoint runs/mine/best.pt --out runs/mine/eval
@@ -11,18 +10,6 @@ from __future__ import annotations
 import importlib
 import runpy
 import sys
-
-
-def add_trust_flag(parser) -> None:
-    """--trust-checkpoint: the opt-in audioclf.checkpoint.load's refusal names."""
-    parser.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="load a checkpoint that holds more than tensors and plain data "
-        "(its Python objects can run code while loading): only for a file you "
-        "trust",
-    )
-
 
 # tool -> (module whose main(argv) runs it, what it does)
 COMMANDS = {

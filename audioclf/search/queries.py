@@ -226,9 +226,12 @@ def search_neighbours(
 
 
 def _normalised(
-    queries: Queries, collection: Collection, query_at: np.ndarray, found: np.ndarray,
+    queries: Queries,
+    collection: Collection,
+    query_at: np.ndarray,
+    found: np.ndarray,
     norm: ScoreNorm,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """The normalised scores of the hits (query_at[i], found[i]): only the hit rows of the
     index are read (memory-mapped) and scored against the cohort."""
     hit_rows, hit_at = np.unique(found, return_inverse=True)
