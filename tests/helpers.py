@@ -482,6 +482,20 @@ def sample_rows() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def broken_copy(tiny_demo: Path, root: Path) -> Path:
+    """The tiny demo with every training file unreadable (validation files intact)."""
+    table = pd.read_excel(tiny_demo, dtype=str, engine="openpyxl")
+    (root / "bad").mkdir(parents=True)
+    table["path"] = [str(tiny_demo.parent / p) for p in table["path"]]
+    for i in range(len(table)):
+        broken = root / "bad" / f"{i}.wav"
+        broken.write_bytes(b"RIFF not audio")
+        table.loc[i, "path"] = str(broken)
+    sheet = root / "broken.csv"
+    table.to_csv(sheet, index=False)
+    return sheet
+
+
 def write_sheet(frame: pd.DataFrame, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".xlsx":
