@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from audioclf.config import load_config  # noqa: E402
 from audioclf.losses import build_loss  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
-from audioclf.optim import LRSchedule, build_optimizer  # noqa: E402
 from audioclf.precision import resolve_precision  # noqa: E402
+from audioclf.training.optim import LRSchedule, build_optimizer  # noqa: E402
 from audioclf.training.step import NonFiniteGuard, TrainStep  # noqa: E402
 
 

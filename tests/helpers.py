@@ -164,8 +164,8 @@ def mixed_precision_steps(model: str, precision: str, device: torch.device) -> d
     fused AdamW; what they did (the CUDA test and its CPU twin assert on it)."""
     from audioclf.losses import build_loss
     from audioclf.models import build_net
-    from audioclf.optim import build_optimizer
     from audioclf.precision import resolve_precision
+    from audioclf.training.optim import build_optimizer
 
     cfg = tiny_net_config(model, f"train.precision={precision}", "loss.miner=all")
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """The files of an embed --index run: the PREFIX.* names, PREFIX.parts/ with its manifest, the
-part files, each one finished chunk of rows (see index_embedding.py), and their assembly into
+part files, each one finished chunk of rows (see index.py), and their assembly into
 PREFIX.npy / .parquet / .skipped.csv.
 
 A part is taken by a rerun only when it is whole and was made for the very rows it covers (their

@@ -18,8 +18,8 @@ from audioclf.config import Config
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, stratified_subset
 from audioclf.inference import embed_dataset
-from audioclf.logs import MetricsWriter
 from audioclf.metrics import RETRIEVAL_KEYS, retrieval_summary
+from audioclf.training.logs import MetricsWriter
 
 log = logging.getLogger("audioclf")
 
