@@ -228,34 +228,6 @@ def top_classes(scores: np.ndarray, top: int, votes: np.ndarray | None = None) -
     return order[:, :top]
 
 
-def save_rankings(
-    prefix: str | Path,
-    files: list[Path],
-    embeddings: np.ndarray,
-    names: list[str],
-    scores: np.ndarray,
-    order: np.ndarray,
-) -> tuple[Path, Path]:
-    """PREFIX.npy (embeddings float32 [files, D]) and PREFIX.csv (file, top class, its score),
-    atomically; returns their paths."""
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    np.save(buffer, embeddings.astype(np.float32))
-    table = pd.DataFrame(
-        {
-            "file": [str(p) for p in files],
-            "top_class": [names[o[0]] for o in order],
-            "top_score": [float(scores[i, o[0]]) for i, o in enumerate(order)],
-        }
-    )
-    npy = atomic_write_bytes(prefix.with_name(prefix.name + ".npy"), buffer.getvalue())
-    csv = atomic_write_bytes(
-        prefix.with_name(prefix.name + ".csv"), table.to_csv(index=False).encode()
-    )
-    return npy, csv
-
-
 @dataclass
 class Ranking:
     """The gallery's classes ranked for each file that could be read."""
@@ -264,7 +236,7 @@ class Ranking:
     embeddings: np.ndarray  # float32 [files, D]
     skipped: list[tuple[Path, str]]  # (file, reason) of the files that could not be read
     names: list[str]  # the gallery's classes
-    scores: np.ndarray  # cosine similarity [files, classes] to each class centroid
+    scores: np.ndarray  # [files, classes]: each class's score by the rule (class_scores)
     order: np.ndarray  # column indices of each file's top classes, best first
     gallery_files: int  # rows of the gallery sheet
     cached: bool  # whether the gallery's embeddings came from the cache
@@ -305,10 +277,24 @@ class Ranking:
         return lines
 
     def save(self, prefix: str | Path) -> tuple[Path, Path]:
-        """PREFIX.npy and PREFIX.csv (see save_rankings); returns their paths."""
-        return save_rankings(
-            prefix, self.files, self.embeddings, self.names, self.scores, self.order
+        """PREFIX.npy (embeddings float32 [files, D]) and PREFIX.csv (file, top class, its
+        score), atomically; returns their paths."""
+        prefix = Path(prefix)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        np.save(buffer, self.embeddings.astype(np.float32))
+        table = pd.DataFrame(
+            {
+                "file": [str(p) for p in self.files],
+                "top_class": [self.names[o[0]] for o in self.order],
+                "top_score": [float(self.scores[i, o[0]]) for i, o in enumerate(self.order)],
+            }
         )
+        npy = atomic_write_bytes(prefix.with_name(prefix.name + ".npy"), buffer.getvalue())
+        csv = atomic_write_bytes(
+            prefix.with_name(prefix.name + ".csv"), table.to_csv(index=False).encode()
+        )
+        return npy, csv
 
 
 def rank_files(
@@ -361,8 +347,19 @@ def rank_files(
         embeddings, gallery_emb, classes, rule=rule, k=k, groups=groups
     )
     order = top_classes(scores, min(DEFAULT_TOP if top is None else top, len(names)), votes)
-    ranking = Ranking(files, embeddings, skipped, names, scores, order, len(classes), cached)
-    ranking.rule, ranking.k = rule, k
-    ranking.own_item_left_out = [exclude_own_item and r is not None for r in rows]
-    ranking.truth = [None if r is None else str(classes[r]) for r in rows]
-    return ranking
+    left_out = [exclude_own_item and r is not None for r in rows]
+    truth = [None if r is None else str(classes[r]) for r in rows]
+    return Ranking(
+        files,
+        embeddings,
+        skipped,
+        names,
+        scores,
+        order,
+        len(classes),
+        cached,
+        rule,
+        k,
+        left_out,
+        truth,
+    )

@@ -68,8 +68,44 @@ class Evaluated:
         return scalar_metrics(self.evaluation.results, self.evaluation.verification)
 
     def lines(self) -> list[str]:
-        """What evaluate prints: the setup, the notes, the summary metrics, the files."""
-        return summary_lines(self.evaluation, self.setup, self.out_dir)
+        """What evaluate prints: the setup, the notes, the SUMMARY_METRICS table, the files."""
+        setup, evaluation = self.setup, self.evaluation
+        rows = [
+            ("checkpoint", f"{setup['checkpoint']} ({setup['model']})"),
+            (
+                "evaluated",
+                f"{setup['split']} split of {setup['index']}: {setup['n_samples']} "
+                f"samples, {setup['n_classes']} classes",
+            ),
+            ("gallery", setup["gallery"]),
+            ("classification", setup["classification"]),
+        ]
+        if "search" in setup:
+            rows.append(("search", search_line(setup)))
+        if "score_norm" in setup:
+            top = f"top {setup['cohort_top']} of " if "cohort_top" in setup else ""
+            cohort = f"{top}{setup['n_cohort']} cohort clips, {setup['cohort']}"
+            rows.append(("score norm", f"{setup['score_norm']} ({cohort})"))
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{key:<{width}}  {value}" for key, value in rows]
+        lines += [f"{'note':<{width}}  {note}" for note in evaluation.notes]
+        lines += ["", f"{'metric':<18} value"]
+        names = list(SUMMARY_METRICS)
+        if "score_norm" in setup:  # the normalised verification figures after the raw ones
+            at = names.index("min_dcf") + 1
+            names[at:at] = [f"eer_{setup['score_norm']}", f"min_dcf_{setup['score_norm']}"]
+        for name in names:
+            value = evaluation.results.get(name)
+            if value is None and evaluation.verification is not None:
+                value = evaluation.verification.get(name)
+            if value is not None:
+                lines.append(f"{name:<18} {float(value):.4f}")
+        return [
+            *lines,
+            "",
+            f"report: {self.out_dir / 'report.md'}",
+            f"embeddings: {self.out_dir / 'embeddings.html'} (projector files: embeddings.tsv, metadata.tsv)",
+        ]
 
 
 def evaluate(
@@ -103,9 +139,10 @@ def evaluate(
     default). Every option and the data are checked before anything is embedded; the out
     folder is locked from the start. `device` is used to load a path."""
     start = time.perf_counter()
-    check_evaluation_options(
-        batch_size=batch_size, max_pairs=max_pairs, num_workers=num_workers, search=search
-    )
+    check_search(search)  # an approximate one needs faiss
+    check_loader_options(batch_size, num_workers)
+    if max_pairs < 2:
+        raise ValueError(f"--max-pairs must be >= 2, got {max_pairs}")
     score_norm, cohort = resolve_score_norm(score_norm, cohort, cohort_top, default_cohort="train")
     checkpoint = model.path if isinstance(model, LoadedEmbedder) else Path(model)
     if not isinstance(model, LoadedEmbedder):
@@ -163,17 +200,6 @@ def _evaluable(model: LoadedEmbedder, skip_bad_files: bool) -> LoadedEmbedder:
 
 # ---------------------------------------------------------------------------------------------
 # Choosing the data
-
-
-def check_evaluation_options(
-    *, batch_size: int, max_pairs: int, num_workers: int | None, search: str = "auto"
-) -> None:
-    """ValueError for an out-of-range option (None workers: the config's), or a --search
-    method that cannot run here (faiss missing), before any work."""
-    check_search(search)
-    check_loader_options(batch_size, num_workers)
-    if max_pairs < 2:
-        raise ValueError(f"--max-pairs must be >= 2, got {max_pairs}")
 
 
 @dataclass
@@ -490,43 +516,3 @@ def search_line(setup: dict) -> str:
             f"on {setup['search_recall_queries']} queries"
         )
     return line
-
-
-def summary_lines(evaluation: Evaluation, setup: dict, out_dir: Path) -> list[str]:
-    """What evaluate prints: the setup, the notes, the SUMMARY_METRICS table, the files."""
-    rows = [
-        ("checkpoint", f"{setup['checkpoint']} ({setup['model']})"),
-        (
-            "evaluated",
-            f"{setup['split']} split of {setup['index']}: {setup['n_samples']} "
-            f"samples, {setup['n_classes']} classes",
-        ),
-        ("gallery", setup["gallery"]),
-        ("classification", setup["classification"]),
-    ]
-    if "search" in setup:
-        rows.append(("search", search_line(setup)))
-    if "score_norm" in setup:
-        top = f"top {setup['cohort_top']} of " if "cohort_top" in setup else ""
-        cohort = f"{top}{setup['n_cohort']} cohort clips, {setup['cohort']}"
-        rows.append(("score norm", f"{setup['score_norm']} ({cohort})"))
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{key:<{width}}  {value}" for key, value in rows]
-    lines += [f"{'note':<{width}}  {note}" for note in evaluation.notes]
-    lines += ["", f"{'metric':<18} value"]
-    names = list(SUMMARY_METRICS)
-    if "score_norm" in setup:  # the normalised verification figures after the raw ones
-        at = names.index("min_dcf") + 1
-        names[at:at] = [f"eer_{setup['score_norm']}", f"min_dcf_{setup['score_norm']}"]
-    for name in names:
-        value = evaluation.results.get(name)
-        if value is None and evaluation.verification is not None:
-            value = evaluation.verification.get(name)
-        if value is not None:
-            lines.append(f"{name:<18} {float(value):.4f}")
-    return [
-        *lines,
-        "",
-        f"report: {out_dir / 'report.md'}",
-        f"embeddings: {out_dir / 'embeddings.html'} (projector files: embeddings.tsv, metadata.tsv)",
-    ]
