@@ -90,7 +90,7 @@ COVERED_ELSEWHERE = {
     "gpu_preflight.py": "tests/test_gpu_scripts.py (--cpu)",
     "gpu_throughput.py": "tests/test_gpu_scripts.py (--device cpu)",
     "gpu_wheels.sh": "tests/test_gpu_scripts.py (a local folder of wheels)",
-    "data_scale.py": "its own smoke test (issue 32 rewrites it)",
+    "data_scale.py": "tests/test_pack.py (--smoke, issue 32)",
 }
 
 

@@ -117,7 +117,7 @@ def _run(cmd: list[str], timeout: float, extra_env: dict | None) -> Result:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        err += f"\n[faults.py: timed out after {timeout:.0f} s, process group killed]"
+        err += f"\n[benchmarks.faults: timed out after {timeout:.0f} s, process group killed]"
         return Result(-999, out, err, time.time() - start)
     return Result(proc.returncode, out, err, time.time() - start)
 
@@ -155,7 +155,7 @@ class Job:
             self.proc.wait()
         result = Result(code, read(self.out), read(self.err), time.time() - self.started)
         if code == -999:
-            result.err += f"\n[faults.py: timed out after {timeout:.0f} s, process group killed]"
+            result.err += f"\n[benchmarks.faults: timed out after {timeout:.0f} s, process group killed]"
         keep_console(self.cmd, result)
         return result
 

@@ -35,7 +35,7 @@ def worker_main(argv: list[str]) -> int:
     from audioclf.training.trainer import TrainHooks
 
     cut = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(prog="faults.py --worker")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.faults.injection")
     parser.add_argument("--worker", required=True, choices=(*TRAIN_FAULTS, *WRITE_FAULTS))
     parser.add_argument("--tool", default="train", help="the audioclf tool run (write faults)")
     parser.add_argument("--at", type=int, default=0)
