@@ -2,10 +2,11 @@
 # audioclf launcher. Every command sets up (or reuses) the virtual environment .venv first.
 #
 #   ./run.sh demo [--stage N] [--stop-stage N]   generate demo data, train, evaluate, export, embed
-#   ./run.sh test [pytest args...]               lint (ruff check + format check), then the tests
-#                                                in one worker per core, at most 4 (pytest-xdist;
-#                                                -n 0: one process, e.g. for --pdb); -m "not slow":
-#                                                the fast tier, about a minute
+#   ./run.sh test [pytest args...]               lint (ruff check + format check, pylint's repeated
+#                                                code), then the tests in one worker per core, at
+#                                                most 4 (pytest-xdist; -n 0: one process, e.g. for
+#                                                --pdb), and the 20 slowest; -m "not slow": the
+#                                                fast tier, about a minute
 #   ./run.sh [--bg] [--nproc N] CONFIG [key=value ...]   train with torchrun (N processes)
 #   ./run.sh stop NAME                           stop a background run started with --bg
 #   ./run.sh setup                               only create/refresh .venv
@@ -209,9 +210,12 @@ cmd_stop() {
 
 cmd_lint() {
     # The guards the next feature must keep: ruff's lint (complexity C901 <= 12, imports) and
-    # its formatter; tests/test_code_shape.py checks function and module sizes and layering.
+    # its formatter; pylint's duplicate-code check (R0801, alone: pyproject's [tool.pylint]) for
+    # code copied inside the package; tests/test_code_shape.py checks function sizes, the root
+    # and the layering.
     "$PY" -m ruff check --quiet . || die "lint failed: fix the lines above (ruff check --fix fixes some)"
     "$PY" -m ruff format --check --quiet . || die "formatting differs: run .venv/bin/ruff format ."
+    "$PY" -m pylint audioclf || die "repeated code (above): give it one home that both places call"
 }
 
 main() {
@@ -220,7 +224,7 @@ main() {
         -h|--help|help) usage ;;
         setup) setup_venv ;;
         demo) shift; setup_venv; cmd_demo "$@" ;;
-        test) shift; setup_venv; cmd_lint; exec "$PY" -m pytest -n auto --maxprocesses 4 "$@" ;;
+        test) shift; setup_venv; cmd_lint; exec "$PY" -m pytest -n auto --maxprocesses 4 --durations=20 "$@" ;;
         stop) shift; cmd_stop "$@" ;;
         *) setup_venv; cmd_train "$@" ;;
     esac

@@ -8,6 +8,7 @@
     model.score(emb[0], emb[1])                                # cosine similarity
     ranking = model.rank(["clip.wav"], gallery="data/demo/index.xlsx", top=3)
     table = model.search(["clip.wav"], "runs/demo_cnn/embed/all", k=5)
+    evaluated = model.evaluate("data/demo/index.xlsx", split="val")  # a checkpoint's report
 
 Embeddings are float32 unit vectors; files are read as `python -m audioclf.evaluate` reads
 them (the model's features and evaluation clips). These names stay as they are across
@@ -19,30 +20,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
-import torchaudio
 
-from audioclf.cli import resolve_device
-from audioclf.data.dataset import collate_padded
-from audioclf.data.readers import crop_or_pad
 from audioclf.embedding.gallery import Ranking, rank_files
-from audioclf.inference import LoadedEmbedder, load_embedder
-from audioclf.inference.extract import LOG_MEL, check_finite
-from audioclf.inference.inputs import embed_inputs
-from audioclf.precision import exact_arithmetic
+from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
+from audioclf.inference.extract import (
+    embed_clips,
+    embed_paths,
+    embed_waves,
+    find_files,
+    prepare_wave,
+)
 from audioclf.search import collection as collections
 from audioclf.search import queries as search_queries
-from audioclf.spectrogram import log_mel
+
+if TYPE_CHECKING:
+    from audioclf.evaluation import Evaluated
 
 
 def load(path: str | Path, *, device: str = "auto", trust: bool = False) -> Model:
     """The model in `path`: an audioclf checkpoint or state-dict export, or a TorchScript /
     ONNX export beside its sidecar <path>.json. `device`: cpu, cuda, cuda:N or auto. `trust`
     loads a checkpoint holding more than tensors and plain data (only one you trust)."""
-    return Model(load_embedder(path, resolve_device(device), flag="model", trust=trust))
+    device = resolve_device(device, flag="device")
+    return Model(load_embedder(path, device, flag="model", trust=trust))
 
 
 @dataclass
@@ -62,8 +67,9 @@ class Model:
         """(the files found, their embeddings [N, D]): audio files, or folders searched
         recursively. A file that cannot be read raises ValueError naming it."""
         inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
-        files, embeddings, skipped = embed_inputs(
-            self.loaded, inputs, "the files", batch_size=batch_size, progress=progress
+        files = find_files(inputs, self.loaded.features)
+        files, embeddings, skipped = embed_paths(
+            self.loaded, files, skip_bad=True, batch_size=batch_size, progress=progress
         )
         if skipped:
             path, reason = skipped[0]
@@ -78,45 +84,18 @@ class Model:
         """Embeddings [N, D] of in-memory audio: each a 1-D array of samples (or [channels,
         samples], mixed down) at `sample_rate`, resampled and cut to the evaluation length as
         a file would be."""
-        if not waves:
-            raise ValueError("no waveforms to embed")
-        return self.embed_prepared([self.prepare_waveform(wave, sample_rate) for wave in waves])
+        return embed_waves(self.loaded, waves, sample_rate)
 
     def prepare_waveform(self, wave: np.ndarray | torch.Tensor, sample_rate: int) -> torch.Tensor:
         """One waveform as the model takes it (resampled, cut to the evaluation length, or its
         log-mel for an export without a front end): embed_waveforms in two steps, so that a
         server can prepare clips as they arrive and embed them together (embed_prepared)."""
-        cfg = self.loaded.cfg
-        if cfg.features.kind != "audio":
-            raise ValueError("this model takes precomputed .npy features, not waveforms")
-        wave = torch.as_tensor(np.asarray(wave, dtype=np.float32))
-        if wave.ndim == 2:
-            wave = wave.mean(dim=0)
-        if wave.ndim != 1 or wave.numel() == 0:
-            raise ValueError(
-                f"a waveform must be 1-D samples (or [channels, samples]), got shape {tuple(wave.shape)}"
-            )
-        if sample_rate != cfg.features.sample_rate:
-            wave = torchaudio.functional.resample(wave, int(sample_rate), cfg.features.sample_rate)
-        if cfg.clips.eval_crop == "center":  # as AudioDataset reads an evaluation clip
-            wave = crop_or_pad(wave, cfg.clips.crop_samples(cfg.features), None, cfg.clips.pad_mode)
-        elif wave.shape[0] > (longest := cfg.features.samples(cfg.clips.eval_max_seconds)):
-            wave = crop_or_pad(wave, longest, None, cfg.clips.pad_mode)
-        if self.loaded.input_kind == LOG_MEL:
-            return torch.from_numpy(log_mel(wave, cfg.features))
-        return wave
+        return prepare_wave(self.loaded, wave, sample_rate)
 
     def embed_prepared(self, clips: Sequence[torch.Tensor]) -> np.ndarray:
         """Embeddings [N, D] of clips from prepare_waveform, in one padded batch on the model's
-        device (as evaluation runs a batch: exact fp32 arithmetic)."""
-        if not clips:
-            raise ValueError("no waveforms to embed")
-        x, lengths, _, _ = collate_padded([(clip, 0, i) for i, clip in enumerate(clips)])
-        with torch.no_grad(), exact_arithmetic():
-            emb = self.loaded.embed_fn(x.to(self.loaded.device), lengths.to(self.loaded.device))
-        embeddings = emb.float().cpu().numpy()
-        check_finite(embeddings, [f"waveform {i}" for i in range(len(clips))], "the waveforms")
-        return embeddings
+        device (as evaluation embeds a batch)."""
+        return embed_clips(self.loaded, clips)
 
     @staticmethod
     def score(a: np.ndarray, b: np.ndarray) -> np.ndarray | float:
@@ -175,3 +154,31 @@ class Model:
             self.loaded, list(inputs), batch_size=batch_size, progress=False
         )
         return search_queries.search_neighbours(index, opened, queries, k, score_norm=norm)
+
+    def evaluate(
+        self,
+        sheet: str | Path | None = None,
+        *,
+        split: str = "val",
+        gallery: str = "train",
+        out: str | Path | None = None,
+        batch_size: int = 32,
+        **options,
+    ) -> Evaluated:
+        """The model (loaded from a checkpoint) evaluated on `split` of `sheet` (default: its
+        training's index), as `audioclf evaluate` does, with its report written into `out`
+        (default <checkpoint folder>/eval): `.metrics` (report.json's), `.out_dir`, `.lines()`
+        (the printed summary). `options`: audioclf.evaluation.evaluate's (score_norm, cohort,
+        search, seed, ...)."""
+        from audioclf.evaluation import evaluate  # noqa: PLC0415 - lazy: the report loads matplotlib
+
+        return evaluate(
+            self.loaded,
+            index=sheet,
+            split=split,
+            gallery=gallery,
+            out=out,
+            batch_size=batch_size,
+            progress=options.pop("progress", False),
+            **options,
+        )

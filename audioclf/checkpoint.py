@@ -256,6 +256,17 @@ TRUST_HINT = (
 )
 
 
+def add_trust_flag(parser) -> None:
+    """--trust-checkpoint, the opt-in TRUST_HINT names, on a tool's argparse parser."""
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load a checkpoint that holds more than tensors and plain data "
+        "(its Python objects can run code while loading): only for a file you "
+        "trust",
+    )
+
+
 def _is_torchscript(path: Path) -> bool:
     """A torch.jit.save archive: a zip holding constants.pkl (a checkpoint's zip does not)."""
     try:

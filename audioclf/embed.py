@@ -44,11 +44,11 @@ import time
 from pathlib import Path
 
 from audioclf import distributed
-from audioclf.cli import add_trust_flag, resolve_device
+from audioclf.checkpoint import add_trust_flag
 from audioclf.embedding.gallery import DEFAULT_K, RANK_RULES, check_ranking_request, rank_files
 from audioclf.embedding.index import check_index_request, embed_sheet
 from audioclf.errors import run_cli
-from audioclf.inference import LoadedEmbedder, load_embedder
+from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
 from audioclf.inference.extract import check_loader_options
 
 PROG = "python -m audioclf.embed"

@@ -55,23 +55,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-from audioclf.cli import add_trust_flag, resolve_device
+from audioclf.checkpoint import add_trust_flag
 from audioclf.config import ModelConfig, choices
 from audioclf.errors import run_cli
-from audioclf.evaluation.metrics import SCORE_NORMS, SEARCH_METHODS, score_norm_options
-from audioclf.evaluation.run import (
-    check_evaluation_options,
-    evaluate_split,
-    evaluation_setup,
-    out_lock,
-    select_data,
-    summary_lines,
-    write_evaluation,
-)
-from audioclf.inference import describe_checkpoint, load_trained
+from audioclf.evaluation import evaluate
+from audioclf.evaluation.metrics import SEARCH_METHODS
+from audioclf.metrics import SCORE_NORMS
 from audioclf.training.trackers import attach_report
 
 PROG = "python -m audioclf.evaluate"
@@ -144,45 +135,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-    check_evaluation_options(
-        batch_size=args.batch_size,
-        max_pairs=args.max_pairs,
-        num_workers=args.num_workers,
-        search=args.search,
+    options = dict(vars(args))  # every other flag is evaluate's keyword of the same name
+    checkpoint, quiet, trust = (options.pop(k) for k in ("checkpoint", "quiet", "trust_checkpoint"))
+    evaluated = evaluate(
+        checkpoint, progress=not quiet, trust=trust, skip_hint=SKIP_HINT, **options
     )
-    score_norm, cohort = score_norm_options(args.score_norm, args.cohort, args.cohort_top)
-    device = resolve_device(args.device)
-    out_dir = args.out if args.out is not None else args.checkpoint.parent / "eval"
-    with out_lock(out_dir):  # from the start: a second evaluate into --out is refused at once
-        net, cfg, ckpt = load_trained(
-            args.checkpoint, device, model_name=args.model_name, trust=args.trust_checkpoint
-        )
-        cfg.data.skip_bad_files |= args.skip_bad_files
-        data = select_data(cfg, index=args.index, root=args.root, split=args.split,
-                           gallery=args.gallery, cohort=cohort)  # fmt: skip
-        evaluation, rows = evaluate_split(
-            net,
-            cfg,
-            data,
-            batch_size=args.batch_size,
-            device=device,
-            num_workers=cfg.data.num_workers if args.num_workers is None else args.num_workers,
-            progress=not args.quiet,
-            max_pairs=args.max_pairs,
-            seed=args.seed,
-            skip_hint=SKIP_HINT,
-            search=args.search,
-            score_norm=score_norm,
-            cohort_top=args.cohort_top,
-        )
-        model, seconds = describe_checkpoint(ckpt, cfg), time.perf_counter() - start
-        setup = evaluation_setup(args.checkpoint, model, data, evaluation, device=device,
-                                 seconds=seconds)  # fmt: skip
-        write_evaluation(out_dir, evaluation, projection=args.projection, seed=args.seed,
-                         setup=setup, rows=rows, locked=True)  # fmt: skip
-    print("\n".join(summary_lines(evaluation, setup, out_dir)))
-    if (tracker := attach_report(args.checkpoint.parent, out_dir)) is not None:
+    print("\n".join(evaluated.lines()))
+    if (tracker := attach_report(checkpoint.parent, evaluated.out_dir)) is not None:
         print(f"report.json and report.md added to the training's {tracker} run")
     return 0
 

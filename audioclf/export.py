@@ -39,7 +39,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from audioclf.cli import add_trust_flag
+from audioclf.checkpoint import add_trust_flag
 from audioclf.config import ModelConfig, choices
 from audioclf.errors import UsageError, run_cli
 from audioclf.inference.exporting import (

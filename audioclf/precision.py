@@ -3,8 +3,8 @@
 The loop always enters the same autocast context and calls the same GradScaler; both are no-ops
 in fp32, so the loop has no precision branches (nanoGPT's pattern). `train.precision=auto`
 picks what fits the device: bf16 on GPUs with native bfloat16 (compute capability 8.0+ or ROCm),
-fp16 with loss scaling on older GPUs, fp32 on a CPU (where bf16 autocast measured 10-20x slower
-per step: benchmarks/RESULTS.md, "Other figures").
+fp16 with loss scaling on older GPUs, fp32 on a CPU (CPU_BF16_COST; benchmarks/RESULTS.md,
+"Other figures").
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> Precision:
 def auto_precision(device: torch.device) -> tuple[str, str]:
     """(precision, why) for train.precision=auto on `device`."""
     if device.type != "cuda":
-        return "fp32", f"auto on {device.type}: bf16 autocast measured 10-20x slower there"
+        return "fp32", f"auto on {device.type}: {CPU_BF16_COST}"
     gpu = torch.cuda.get_device_name(device)
     if _native_bf16(device):
         return "bf16", f"auto: {gpu} has native bfloat16"

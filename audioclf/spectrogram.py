@@ -81,9 +81,9 @@ _LOG_MEL_CACHE: dict[tuple, LogMel] = {}
 def log_mel(wave: Tensor, cfg: FeaturesConfig) -> np.ndarray:
     """Un-normalised log-mel of one waveform [S] as float32 [T, n_mels] (for offline .npy files).
 
-    Gives the same frames as the training front end's LogMel (T = cfg.valid_frames(S)), so
-    precomputed and on-the-fly features are interchangeable (normalisation happens later, per
-    utterance, in the model).
+    Gives the same frames as the training front end's LogMel (T: its valid frames, those whose
+    window ends inside the clip), so precomputed and on-the-fly features are interchangeable
+    (normalisation happens later, per utterance, in the model).
     """
     key = (
         cfg.sample_rate,

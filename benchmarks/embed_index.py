@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/embed_index.py                 # 4,000 demo clips
     .venv/bin/python benchmarks/embed_index.py --clips 8000 --checkpoint runs/demo_cnn/best.pt
+    .venv/bin/python benchmarks/embed_index.py --smoke         # 24 clips in a temporary folder
 
 Generates (or reuses) a demo set of about --clips clips in --data, and a checkpoint: the one
 given, or the demo CNN's architecture (configs/demo_cnn.yaml) untrained (embedding cost does not
@@ -82,12 +83,20 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=Path, help="default: the demo CNN, untrained")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs; fastest counts")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="24 clips in a temporary folder, one run each: the exit status says only whether "
+        "both wrote the same bytes (the ratio of so small a run means nothing)",
+    )
     args = parser.parse_args()
-    classes, items = 40, 5
-    ids = max(1, args.clips // (classes * items))
-    sheet = generate_demo(args.data, classes=classes, items=items, ids=ids, seed=0)
+    classes, items = (6, 2) if args.smoke else (40, 5)
+    ids = 2 if args.smoke else max(1, args.clips // (classes * items))
+    repeats = 1 if args.smoke else args.repeats
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        data = work / "data" if args.smoke else args.data
+        sheet = generate_demo(data, classes=classes, items=items, ids=ids, seed=0)
         model = args.checkpoint or untrained_checkpoint(work / "model.pt")
         tool = [
             "-m",
@@ -110,7 +119,7 @@ def main() -> int:
         ]  # fmt: skip
         runs = [
             (embed([sys.executable, *tool], work / "one"), embed(launched, work / "two"))
-            for _ in range(args.repeats)
+            for _ in range(repeats)
         ]
         one, one_wall = min(run[0] for run in runs)
         two, two_wall = min(run[1] for run in runs)
@@ -124,7 +133,7 @@ def main() -> int:
     print(f"2 / 1 rank throughput {ratio:.2f}x (target >= {TARGET}x); outputs identical: {same}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print("PASS" if ratio >= TARGET and same else "FAIL")
-    return 0 if ratio >= TARGET and same else 1
+    return 0 if same and (ratio >= TARGET or args.smoke) else 1
 
 
 if __name__ == "__main__":

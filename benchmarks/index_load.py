@@ -1,7 +1,8 @@
 """How fast load_index reads a 383k-row sheet: first read, cached re-read, and pandas baselines.
 
     python benchmarks/index_load.py                  # full size; the sheet is written once (~10 s)
-    python benchmarks/index_load.py --rows 20000     # smoke run
+    python benchmarks/index_load.py --rows 20000     # a quicker run
+    python benchmarks/index_load.py --smoke          # 2,000 rows and 200 files, once, in a temp dir
     python benchmarks/index_load.py --files 100000   # also time the file-existence check
 
 The sheet is synthesized (8000 classes, 2-10 items per class, 1-15 ids per item, seeded) with
@@ -130,8 +131,21 @@ def main() -> int:
         default=0,
         help="also time the existence check on this many files (0 = skip)",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2,000 rows and 200 files, timed once, in a temporary --workdir",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.rows, args.repeat, args.files, args.workdir = 2000, 1, 200, Path(tmp)
+            args.smoke = False
+            return run(args)
+    return run(args)
 
+
+def run(args: argparse.Namespace) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     frame = synthesize(args.seed)
     if args.rows:

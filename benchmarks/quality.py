@@ -8,6 +8,7 @@ timgm6mb-soundfont freepats`):
     .venv/bin/python benchmarks/quality.py --config configs/demo_cnn.yaml --domain sounds --seed 1
     .venv/bin/python benchmarks/quality.py --config configs/demo_cnn.yaml --skip-train   # re-evaluate
     .venv/bin/python benchmarks/quality.py --checkpoint runs/x/best.pt --name x       # any checkpoint
+    .venv/bin/python benchmarks/quality.py --smoke   # the demo set, a tiny CNN, 1 epoch: seconds
 
 Each domain (--domain speech, sounds or both, the default) is its own benchmark: its own
 dataset, its own training run, its own table.
@@ -50,6 +51,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,6 +128,42 @@ def check_sound_tools() -> None:
 def build_sounds(args) -> dict[str, Path]:
     return sound_sources.build(args.data / "sounds", seed=args.data_seed, jobs=args.jobs, log=say)
 
+
+def build_demo(args) -> dict[str, Path]:
+    """--smoke's set: a small procedural demo (audioclf.data.demo), trained on and evaluated."""
+    from audioclf.data.demo import generate_demo  # noqa: PLC0415 - only --smoke needs it
+
+    index = generate_demo(args.data / "demo", classes=6, items=3, ids=4, seed=args.data_seed)
+    table = pd.read_excel(index, engine="calamine")
+    table["split"] = np.where(table["a_id"].str.endswith("00"), "val", "train")  # 1 clip an item
+    sheet = index.with_name("train.xlsx")
+    table.to_excel(sheet, index=False)
+    return {"train": sheet, "all": index}
+
+
+# --smoke: every step of a domain (build, ./run.sh training, evaluation, table) in seconds; its
+# numbers mean nothing (the model is evaluated on the clips it trained on).
+SMOKE_DOMAIN = Domain(
+    "demo",
+    "the procedural demo set (--smoke)",
+    {"all": "every clip"},
+    "classes",
+    "demo",
+    "class/item",
+    build_demo,
+    lambda: None,
+)
+SMOKE_OVERRIDES = [
+    "train.epochs=1",
+    "train.limit_batches=2",
+    "sampler.batch_size=8",
+    "sampler.m=2",
+    "clips.crop_seconds=0.5",
+    "eval.batch_size=16",
+    "model.embedding_dim=16",
+    "model.cnn.width=8",
+    "model.cnn.depth=2",
+]
 
 DOMAINS = {
     "speech": Domain(
@@ -247,7 +285,7 @@ def mfcc_features(paths: list[str]) -> np.ndarray:
 
 def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) -> dict[str, dict]:
     """{row name: {set key: metrics}} for the MFCC baseline and the trained model."""
-    from audioclf.inference import embed_files, load_trained
+    from audioclf.inference import LoadedEmbedder, embed_paths
 
     sets = {key: read_set(sheets[key]) for key in domain.eval_sets if key in sheets}
     device = (
@@ -267,17 +305,10 @@ def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) ->
         say(f"baseline on {domain.eval_sets[key]}: {summary(results[MFCC_ROW][key])}")
 
     say(f"model: loading {checkpoint} on {device}")
-    net, cfg, ckpt = load_trained(checkpoint, device)
+    model = LoadedEmbedder.from_checkpoint(checkpoint, torch.device(device))
     for key, table in sets.items():
         started = time.perf_counter()
-        embeddings = embed_files(
-            net,
-            cfg,
-            table["path"].tolist(),
-            batch_size=args.batch_size,
-            device=device,
-            progress=False,
-        )
+        _, embeddings, _ = embed_paths(model, table["path"].tolist(), batch_size=args.batch_size)
         results[args.name][key] = cross_item(embeddings, table)
         say(
             f"model on {domain.eval_sets[key]}: {summary(results[args.name][key])} "
@@ -470,7 +501,18 @@ def parse_args(argv):
         help="JSON results (default: RUNS/NAME.json, or "
         "RUNS/sounds/NAME.json with --domain sounds)",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run, in a temporary folder: the demo set, configs/demo_cnn.yaml "
+        "shrunk to a tiny CNN and 1 epoch, 1 process",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.config, args.set, args.nproc = ROOT / "configs" / "demo_cnn.yaml", SMOKE_OVERRIDES, 1
+        work = Path(tempfile.mkdtemp(prefix="quality-smoke-"))
+        args.data, args.runs_dir, args.out = work / "data", work / "runs", work / "smoke.json"
+        args.device, args.work = "cpu", work
     check_args(parser, args)
     if args.name is None:
         seed = "" if args.seed is None else f"_seed{args.seed}"
@@ -481,6 +523,8 @@ def parse_args(argv):
         )
     args.runs_dir = args.runs_dir.resolve()
     args.domains = [DOMAINS[key] for key in DOMAINS if args.domain in (key, "both")]
+    if args.smoke:
+        args.domains = [SMOKE_DOMAIN]
     args.out = args.out or args.runs_dir / args.domains[0].runs_subdir / f"{args.name}.json"
     return args
 
@@ -502,6 +546,14 @@ def check_args(parser, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    finally:
+        if args.smoke:
+            shutil.rmtree(args.work, ignore_errors=True)
+
+
+def run(args) -> int:
     for domain in args.domains:  # every check before the first minute of work
         domain.check_tools()
         check_not_trained(args, domain)

@@ -3,7 +3,8 @@
 Run from the repository root (nice: the machine is shared):
 
     nice .venv/bin/python benchmarks/search.py                  # 100k and 400k x 256
-    nice .venv/bin/python benchmarks/search.py --sizes 20000    # quick smoke run
+    nice .venv/bin/python benchmarks/search.py --sizes 20000    # a quicker run
+    nice .venv/bin/python benchmarks/search.py --smoke          # 3,000 x 32, seconds
     nice .venv/bin/python benchmarks/search.py --baseline-sizes 100000 400000   # + ~24 min
     nice .venv/bin/python benchmarks/search.py --real out/bench           # a model's embeddings
 
@@ -62,7 +63,12 @@ sys.path.insert(
 
 from audioclf.evaluation.metrics import choose_search  # noqa: E402
 from audioclf.metrics import retrieval_metrics  # noqa: E402
-from audioclf.search import build, neighbour_recall, sampled_neighbour_recall  # noqa: E402
+from audioclf.search import (  # noqa: E402
+    build,
+    faiss_available,
+    neighbour_recall,
+    sampled_neighbour_recall,
+)
 from audioclf.search.collection import Collection  # noqa: E402
 from benchmarks.eval_metrics import items_of, make_embeddings  # noqa: E402
 
@@ -473,7 +479,17 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=2, help="torch and faiss threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="3,000 x 32 rows, 200 queries, the baseline at 3,000: every table and target line "
+        "(exact, and ivf / hnsw when faiss is installed; ivfpq trains on 10k rows or more)",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.dim, args.class_size, args.queries = [3000], 32, 30, 200
+        args.baseline_sizes, args.exact_sample = [3000], 500
+        args.methods = ["exact", "ivf", "hnsw"] if faiss_available() else ["exact"]  # ivfpq: 10k+
     torch.set_num_threads(args.threads)
     if any(method != "exact" for method in args.methods):
         import faiss  # noqa: PLC0415 - optional: only the approximate methods need it

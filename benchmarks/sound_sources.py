@@ -4,6 +4,7 @@ For benchmarks/quality.py (its "sounds" domain). Needs Debian packages:
 
     apt-get install fluidsynth timidity fluid-soundfont-gm minuet-data timgm6mb-soundfont freepats
     .venv/bin/python benchmarks/sound_sources.py --out data/quality/sounds   # build (or reuse) it
+    .venv/bin/python benchmarks/sound_sources.py --smoke   # 2 items x 2 notes a sheet, in a temp dir
 
 A General-MIDI sound bank is a library of recorded notes (real instruments, multi-sampled), and
 each bank was recorded or collected by other people, with other instruments, rooms and
@@ -459,8 +460,10 @@ def build(
     seed: int = 0,
     jobs: int = 2,
     log: Callable[[str], None] = print,
+    limit: int | None = None,
 ) -> dict[str, Path]:
-    """Build (or reuse) the dataset; returns {sheet key: sheet path}.
+    """Build (or reuse) the dataset; returns {sheet key: sheet path}. `limit` (--smoke): only
+    that many items a sheet and notes an item.
 
     Raises ToolMissing when fluidsynth, timidity or a bank is not installed."""
     banks = find_sources()
@@ -473,7 +476,7 @@ def build(
         log(f"dataset: reusing {folder}")
         return sheets
     for key in todo:
-        table = _render_sheet(key, seed, banks, folder, jobs, log)
+        table = _render_sheet(key, seed, banks, folder, jobs, log, limit)
         if key != "train":
             table = table.drop(columns="split")
         partial = sheets[key].with_name(sheets[key].name + ".partial.xlsx")
@@ -488,11 +491,19 @@ def build(
 
 
 def _render_sheet(
-    key: str, seed: int, banks: dict[str, Path], folder: Path, jobs: int, log: Callable[[str], None]
+    key: str,
+    seed: int,
+    banks: dict[str, Path],
+    folder: Path,
+    jobs: int,
+    log: Callable[[str], None],
+    limit: int | None = None,
 ) -> pd.DataFrame:
     instruments, source_names = SHEETS[key]
     sources = {source.name: source for source in SOURCES}
     items = [plan(seed, instrument, name) for instrument in instruments for name in source_names]
+    if limit is not None:
+        items = [notes[:limit] for notes in items[:limit]]
     log(
         f"dataset: rendering {sum(map(len, items))} notes ({len(items)} instrument/source items) "
         f"for {key}.xlsx ({jobs} at a time)"
@@ -542,14 +553,21 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--jobs", type=int, choices=(1, 2), default=2, help="renderer processes at a time"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 items of 2 notes a sheet, every sheet, in a temporary folder (removed)",
+    )
     args = parser.parse_args(argv)
-    try:
-        sheets = build(args.out, seed=args.seed, jobs=args.jobs)
-    except ToolMissing as exc:
-        print(f"sound_sources: {exc}")
-        return 2
-    for key, path in sheets.items():
-        print(f"{key}: {path}")
+    with tempfile.TemporaryDirectory(prefix="sounds_smoke_") as tmp:
+        out, limit = (tmp, 2) if args.smoke else (args.out, None)
+        try:
+            sheets = build(out, seed=args.seed, jobs=args.jobs, limit=limit)
+        except ToolMissing as exc:
+            print(f"sound_sources: {exc}")
+            return 2
+        for key, path in sheets.items():
+            print(f"{key}: {path} ({len(pd.read_excel(path, engine='calamine'))} clips)")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Training-step throughput: audioclf's TrainStep (the Trainer's step) versus a bare hand-written loop.
 
     .venv/bin/python benchmarks/train_throughput.py [--model cnn|conformer] [--steps 30]
+    .venv/bin/python benchmarks/train_throughput.py --smoke   # 3 steps once, DDP too: every line
 
 Both loops train the same model (the demo CNN by default, log-mel front end included) on the
 same in-memory batches of random audio with the same triplet loss and AdamW, so the ratio is the
@@ -26,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from audioclf.config import load_config  # noqa: E402
 from audioclf.losses import build_loss  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
-from audioclf.optim import LRSchedule, build_optimizer  # noqa: E402
 from audioclf.precision import resolve_precision  # noqa: E402
+from audioclf.training.optim import LRSchedule, build_optimizer  # noqa: E402
 from audioclf.training.step import NonFiniteGuard, TrainStep  # noqa: E402
 
 
@@ -152,7 +153,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats (best counts)")
     parser.add_argument("--skip-ddp", action="store_true", help="skip the 1 vs 2 process part")
+    parser.add_argument(
+        "--smoke", action="store_true", help="3 steps, one repeat: every line, in seconds"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.repeats = 3, 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 

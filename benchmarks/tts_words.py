@@ -1,6 +1,7 @@
 """A spoken-word dataset from text-to-speech engines, for benchmarks/quality.py.
 
     .venv/bin/python benchmarks/tts_words.py --out data/quality     # build (or reuse) it alone
+    .venv/bin/python benchmarks/tts_words.py --smoke    # 4 clips a sheet, in a temporary folder
 
 60 common English words, each spoken by espeak-ng voices (an accent combined with a voice
 variant, e.g. ``en-gb-scotland+f2``) in 4 variants of random speed and pitch; the held-out
@@ -335,8 +336,10 @@ def build(
     seed: int = 0,
     jobs: int = 2,
     log: Callable[[str], None] = print,
+    limit: int | None = None,
 ) -> dict[str, Path]:
     """Build (or reuse) the dataset; returns {sheet key: sheet path} of the sheets that exist.
+    `limit` (--smoke): only the first clips of each sheet, and its voices alone checked.
 
     Raises ToolMissing when espeak-ng is not installed. Without flite the other-engine sheet is
     skipped (and built by a later call once flite is installed).
@@ -354,11 +357,14 @@ def build(
         log(f"dataset: reusing {folder}")
         return sheets
 
+    clips = {key: planned[:limit] for key, planned in plan(seed).items()}
+    used = {clip.voice for key in todo for clip, _ in clips[key] if key != "other_engine"}
     if any(key != "other_engine" for key in todo):
-        check_voices(TRAIN_VOICES + VAL_VOICES + HELD_OUT_VOICES, "espeak-ng")
+        check_voices(
+            TRAIN_VOICES + VAL_VOICES + HELD_OUT_VOICES if limit is None else used, "espeak-ng"
+        )
     if "other_engine" in todo:
         check_voices(FLITE_VOICES, "flite")
-    clips = plan(seed)
     for key in todo:
         rows = _synthesise_sheet(clips[key], folder, jobs, key, log)
         table = pd.DataFrame(rows, columns=["a_cls", "a_item", "a_id", "path", "split", "seconds"])
@@ -404,14 +410,21 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--jobs", type=int, choices=(1, 2), default=2, help="TTS processes at a time"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the first 4 clips of every sheet, in a temporary folder (removed)",
+    )
     args = parser.parse_args(argv)
-    try:
-        sheets = build(args.out, seed=args.seed, jobs=args.jobs)
-    except ToolMissing:
-        print("tts_words: espeak-ng is not installed; run `apt-get install espeak-ng flite`")
-        return 2
-    for key, path in sheets.items():
-        print(f"{key}: {path}")
+    with tempfile.TemporaryDirectory(prefix="tts_smoke_") as tmp:
+        out, limit = (tmp, 4) if args.smoke else (args.out, None)
+        try:
+            sheets = build(out, seed=args.seed, jobs=args.jobs, limit=limit)
+        except ToolMissing:
+            print("tts_words: espeak-ng is not installed; run `apt-get install espeak-ng flite`")
+            return 2
+        for key, path in sheets.items():
+            print(f"{key}: {path} ({len(pd.read_excel(path, engine='calamine'))} clips)")
     return 0
 
 

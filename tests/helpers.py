@@ -175,8 +175,8 @@ def mixed_precision_steps(model: str, precision: str, device: torch.device) -> d
     fused AdamW; what they did (the CUDA test and its CPU twin assert on it)."""
     from audioclf.losses import build_loss
     from audioclf.models import build_net
-    from audioclf.optim import build_optimizer
     from audioclf.precision import resolve_precision
+    from audioclf.training.optim import build_optimizer
 
     cfg = tiny_net_config(model, f"train.precision={precision}", "loss.miner=all")
     torch.manual_seed(0)
@@ -491,6 +491,20 @@ def sample_rows() -> pd.DataFrame:
                     }
                 )
     return pd.DataFrame(rows)
+
+
+def broken_copy(tiny_demo: Path, root: Path) -> Path:
+    """The tiny demo with every training file unreadable (validation files intact)."""
+    table = pd.read_excel(tiny_demo, dtype=str, engine="openpyxl")
+    (root / "bad").mkdir(parents=True)
+    table["path"] = [str(tiny_demo.parent / p) for p in table["path"]]
+    for i in range(len(table)):
+        broken = root / "bad" / f"{i}.wav"
+        broken.write_bytes(b"RIFF not audio")
+        table.loc[i, "path"] = str(broken)
+    sheet = root / "broken.csv"
+    table.to_csv(sheet, index=False)
+    return sheet
 
 
 def write_sheet(frame: pd.DataFrame, path: Path) -> Path:

@@ -45,8 +45,8 @@ def test_a_non_fused_state_resumes_into_the_fused_adamw(source, monkeypatch):
     # apex keeps it per group; torch's load_state_dict places `step` by the saved groups'
     # flags, so without OptimizerState the fused CUDA kernel got CPU step counts.
     from audioclf.config import OptimConfig, TrainConfig
-    from audioclf.optim import OptimizerState, build_optimizer
     from audioclf.precision import resolve_precision
+    from audioclf.training.optim import OptimizerState, build_optimizer
     from tests.helpers import Linear, mse, random_batches, run_epoch
 
     batches = [tuple(t.to(CUDA) for t in b) for b in random_batches(3, 8)]
@@ -79,8 +79,8 @@ def test_a_non_fused_state_resumes_into_the_fused_adamw(source, monkeypatch):
 def test_the_guard_counts_on_an_index_less_cuda_device():
     # "cuda" and "cuda:0" are one device: the guard's counts must survive the sync.
     from audioclf.config import OptimConfig, TrainConfig
-    from audioclf.optim import build_optimizer
     from audioclf.precision import resolve_precision
+    from audioclf.training.optim import build_optimizer
     from audioclf.training.step import NonFiniteGuard
     from tests.helpers import Linear, mse, random_batches, run_epoch
 

@@ -108,7 +108,8 @@ def test_features_match_log_mel_of_the_wav(tmp_path):
         wav = row.path.replace("/features/", "/wav/").replace(".npy", ".wav")
         wave, _ = soundfile.read(wav, dtype="float32")
         assert feats.dtype == np.float32
-        assert feats.shape == (cfg.valid_frames(len(wave)), cfg.n_mels)
+        valid = max(1, (len(wave) - cfg.n_fft // 2) // cfg.hop_length + 1)  # windows inside
+        assert feats.shape == (valid, cfg.n_mels)
     np.testing.assert_allclose(feats, log_mel(torch.from_numpy(wave), cfg), rtol=1e-5, atol=1e-5)
     # an existing demo without features is completed when features are asked for
     generate_demo(tmp_path / "plain", **SMALL)

@@ -268,8 +268,8 @@ def test_cpu_ranks_are_pinned_to_their_own_share_of_the_cores(monkeypatch):
 
 def _nonfinite_on_one_rank_worker(rank, world, precision, kind):
     from audioclf.config import OptimConfig, TrainConfig
-    from audioclf.optim import build_optimizer
     from audioclf.precision import resolve_precision
+    from audioclf.training.optim import build_optimizer
     from audioclf.training.step import NonFiniteGuard
     from tests.helpers import Linear, mse, random_batches, run_epoch
 
@@ -323,7 +323,7 @@ def test_the_cpu_suite_sees_no_gpu_in_this_process_or_the_ones_it_starts():
     import subprocess
     import sys
 
-    from audioclf.cli import resolve_device
+    from audioclf.inference import resolve_device
     from tests.helpers import child_env
 
     probe = "import torch; print(torch.cuda.device_count(), torch.cuda.is_available())"

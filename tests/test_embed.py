@@ -15,7 +15,7 @@ from audioclf.embed import main
 from audioclf.embedding import gallery
 from audioclf.embedding import index as index_embedding
 from audioclf.export import export_model
-from audioclf.inference.inputs import find_files
+from audioclf.inference import find_files
 from tests.helpers import make_checkpoint
 
 CLASSES = ("c00", "c01", "c02", "c03")
@@ -324,8 +324,8 @@ def saved(prefix) -> tuple[np.ndarray, pd.DataFrame]:
     return np.load(f"{prefix}.npy"), pd.read_parquet(f"{prefix}.parquet")
 
 
-def test_index_mode_matches_embed_files_row_for_row(setup, sheet, capsys, tmp_path, monkeypatch):
-    from audioclf.inference import embed_files, load_trained
+def test_index_mode_matches_embed_paths_row_for_row(setup, sheet, capsys, tmp_path, monkeypatch):
+    from audioclf.inference import LoadedEmbedder, embed_paths
 
     monkeypatch.setattr(index_embedding, "CHUNK_ROWS", 16)
     prefix = tmp_path / "out" / "all"
@@ -339,8 +339,8 @@ def test_index_mode_matches_embed_files_row_for_row(setup, sheet, capsys, tmp_pa
     assert rows["id"].tolist() == table["a_id"].tolist()
     assert rows["class"].tolist() == table["a_cls"].tolist()
     assert rows["path"].tolist() == table["path"].tolist()
-    net, cfg, _ = load_trained(setup["model"])
-    reference = embed_files(net, cfg, table["path"].tolist(), batch_size=8, progress=False)
+    model = LoadedEmbedder.from_checkpoint(setup["model"], torch.device("cpu"))
+    reference = embed_paths(model, table["path"].tolist(), batch_size=8)[1]
     np.testing.assert_allclose(embeddings, reference, atol=1e-6)
     assert "48 rows in 3 chunk(s)" in out and f"saved {prefix}.npy (48 x 16 float32)" in out
     assert not (tmp_path / "out" / "all.parts").exists()  # parts removed once assembled
@@ -407,13 +407,13 @@ def test_a_killed_run_resumes_without_recomputing_finished_chunks(
     assert f"{parts} holds the unfinished work of another run" in err and "model" in err
 
     embedded = []
-    real_extract = index_embedding.extract_embeddings
+    real_extract = index_embedding.embed_dataset
 
     def recording_extract(*args, positions, **kwargs):
         embedded.extend(positions)
         return real_extract(*args, positions=positions, **kwargs)
 
-    monkeypatch.setattr(index_embedding, "extract_embeddings", recording_extract)
+    monkeypatch.setattr(index_embedding, "embed_dataset", recording_extract)
     code, out, err = index_cli(capsys, setup, sheet, prefix)
     assert code == 0, err
     assert embedded == list(range(16, 48))  # chunks 0 and 1 were taken as they were
@@ -544,8 +544,8 @@ def test_knn_ranks_a_class_of_distinct_items_where_centroids_do_not():
     names, scores, votes = class_scores(query, gallery, classes, k=3)
     assert votes.tolist() == [[2.0, 1.0]]
     # the query's own item (the first two rows) left out: b's blob is now nearest
-    exclude = np.array([[True, True, False, False, False, False, False]])
-    names, scores, votes = class_scores(query, gallery, classes, exclude=exclude)
+    groups = (np.array([0]), np.array([0, 0, 1, 2, 3, 4, 5]))
+    names, scores, votes = class_scores(query, gallery, classes, groups=groups)
     assert names[top_classes(scores, 2, votes)[0][0]] == "b"
 
 
@@ -588,7 +588,7 @@ def test_a_gallery_of_segment_rows_embeds_each_segment(setup, tmp_path):
     import soundfile
 
     from audioclf.embedding.gallery import load_gallery
-    from audioclf.inference import embed_files, load_embedder
+    from audioclf.inference import embed_paths, load_embedder
 
     model = load_embedder(setup["model"], torch.device("cpu"))
     source = sorted(setup["queries"].rglob("*.wav"))[0]
@@ -611,6 +611,6 @@ def test_a_gallery_of_segment_rows_embeds_each_segment(setup, tmp_path):
     for i, (a, b) in enumerate(halves):
         cut = tmp_path / f"cut{i}.wav"
         soundfile.write(str(cut), wave[int(round(a * rate)) : int(round(b * rate))], rate)
-        alone = embed_files(model.embed_fn, model.cfg, [cut], batch_size=1, progress=False)
+        alone = embed_paths(model, [cut], batch_size=1)[1]
         np.testing.assert_allclose(gallery_emb[i], alone[0], atol=1e-4)
     assert not np.allclose(gallery_emb[0], gallery_emb[1], atol=1e-3)

@@ -19,7 +19,7 @@ from audioclf.evaluate import main
 from audioclf.evaluation.metrics import enrollment_split
 from audioclf.evaluation.report import REPORT_FILES
 from audioclf.evaluation.run import SUMMARY_METRICS, select_data
-from audioclf.inference import embed_files, load_trained
+from audioclf.inference import LoadedEmbedder, embed_paths, load_trained
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,13 +329,10 @@ def test_ddp_prefixed_weights_load(trained, tmp_path, tiny_demo):
     ckpt["model"] = {f"module.{k}": v for k, v in ckpt["model"].items()}
     wrapped = tmp_path / "wrapped.pt"
     torch.save(ckpt, wrapped)
-    net, cfg, _ = load_trained(wrapped)
-    reference, _, _ = load_trained(trained)
-    files = load_index(cfg.data).table["path"].tolist()[:3]
-    np.testing.assert_array_equal(
-        embed_files(net, cfg, files, progress=False),
-        embed_files(reference, cfg, files, progress=False),
-    )
+    model = LoadedEmbedder.from_checkpoint(wrapped, torch.device("cpu"))
+    reference = LoadedEmbedder.from_checkpoint(trained, torch.device("cpu"))
+    files = load_index(model.data).table["path"].tolist()[:3]
+    np.testing.assert_array_equal(embed_paths(model, files)[1], embed_paths(reference, files)[1])
 
 
 def test_enrollment_split_is_by_item_and_keeps_both_sides():
@@ -522,8 +519,8 @@ def test_score_norm_alone_takes_the_train_split_and_notes_its_shared_classes(
         ("one-row sheet", "has 1 row(s); it needs at least 2"),
         ("train cohort of the train split", "--split train overlaps the train cohort"),
         ("cohort with --score-norm none", "is unused with --score-norm none; drop one of them"),
-        ("top of 1", "--cohort-top 1: give N >= 2, and only with asnorm"),
-        ("top with snorm", "--cohort-top 50: give N >= 2, and only with asnorm"),
+        ("top of 1", "--cohort-top must be >= 2, got 1"),
+        ("top with snorm", "--cohort-top 50 is AS-norm's; snorm takes no top N"),
     ],
 )
 @pytest.mark.filterwarnings("ignore:index file .* fewer than 2 items")  # the one-row sheet
@@ -557,8 +554,11 @@ def test_a_bad_cohort_is_one_line_exit_2_and_writes_nothing(
 
 
 def test_score_norm_and_cohort_default_from_each_other():
-    from audioclf.evaluation.metrics import score_norm_options
+    from functools import partial
 
+    from audioclf.metrics import resolve_score_norm
+
+    score_norm_options = partial(resolve_score_norm, default_cohort="train")  # evaluate's
     assert score_norm_options(None, None, None) == ("none", None)  # off by default
     assert score_norm_options("none", None, None) == ("none", None)
     assert score_norm_options("asnorm", None, None) == ("asnorm", "train")
@@ -566,6 +566,11 @@ def test_score_norm_and_cohort_default_from_each_other():
     assert score_norm_options(None, "cohort.csv", None) == ("asnorm", "cohort.csv")
     assert score_norm_options(None, None, 50) == ("asnorm", "train")
     assert score_norm_options("snorm", "cohort.csv", None) == ("snorm", "cohort.csv")
+    # search and the API have no default cohort: normalising needs one
+    assert resolve_score_norm(None, None, None) == ("none", None)
+    assert resolve_score_norm(None, "out/train", 50) == ("asnorm", "out/train")
+    with pytest.raises(ValueError, match=r"score normalisation \(snorm\) needs a cohort"):
+        resolve_score_norm("snorm", None, None)
 
 
 def test_asnorm_keeps_300_cohort_scores_or_a_fifth_of_a_small_cohort():

@@ -14,6 +14,7 @@ from audioclf import checkpoint, fileio
 from audioclf.checkpoint import CheckpointError, CheckpointSaver
 from audioclf.fileio import DiskWriteError
 from tests.helpers import (
+    broken_copy,
     child_env,
     cli_args,
     fit,
@@ -114,7 +115,7 @@ def test_a_read_only_folder_reports_the_file_not_the_temporary_one(tmp_path, mon
 
 
 def test_an_unreadable_file_in_a_worker_is_one_line_in_train_log(tmp_path, tiny_demo):
-    sheet = _broken_copy(tiny_demo, tmp_path)
+    sheet = broken_copy(tiny_demo, tmp_path)
     with pytest.raises(Exception, match="cannot read audio file"):
         fit(
             tiny_config(
@@ -166,22 +167,6 @@ def test_temporary_files_of_a_killed_write_are_removed_on_resume(tmp_path, tiny_
     assert "removed 1 temporary file" in (tmp_path / "t" / "train.log").read_text()
 
 
-def _broken_copy(tiny_demo: Path, root: Path) -> Path:
-    """The tiny demo with every training file unreadable (validation files intact)."""
-    import pandas as pd
-
-    table = pd.read_excel(tiny_demo, dtype=str, engine="openpyxl")
-    (root / "bad").mkdir(parents=True)
-    table["path"] = [str(tiny_demo.parent / p) for p in table["path"]]
-    for i in range(len(table)):
-        broken = root / "bad" / f"{i}.wav"
-        broken.write_bytes(b"RIFF not audio")
-        table.loc[i, "path"] = str(broken)
-    sheet = root / "broken.csv"
-    table.to_csv(sheet, index=False)
-    return sheet
-
-
 def _fit_worker(rank, world, cfg):
     return fit(cfg)
 
@@ -190,7 +175,7 @@ def _fit_worker(rank, world, cfg):
 def test_whole_batches_of_unreadable_files_are_dropped_on_every_rank_without_a_hang(
     tmp_path, tiny_demo
 ):
-    sheet = _broken_copy(tiny_demo, tmp_path)
+    sheet = broken_copy(tiny_demo, tmp_path)
     cfg = tiny_config(
         sheet,
         tmp_path / "runs",

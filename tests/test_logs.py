@@ -18,7 +18,7 @@ def test_a_process_killed_by_abort_leaves_its_stack_in_train_log(tmp_path):
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
-from audioclf.logs import setup_logging
+from audioclf.training.logs import setup_logging
 setup_logging(Path({str(tmp_path)!r}), rank=1)
 def waiting_at_the_barrier():
     os.abort()
@@ -52,7 +52,7 @@ def read_tsv(path: Path) -> list[list[str]]:
 def test_projector_takes_a_class_stratified_sample_with_class_and_item(tmp_path):
     import numpy as np
 
-    from audioclf.logs import MetricsWriter
+    from audioclf.training.logs import MetricsWriter
 
     rng = np.random.default_rng(0)
     classes = np.array(["big"] * 900 + ["mid\tdle"] * 90 + ["tiny"] * 10)  # a tab must not split
@@ -78,7 +78,7 @@ def test_projector_is_a_no_op_off_rank_0_and_without_tensorboard(tmp_path, monke
 
     import numpy as np
 
-    from audioclf.logs import MetricsWriter
+    from audioclf.training.logs import MetricsWriter
 
     embeddings, names = np.zeros((4, 2), np.float32), ["a", "a", "b", "b"]
     off = MetricsWriter(tmp_path / "rank1", enabled=False)
@@ -93,7 +93,7 @@ def test_projector_is_a_no_op_off_rank_0_and_without_tensorboard(tmp_path, monke
 def test_a_resumed_run_keeps_the_earlier_projector_entries(tmp_path):
     import numpy as np
 
-    from audioclf.logs import MetricsWriter
+    from audioclf.training.logs import MetricsWriter
 
     embeddings, names = np.eye(4, dtype=np.float32), ["a", "a", "b", "b"]
     first = MetricsWriter(tmp_path, enabled=True)
@@ -133,7 +133,7 @@ def test_training_sends_validation_embeddings_to_the_projector(tmp_path, tiny_de
 def test_what_is_said_before_the_run_folder_exists_reaches_train_log(tmp_path):
     import logging
 
-    from audioclf.logs import setup_logging
+    from audioclf.training.logs import setup_logging
 
     log = logging.getLogger("audioclf")
     setup_logging(None, rank=0)

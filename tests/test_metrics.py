@@ -375,6 +375,49 @@ def test_knn_perfect_on_separated_clusters():
     np.testing.assert_array_equal(result["predictions"], labels[::2])
 
 
+def test_the_four_consumers_get_their_neighbours_from_the_one_kernel(monkeypatch):
+    # retrieval, kNN accuracy, gallery ranking and search's exact index each list neighbours
+    # through ExactSearch.search (a private loop of their own fails the spy), and what each
+    # returns follows from the kernel's own lists.
+    from audioclf.embedding.gallery import class_scores
+    from audioclf.metrics import ExactSearch, knn_vote
+    from audioclf.search import build
+
+    embeddings, labels = clustered([9, 7, 8, 6], spread=1.2, seed=4)
+    rows, k = np.arange(len(labels)), 3
+    sims, ids = ExactSearch(embeddings).search(embeddings, k)
+    _, loo_ids = ExactSearch(embeddings).search(embeddings, 1, query_groups=rows, index_groups=rows)
+    calls = []
+    search = ExactSearch.search
+
+    def spy(self, queries, k, **groups):
+        calls.append(k)
+        return search(self, queries, k, **groups)
+
+    monkeypatch.setattr(ExactSearch, "search", spy)
+
+    retrieval = retrieval_metrics(embeddings, labels, return_per_sample=True)
+    assert len(calls) >= 1 and calls[-1] >= 1
+    np.testing.assert_array_equal(
+        retrieval["per_sample_correct_at_1"], labels[loo_ids[:, 0]] == labels
+    )
+    before = len(calls)
+    knn = knn_accuracy(embeddings, labels, embeddings, labels, k=k)
+    assert calls[before:] == [k]
+    np.testing.assert_array_equal(knn["predictions"], knn_vote(labels[ids]))
+    before = len(calls)
+    names, scores, votes = class_scores(embeddings, embeddings, labels.astype(str), k=k)
+    assert calls[before:] == [len(labels)]  # every gallery row listed, best first
+    want_votes = np.stack([np.bincount(labels[row], minlength=4) for row in ids])
+    np.testing.assert_array_equal(votes, want_votes)
+    np.testing.assert_array_equal(scores[rows, labels], sims[:, 0])  # each finds itself
+    before = len(calls)
+    found_sims, found = build(embeddings, "exact").search(embeddings, k)
+    assert len(calls) > before
+    np.testing.assert_array_equal(found, ids)
+    np.testing.assert_allclose(found_sims, sims, atol=1e-6)
+
+
 def test_centroid_accuracy_known_case():
     # Class 0 around 0 deg (centroid 0), class 1 at 80 and 100 deg (centroid 90).
     gallery = on_circle([-10, 10, 80, 100], scales=[1, 5, 2, 1])

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from audioclf.config import OptimConfig, TrainConfig
-from audioclf.optim import (
+from audioclf.precision import resolve_precision
+from audioclf.training.optim import (
     LRSchedule,
     OptimizerState,
     build_optimizer,
     learning_rate,
     lr_scale,
 )
-from audioclf.precision import resolve_precision
 from tests.helpers import Linear, mse, run_epoch
 
 CPU = torch.device("cpu")

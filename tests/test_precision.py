@@ -168,7 +168,7 @@ def test_the_gpu_recipes_choose_fp32_on_a_cpu():
 def test_embedding_extraction_runs_without_tf32_or_autotuning():
     # Validation clips vary in length (autotuning would re-tune per batch), and validation's
     # numbers pick best.pt: they must be evaluate's, computed without TF32. Settings return.
-    from audioclf.inference import extract_embeddings
+    from audioclf.inference import embed_dataset
 
     seen = []
 
@@ -189,7 +189,7 @@ def test_embedding_extraction_runs_without_tf32_or_autotuning():
         configure_backends(TrainConfig(tf32=True, cudnn_benchmark=True), CPU)  # CPU: a no-op
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True  # as configure_backends leaves a CUDA run
-        emb, _, _ = extract_embeddings(embed, items, batch_size=2)
+        emb, _, _ = embed_dataset(embed, items, batch_size=2)
         after = (
             torch.backends.cuda.matmul.allow_tf32,
             torch.backends.cudnn.allow_tf32,

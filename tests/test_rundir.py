@@ -7,7 +7,8 @@ import time
 import pytest
 
 from audioclf.config import Config
-from audioclf.training.rundir import LOCK_FILE, RunFolderBusy, RunLock, check_free, prepare_run_dir
+from audioclf.outputs import FolderBusy
+from audioclf.training.rundir import LOCK_FILE, RunLock, check_free, prepare_run_dir
 from tests.helpers import LockHolder
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -19,13 +20,13 @@ def test_a_held_folder_is_refused_naming_its_holder_and_freed_when_it_dies(tmp_p
     holder = LockHolder(run_dir / LOCK_FILE)
     try:
         with pytest.raises(
-            RunFolderBusy,
+            FolderBusy,
             match=rf"in use by another run \(pid {holder.pid} on "
             r".*, started .* UTC\).*another train.name"
             r".*\./run\.sh stop run",
         ):
             check_free(run_dir)
-        with pytest.raises(RunFolderBusy, match=f"pid {holder.pid}"):
+        with pytest.raises(FolderBusy, match=f"pid {holder.pid}"):
             RunLock(run_dir).acquire()
     finally:
         holder.release()  # killed, no clean-up of its own: the kernel releases the lock
@@ -44,7 +45,7 @@ def test_a_refused_run_writes_nothing_into_the_folder(tmp_path):
     try:
         before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
         started = time.time()
-        with pytest.raises(RunFolderBusy):
+        with pytest.raises(FolderBusy):
             prepare_run_dir(run_dir, Config())
         assert time.time() - started < 5  # refused at once, no waiting for the lock
         assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before

@@ -61,7 +61,7 @@ def test_exact_index_returns_the_brute_force_neighbours():
     rows, _ = clustered(700, noise=1.0)
     queries, _ = clustered(60, noise=1.0, seed=1)
     # A budget of 7 rows per block and chunks of 25 queries: many blocks and chunks.
-    index = ExactIndex(rows, buffer_budget=7 * 700)
+    index = ExactIndex(rows, chunk_size=7)
     scores, ids = index.search(queries, 10, chunk_size=25)
     want_ids, want_scores = brute_force(queries, rows, 10)
     assert ids.shape == scores.shape == (60, 10)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from audioclf.config import OptimConfig, TrainConfig
-from audioclf.optim import build_optimizer
 from audioclf.precision import resolve_precision
+from audioclf.training.optim import build_optimizer
 from audioclf.training.step import NonFiniteGuard, NonFiniteLossError, TrainStep
 from tests.helpers import Linear, mse, random_batches, run_epoch
 

@@ -36,7 +36,7 @@ def _fit_worker(rank, world, cfg: Config):
 
 def untrained_metrics(cfg: Config) -> dict:
     """Validation metrics of the freshly initialised network, built as the trainer builds it."""
-    from audioclf.inference import extract_embeddings
+    from audioclf.inference import embed_dataset
     from audioclf.metrics import retrieval_summary
     from audioclf.models import build_net
     from audioclf.training.trainer import seed_everything
@@ -45,7 +45,7 @@ def untrained_metrics(cfg: Config) -> dict:
     seed_everything(cfg.train.seed, False)
     train, _, val_set = run_datasets(cfg)
     net = build_net(cfg, len(train.classes))
-    emb, labels, _ = extract_embeddings(net, val_set, batch_size=cfg.eval.batch_size)
+    emb, labels, _ = embed_dataset(net, val_set, batch_size=cfg.eval.batch_size)
     return retrieval_summary(emb, labels)
 
 
@@ -416,21 +416,14 @@ def test_validation_is_cross_item_and_matches_the_offline_evaluation(tmp_path, t
     # Open-set validation: 3 held-out classes of 3 items x 4 clips. A clip may not retrieve clips
     # of its own item, in training as offline.
     from audioclf.evaluation.run import compute_metrics, embed_index, select_data
-    from audioclf.inference import load_trained
+    from audioclf.inference import LoadedEmbedder
     from audioclf.metrics import retrieval_summary
 
     result = _fit_single(tiny_config(tiny_demo, tmp_path / "runs", "cnn", "train.epochs=1"))
-    net, cfg, _ = load_trained(Path(result["run_dir"]) / "last.pt")
-    data = select_data(cfg, split="val", gallery="none")
+    model = LoadedEmbedder.from_checkpoint(Path(result["run_dir"]) / "last.pt", torch.device("cpu"))
+    data = select_data(model.cfg, split="val", gallery="none")
     emb, rows = embed_index(
-        net,
-        data.evaluated,
-        cfg,
-        batch_size=16,
-        device=torch.device("cpu"),
-        num_workers=0,
-        progress=False,
-        description="val",
+        model, data.evaluated, batch_size=16, num_workers=0, progress=False, description="val"
     )
     labels = data.evaluated.labels()
     cross = retrieval_summary(emb, labels, rows["item"].to_numpy(dtype=str))

@@ -88,11 +88,6 @@ class FeaturesConfig:
         """Centred log-mel frames of a clip of `samples` samples (torchaudio's center=True)."""
         return max(1, samples // self.hop_length + 1)
 
-    def valid_frames(self, samples: int) -> int:
-        """Frames whose window ends inside a clip of `samples` samples: what the front end
-        counts as valid (models.frontend.LogMel), and what a precomputed .npy file holds."""
-        return max(1, (samples - self.n_fft // 2) // self.hop_length + 1)
-
 
 @dataclass
 class ClipsConfig:

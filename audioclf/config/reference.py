@@ -12,9 +12,16 @@ from audioclf.config.sections import Config
 # Reference documentation (README's config table is generated from the field comments)
 
 
+# A field comment that starts so puts the key in the reference's experimental table: in the
+# code, off by default, measured not to help yet; the comment says what was measured.
+EXPERIMENTAL = "experimental: "
+
+
 def reference_markdown() -> str:
-    """A Markdown table of every config key, its default and its one-line comment."""
-    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    """A Markdown table of every config key, its default and its one-line comment, then one of
+    the experimental keys (their comment starts with EXPERIMENTAL)."""
+    header = ["| key | default | meaning |", "| --- | --- | --- |"]
+    rows, experimental = list(header), list(header)
 
     def walk(cls: type, prefix: str) -> None:
         source = inspect.getsource(cls)
@@ -32,11 +39,19 @@ def reference_markdown() -> str:
                 else default
             )
             meaning = comments.get(f.name, "").replace("<", "&lt;").replace("|", "\\|")
-            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {meaning} |")
+            table = experimental if meaning.startswith(EXPERIMENTAL) else rows
+            meaning = meaning.removeprefix(EXPERIMENTAL)
+            table.append(f"| `{prefix}{f.name}` | `{shown}` | {meaning} |")
 
     for section in dataclasses.fields(Config):
         walk(section.default_factory, f"{section.name}.")
-    return "\n".join(rows)
+    if len(experimental) == len(header):
+        return "\n".join(rows)
+    note = (
+        "**Experimental** (in the code and off by default: measured not to help yet, as each "
+        "says; a recipe that turns one on is an experiment):"
+    )
+    return "\n".join([*rows, "", note, "", *experimental])
 
 
 README_START = "<!-- CONFIG-REFERENCE:START -->"

@@ -121,8 +121,8 @@ class LossConfig:
     margin_warmup_epochs: int = 0  # ramp loss.margin and loss.head_margin linearly up to their values at this epoch (from 1/(N+1) of them at the first); 0 = full at once
     final_margin: float | None = None  # triplet margin in the last train.final_epochs epochs (large-margin fine-tuning); null = loss.margin
     final_head_margin: float | None = None  # the arcface heads' margin in those epochs; null = loss.head_margin
-    memory_size: int = 0  # cross-batch memory: mine each batch also against the last N training embeddings (XBM; item-aware, the same on every rank); 0 = off
-    memory_warmup_epochs: int = 1  # epochs of plain in-batch mining before the memory is filled and used (embeddings drift fast at first)
+    memory_size: int = 0  # experimental: cross-batch memory, mine each batch also against the last N training embeddings (XBM; item-aware, the same on every rank); 0 = off. Off because on benchmarks/quality.py (cpu_small, memory 1024, two seeds) it cost a sounds column on both seeds (RESULTS.md, "Quality on real audio", 42eef68)
+    memory_warmup_epochs: int = 1  # experimental: epochs of plain in-batch mining before the memory is filled and used (embeddings drift fast at first)
 
     def __post_init__(self) -> None:
         _check(self.margin >= 0, "loss.margin", self.margin, ">= 0")

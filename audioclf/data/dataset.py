@@ -185,6 +185,17 @@ class AudioDataset(torch.utils.data.Dataset):
             feats = self.augment.log_mel(feats, rng)
         return torch.from_numpy(feats)
 
+    @staticmethod
+    def eval_clip(wave: Tensor, cfg: FeaturesConfig, clips: ClipsConfig) -> Tensor:
+        """The evaluation clip of a waveform [samples] at cfg.sample_rate, as a file is read: a
+        centred crop of clips.crop_seconds (eval_crop=center), else the whole clip cut centred
+        to clips.eval_max_seconds (also what audioclf.load(...).embed_waveforms embeds)."""
+        if clips.eval_crop == "center":
+            return crop_or_pad(wave, clips.crop_samples(cfg), None, clips.pad_mode)
+        if wave.shape[0] > (longest := cfg.samples(clips.eval_max_seconds)):
+            return crop_or_pad(wave, longest, None, clips.pad_mode)
+        return wave
+
     def _span(self, position: int) -> tuple[float, float] | None:
         """(start, end) seconds of a segment row; None: the whole file."""
         if self.spans is None or np.isnan(self.spans[position, 0]):
@@ -204,15 +215,12 @@ class AudioDataset(torch.utils.data.Dataset):
         cropped = self.train or clips.eval_crop == "center"
         if cfg.kind == "audio":
             wave = load_audio(path, cfg.sample_rate, span)
+            if not self.train:
+                return self.eval_clip(wave, cfg, clips)
             if augment is not None:  # speed / pitch / stretch: one crop of this length
                 wave = augment.before_crop(wave, rng, crop_samples=crop_samples)
-            if cropped:
-                crop = crop_or_pad(wave, crop_samples, rng, clips.pad_mode)
-                return crop if augment is None else augment.after_crop(crop, rng)
-            max_samples = cfg.samples(clips.eval_max_seconds)
-            if wave.shape[0] > max_samples:
-                wave = crop_or_pad(wave, max_samples, None, clips.pad_mode)
-            return wave
+            crop = crop_or_pad(wave, crop_samples, rng, clips.pad_mode)
+            return crop if augment is None else augment.after_crop(crop, rng)
         if cropped:
             feats = read_npy_crop(
                 path, cfg.frames(crop_samples), seed, clips.npy_layout, cfg.n_mels, clips.pad_mode

@@ -90,6 +90,14 @@ def loader_kwargs(
     return kwargs
 
 
+def eval_loader_options(num_workers: int, device: torch.device) -> dict:
+    """DataLoader settings of an evaluation pass outside a run (evaluate, embed, search, the
+    API): memory pinned for CUDA, workers not kept between passes."""
+    return loader_kwargs(
+        num_workers, pin_memory=True, persistent_workers=False, prefetch_factor=2, device=device
+    )
+
+
 def loader_options(cfg: Config, device: torch.device) -> dict:
     """The run's DataLoader settings (data.*), for its train and validation loaders."""
     return loader_kwargs(

@@ -9,7 +9,7 @@ centroid (see `python -m audioclf.embed --help`).
 which is, step by step:
 
     files = find_files(["clips/"], model.features)
-    files, emb, skipped = embed_readable(model, files, batch_size=16, progress=True)
+    files, emb, skipped = embed_paths(model, files, skip_bad=True, batch_size=16, progress=True)
     gallery, rows, cached = load_gallery(model, "refs.xlsx", root=None, batch_size=16,
                                          use_cache=True, progress=True)
     names, scores, votes = class_scores(emb, gallery, rows["cls"].to_numpy(str))  # kNN
@@ -22,7 +22,6 @@ content and path, the model file, and the features settings.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import logging
@@ -36,11 +35,11 @@ import pandas as pd
 import torch
 
 from audioclf.data.index import load_index
+from audioclf.embedding.parts import digest
 from audioclf.fileio import atomic_write_bytes, file_stamp
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.extract import check_finite, embed_files
-from audioclf.inference.inputs import embed_inputs
-from audioclf.metrics import class_centroids
+from audioclf.inference.extract import check_finite, embed_paths, find_files
+from audioclf.metrics import LIST_BUDGET, ExactSearch, class_centroids
 
 log = logging.getLogger("audioclf")
 
@@ -76,10 +75,6 @@ def check_ranking_request(
 # The gallery
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
 def gallery_cache_file(model: LoadedEmbedder, sheet: Path, root: str) -> Path:
     key = json.dumps(
         [
@@ -95,7 +90,7 @@ def gallery_cache_file(model: LoadedEmbedder, sheet: Path, root: str) -> Path:
         sort_keys=True,
         default=str,
     )
-    return model.path.parent / CACHE_DIR / f"gallery-{sheet.stem}-{_digest(key.encode())}.npz"
+    return model.path.parent / CACHE_DIR / f"gallery-{sheet.stem}-{digest(key.encode())}.npz"
 
 
 def load_gallery(
@@ -123,16 +118,14 @@ def load_gallery(
     if cached is not None:
         return cached, rows, True
     table = index.table
-    embeddings = embed_files(
-        model.embed_fn,
-        model.cfg,
+    _, embeddings, _ = embed_paths(
+        model,
         table["path"].tolist(),
         spans=table[["start", "end"]].to_numpy(np.float64) if "start" in table else None,
         batch_size=batch_size,
-        device=model.device,
-        input_kind=model.input_kind,
-        progress=progress,
         num_workers=num_workers,
+        progress=progress,
+        what=f"the gallery {sheet}",
     )
     if cache is not None:
         _write_cache(cache, embeddings, classes)
@@ -182,36 +175,49 @@ def class_scores(
     *,
     rule: str = "knn",
     k: int = DEFAULT_K,
-    exclude: np.ndarray | None = None,
+    groups: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(class names, scores [queries, classes], votes [queries, classes]) by cosine similarity.
 
     rule "knn" (the default, evaluate's kNN rule): a class scores its nearest gallery clip;
     the k nearest clips vote (one vote each), so with k > 1 the majority class ranks first.
-    rule "centroid": a class scores its centroid (class_centroids; no votes). `exclude`
-    [queries, gallery] masks gallery rows out per query (a query's own item)."""
+    rule "centroid": a class scores its centroid (class_centroids; no votes). `groups`
+    (query groups [queries], gallery groups [gallery]): a query never sees a gallery row of its
+    own group (its own item)."""
     names, codes = np.unique(classes, return_inverse=True)
-    queries = torch.nn.functional.normalize(torch.from_numpy(query).float(), dim=1)
     if rule == "centroid":
         _, centroids = class_centroids(gallery, codes)
+        queries = torch.nn.functional.normalize(torch.from_numpy(query).float(), dim=1)
         scores = (queries @ centroids.T).numpy()
         return names.tolist(), scores, np.zeros_like(scores)
-    rows = torch.nn.functional.normalize(torch.from_numpy(gallery).float(), dim=1)
-    codes_t = torch.from_numpy(codes)
-    scores = torch.full((len(query), len(names)), -np.inf)
-    votes = torch.zeros((len(query), len(names)))
-    for start in range(0, len(query), 256):  # [256, gallery] similarities at a time
-        sims = queries[start : start + 256] @ rows.T
-        if exclude is not None:
-            sims[torch.from_numpy(exclude[start : start + 256])] = -np.inf
-        index = codes_t.expand_as(sims)
-        scores[start : start + 256] = scores[start : start + 256].scatter_reduce(
-            1, index, sims, reduce="amax"
+    index = ExactSearch(gallery)
+    scores = np.empty((len(query), len(names)), dtype=np.float32)
+    votes = np.empty((len(query), len(names)), dtype=np.float32)
+    step = max(1, LIST_BUDGET // len(gallery))  # every gallery row is listed: [step, gallery]
+    for start in range(0, len(query), step):
+        part = slice(start, start + step)
+        grouped = (
+            {} if groups is None else {"query_groups": groups[0][part], "index_groups": groups[1]}
         )
-        nearest = sims.topk(min(k, sims.shape[1]), dim=1)
-        kept = torch.isfinite(nearest.values).float()
-        votes[start : start + 256].scatter_add_(1, codes_t[nearest.indices], kept)
-    return names.tolist(), scores.numpy(), votes.numpy()
+        sims, ids = index.search(query[part], len(gallery), **grouped)
+        scores[part], votes[part] = class_votes(sims, codes, ids, len(names), k)
+    return names.tolist(), scores, votes
+
+
+def class_votes(
+    sims: np.ndarray, codes: np.ndarray, ids: np.ndarray, n_classes: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """From full neighbour lists (sims, ids [Q, gallery], best first; id -1 and score -inf:
+    left out) of a gallery with class `codes`: each class's nearest clip's score (-inf without
+    one) and the votes of the k nearest clips."""
+    found = ids >= 0
+    listed = torch.from_numpy(codes[np.maximum(ids, 0)])  # a left-out row adds -inf, no vote
+    scores = torch.full((len(ids), n_classes), -np.inf)
+    scores = scores.scatter_reduce(1, listed, torch.from_numpy(sims), "amax")
+    votes = torch.zeros(len(ids), n_classes).scatter_add_(
+        1, listed[:, :k], torch.from_numpy(found[:, :k]).float()
+    )
+    return scores.numpy(), votes.numpy()
 
 
 def top_classes(scores: np.ndarray, top: int, votes: np.ndarray | None = None) -> np.ndarray:
@@ -222,34 +228,6 @@ def top_classes(scores: np.ndarray, top: int, votes: np.ndarray | None = None) -
     return order[:, :top]
 
 
-def save_rankings(
-    prefix: str | Path,
-    files: list[Path],
-    embeddings: np.ndarray,
-    names: list[str],
-    scores: np.ndarray,
-    order: np.ndarray,
-) -> tuple[Path, Path]:
-    """PREFIX.npy (embeddings float32 [files, D]) and PREFIX.csv (file, top class, its score),
-    atomically; returns their paths."""
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    np.save(buffer, embeddings.astype(np.float32))
-    table = pd.DataFrame(
-        {
-            "file": [str(p) for p in files],
-            "top_class": [names[o[0]] for o in order],
-            "top_score": [float(scores[i, o[0]]) for i, o in enumerate(order)],
-        }
-    )
-    npy = atomic_write_bytes(prefix.with_name(prefix.name + ".npy"), buffer.getvalue())
-    csv = atomic_write_bytes(
-        prefix.with_name(prefix.name + ".csv"), table.to_csv(index=False).encode()
-    )
-    return npy, csv
-
-
 @dataclass
 class Ranking:
     """The gallery's classes ranked for each file that could be read."""
@@ -258,7 +236,7 @@ class Ranking:
     embeddings: np.ndarray  # float32 [files, D]
     skipped: list[tuple[Path, str]]  # (file, reason) of the files that could not be read
     names: list[str]  # the gallery's classes
-    scores: np.ndarray  # cosine similarity [files, classes] to each class centroid
+    scores: np.ndarray  # [files, classes]: each class's score by the rule (class_scores)
     order: np.ndarray  # column indices of each file's top classes, best first
     gallery_files: int  # rows of the gallery sheet
     cached: bool  # whether the gallery's embeddings came from the cache
@@ -299,10 +277,24 @@ class Ranking:
         return lines
 
     def save(self, prefix: str | Path) -> tuple[Path, Path]:
-        """PREFIX.npy and PREFIX.csv (see save_rankings); returns their paths."""
-        return save_rankings(
-            prefix, self.files, self.embeddings, self.names, self.scores, self.order
+        """PREFIX.npy (embeddings float32 [files, D]) and PREFIX.csv (file, top class, its
+        score), atomically; returns their paths."""
+        prefix = Path(prefix)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        np.save(buffer, self.embeddings.astype(np.float32))
+        table = pd.DataFrame(
+            {
+                "file": [str(p) for p in self.files],
+                "top_class": [self.names[o[0]] for o in self.order],
+                "top_score": [float(self.scores[i, o[0]]) for i, o in enumerate(self.order)],
+            }
         )
+        npy = atomic_write_bytes(prefix.with_name(prefix.name + ".npy"), buffer.getvalue())
+        csv = atomic_write_bytes(
+            prefix.with_name(prefix.name + ".csv"), table.to_csv(index=False).encode()
+        )
+        return npy, csv
 
 
 def rank_files(
@@ -326,13 +318,13 @@ def rank_files(
     gallery is ranked without the rows of its own item (recording), as evaluate's cross-item
     metrics: how the model does on a new recording of a known class. ValueError when no file
     is found or readable, or an embedding is not finite."""
-    files, embeddings, skipped = embed_inputs(
+    files, embeddings, skipped = embed_paths(
         model,
-        inputs,
-        "the files",
+        find_files(inputs, model.features),
+        skip_bad=True,
         batch_size=batch_size,
-        progress=progress,
         num_workers=num_workers,
+        progress=progress,
     )
     gallery_emb, gallery_rows, cached = load_gallery(
         model,
@@ -347,16 +339,27 @@ def rank_files(
     check_finite(gallery_emb, [str(c) for c in classes], f"the gallery {gallery}")
     row_of = {str(Path(p).resolve()): i for i, p in enumerate(gallery_rows["path"])}
     rows = [row_of.get(str(Path(f).resolve())) for f in files]
-    exclude = None
-    if exclude_own_item:
-        items = (gallery_rows["cls"] + "\x00" + gallery_rows["item"]).to_numpy()
-        exclude = np.stack([items == items[r] if r is not None else items != items for r in rows])
+    groups = None
+    if exclude_own_item:  # a file that is no gallery row has group -1: nothing left out
+        items = pd.factorize(gallery_rows["cls"] + "\x00" + gallery_rows["item"])[0]
+        groups = (np.array([-1 if r is None else items[r] for r in rows]), items)
     names, scores, votes = class_scores(
-        embeddings, gallery_emb, classes, rule=rule, k=k, exclude=exclude
+        embeddings, gallery_emb, classes, rule=rule, k=k, groups=groups
     )
     order = top_classes(scores, min(DEFAULT_TOP if top is None else top, len(names)), votes)
-    ranking = Ranking(files, embeddings, skipped, names, scores, order, len(classes), cached)
-    ranking.rule, ranking.k = rule, k
-    ranking.own_item_left_out = [exclude_own_item and r is not None for r in rows]
-    ranking.truth = [None if r is None else str(classes[r]) for r in rows]
-    return ranking
+    left_out = [exclude_own_item and r is not None for r in rows]
+    truth = [None if r is None else str(classes[r]) for r in rows]
+    return Ranking(
+        files,
+        embeddings,
+        skipped,
+        names,
+        scores,
+        order,
+        len(classes),
+        cached,
+        rule,
+        k,
+        left_out,
+        truth,
+    )

@@ -11,7 +11,7 @@ which is select_rows (which rows), then write_index_embeddings (the resumable wo
 
 Each chunk of CHUNK_ROWS rows is written as a part file into PREFIX.parts/ when done; a rerun
 takes the finished parts that were made by the same model and features for the same rows, and
-embeds only the rest. The part files and their manifest are index_parts.py's.
+embeds only the rest. The part files and their manifest are parts.py's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from tqdm import tqdm
 from audioclf import distributed
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, IndexValidationError, load_index, split_index
-from audioclf.data.loader import loader_kwargs
 from audioclf.data.readers import AudioReadError, FeatureFileError
 from audioclf.embedding.parts import (
     IndexOutputs,
@@ -43,7 +42,7 @@ from audioclf.embedding.parts import (
 )
 from audioclf.errors import one_line
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.extract import check_finite, extract_embeddings, model_input
+from audioclf.inference.extract import check_finite, embed_dataset, model_input
 
 log = logging.getLogger("audioclf")
 
@@ -258,18 +257,18 @@ def embed_chunk(
     stop: int,
     *,
     batch_size: int,
-    loader_options: dict,
+    num_workers: int,
     progress: bool,
     description: str,
 ) -> dict[str, np.ndarray]:
     """Embed rows start .. stop; the part file's arrays."""
-    emb, _, seen = extract_embeddings(
+    emb, _, seen = embed_dataset(
         model.embed_fn,
         rows.dataset,
         batch_size=batch_size,
         device=model.device,
         positions=range(start, stop),
-        loader_options=loader_options,
+        num_workers=num_workers,
         progress=progress,
         description=description,
     )
@@ -325,7 +324,7 @@ def write_index_embeddings(
             len(index),
             batch_size,
             skip_bad_files,
-            loader_kwargs(num_workers, True, False, 2, model.device),
+            num_workers,
         )
         rank, world = distributed.get_rank(), distributed.get_world_size()
         shown = progress and rank == 0
@@ -369,7 +368,7 @@ class _ChunkWork:
     total: int
     batch_size: int
     skip_bad_files: bool
-    loader_options: dict
+    num_workers: int
 
     @property
     def chunks(self) -> int:
@@ -408,7 +407,7 @@ class _ChunkWork:
             start,
             stop,
             batch_size=self.batch_size,
-            loader_options=self.loader_options,
+            num_workers=self.num_workers,
             progress=progress,
             description=f"chunk {chunk + 1}/{self.chunks}",
         )

@@ -1,5 +1,5 @@
 """The files of an embed --index run: the PREFIX.* names, PREFIX.parts/ with its manifest, the
-part files, each one finished chunk of rows (see index_embedding.py), and their assembly into
+part files, each one finished chunk of rows (see index.py), and their assembly into
 PREFIX.npy / .parquet / .skipped.csv.
 
 A part is taken by a rerun only when it is whole and was made for the very rows it covers (their
@@ -73,7 +73,8 @@ class IndexOutputs:
         )
 
 
-def _digest(data: bytes) -> str:
+def digest(data: bytes) -> str:
+    """A short content key (blake2b, 16 bytes in hex): of a part's rows, of a gallery cache."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
@@ -135,7 +136,7 @@ def write_part(path: Path, part: dict[str, np.ndarray]) -> Path:
 
 def rows_digest(ids: np.ndarray, paths: np.ndarray) -> str:
     """What a part's rows were: their ids and paths (a digest; paths can be long)."""
-    return _digest("\0".join([*ids.tolist(), *paths.tolist()]).encode())
+    return digest("\0".join([*ids.tolist(), *paths.tolist()]).encode())
 
 
 def read_part(

@@ -1,4 +1,5 @@
-"""Offline evaluation (`python -m audioclf.evaluate`): the data selection and embedding (run.py),
+"""Offline evaluation (`python -m audioclf.evaluate`) as one call, `evaluate(checkpoint, ...)`
+(run.py: the data selection, embedding, scoring and the report folder under its lock),
 every metric of one evaluated set (metrics.py, over audioclf.metrics with the search backend
 injected), and the report folder (report.py with markdown.py, plots.py, embedding_files.py):
 
@@ -13,3 +14,7 @@ injected), and the report folder (report.py with markdown.py, plots.py, embeddin
 Every file goes to a temporary name in the same folder and is renamed into place, so a crash
 never leaves a half-written report file.
 """
+
+from audioclf.evaluation.run import Evaluated, evaluate
+
+__all__ = ["Evaluated", "evaluate"]

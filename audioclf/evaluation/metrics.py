@@ -125,22 +125,6 @@ def check_search(search: str) -> None:
         )
 
 
-def score_norm_options(
-    score_norm: str | None, cohort: str | None, cohort_top: int | None
-) -> tuple[str, str | None]:
-    """(the normalisation, its cohort) from --score-norm / --cohort / --cohort-top, each
-    defaulting from the others: a cohort (or a top N) alone means asnorm, snorm / asnorm
-    alone the train split as cohort; none of them, raw scores only. ValueError otherwise."""
-    method = score_norm or ("asnorm" if cohort or cohort_top else "none")
-    if method not in SCORE_NORMS:
-        raise ValueError(f"--score-norm {method!r}: use one of {', '.join(SCORE_NORMS)}")
-    if method == "none" and cohort:
-        raise ValueError(f"--cohort {cohort} is unused with --score-norm none; drop one of them")
-    if cohort_top is not None and (method != "asnorm" or cohort_top < 2):
-        raise ValueError(f"--cohort-top {cohort_top}: give N >= 2, and only with asnorm")
-    return method, None if method == "none" else cohort or "train"
-
-
 def choose_search(search: str, n_samples: int, device) -> tuple[str, str | None]:
     """(the method retrieval uses, a note for the report or None). "auto" (the default) is
     exact at every size and on every device: the approximate methods flatter MAP@R (IVF +0.03,

@@ -69,7 +69,7 @@ def write_report(
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = _report_metrics(evaluation.results, evaluation.verification)
+    metrics = scalar_metrics(evaluation.results, evaluation.verification)
     correct_at_1 = np.asarray(evaluation.results["per_sample_correct_at_1"], dtype=bool)
     per_class = _per_class_p1(lab, correct_at_1, class_names)
     written = _write_plots(out_dir, evaluation, emb, per_class, metrics, projection, seed)
@@ -119,7 +119,7 @@ def _write_summaries(
     written["report.json"] = atomic_write(out_dir / "report.json", lambda f: f.write(text.encode()))
 
 
-def _report_metrics(results: dict, verification: dict | None) -> dict:
+def scalar_metrics(results: dict, verification: dict | None) -> dict:
     """The scalar metrics of the results, then those of the verification not already there."""
     metrics = _scalars(results)
     for name, value in _scalars(verification or {}).items():

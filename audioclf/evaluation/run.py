@@ -1,12 +1,11 @@
-"""Offline evaluation of a model on one split of an index: which rows, their embeddings, the
-metrics (computed in metrics.py), the report folder and the printed summary (see
-`python -m audioclf.evaluate --help`).
+"""Offline evaluation of a model on one split of an index, as one call (see
+`python -m audioclf.evaluate --help`, which is parse, this, print):
 
-    data = select_data(cfg, split="val", gallery="train")
-    emb, rows = embed_index(net, data.evaluated, cfg, batch_size=32, device=device, ...)
-    evaluation = compute_metrics(emb, rows["cls"].to_numpy(dtype=object), items=...)
-    write_evaluation(out_dir, evaluation, projection="pca", seed=0, setup=setup, rows=rows)
-    print("\n".join(summary_lines(evaluation, setup, out_dir)))
+    evaluated = evaluate("runs/demo/best.pt", split="val", gallery="train")
+    print("\n".join(evaluated.lines()))        # evaluated.metrics: report.json's "metrics"
+
+which is: which rows (select_data), their embeddings and every metric (evaluate_split, with
+metrics.py), the report folder under its lock (write_evaluation) and the printed summary.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +26,11 @@ import torch
 from audioclf.config import Config, DataConfig
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index, split_index
-from audioclf.data.loader import loader_kwargs
 from audioclf.evaluation.metrics import Evaluation, check_search, compute_metrics
-from audioclf.evaluation.report import REPORT_FILES, write_report
-from audioclf.inference.extract import extract_embeddings
+from audioclf.evaluation.report import REPORT_FILES, scalar_metrics, write_report
+from audioclf.inference import LoadedEmbedder, resolve_device
+from audioclf.inference.extract import check_loader_options, embed_dataset, model_input
+from audioclf.metrics import resolve_score_norm
 from audioclf.outputs import FolderLock
 
 SHEET_SUFFIXES = (".xlsx", ".xlsm", ".csv", ".parquet")
@@ -50,21 +51,155 @@ SUMMARY_METRICS = (
 
 
 # ---------------------------------------------------------------------------------------------
-# Choosing the data
+# The job
 
 
-def check_evaluation_options(
-    *, batch_size: int, max_pairs: int, num_workers: int | None, search: str = "auto"
-) -> None:
-    """ValueError for an out-of-range option (None workers: the config's), or a --search
-    method that cannot run here (faiss missing), before any work."""
-    check_search(search)
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+@dataclass
+class Evaluated:
+    """What evaluate did: the evaluation, report.json's "evaluation" entry, the report folder."""
+
+    evaluation: Evaluation
+    setup: dict
+    out_dir: Path
+
+    @property
+    def metrics(self) -> dict:
+        """The scalar metrics, as report.json's "metrics" holds them."""
+        return scalar_metrics(self.evaluation.results, self.evaluation.verification)
+
+    def lines(self) -> list[str]:
+        """What evaluate prints: the setup, the notes, the SUMMARY_METRICS table, the files."""
+        setup, evaluation = self.setup, self.evaluation
+        rows = [
+            ("checkpoint", f"{setup['checkpoint']} ({setup['model']})"),
+            (
+                "evaluated",
+                f"{setup['split']} split of {setup['index']}: {setup['n_samples']} "
+                f"samples, {setup['n_classes']} classes",
+            ),
+            ("gallery", setup["gallery"]),
+            ("classification", setup["classification"]),
+        ]
+        if "search" in setup:
+            rows.append(("search", search_line(setup)))
+        if "score_norm" in setup:
+            top = f"top {setup['cohort_top']} of " if "cohort_top" in setup else ""
+            cohort = f"{top}{setup['n_cohort']} cohort clips, {setup['cohort']}"
+            rows.append(("score norm", f"{setup['score_norm']} ({cohort})"))
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{key:<{width}}  {value}" for key, value in rows]
+        lines += [f"{'note':<{width}}  {note}" for note in evaluation.notes]
+        lines += ["", f"{'metric':<18} value"]
+        names = list(SUMMARY_METRICS)
+        if "score_norm" in setup:  # the normalised verification figures after the raw ones
+            at = names.index("min_dcf") + 1
+            names[at:at] = [f"eer_{setup['score_norm']}", f"min_dcf_{setup['score_norm']}"]
+        for name in names:
+            value = evaluation.results.get(name)
+            if value is None and evaluation.verification is not None:
+                value = evaluation.verification.get(name)
+            if value is not None:
+                lines.append(f"{name:<18} {float(value):.4f}")
+        return [
+            *lines,
+            "",
+            f"report: {self.out_dir / 'report.md'}",
+            f"embeddings: {self.out_dir / 'embeddings.html'} (projector files: embeddings.tsv, metadata.tsv)",
+        ]
+
+
+def evaluate(
+    model: str | Path | LoadedEmbedder,
+    *,
+    index: str | Path | None = None,
+    root: str | None = None,
+    split: str = "val",
+    gallery: str = "train",
+    out: str | Path | None = None,
+    batch_size: int = 32,
+    device: str | torch.device = "auto",
+    num_workers: int | None = None,
+    max_pairs: int = 1_000_000,
+    score_norm: str | None = None,
+    cohort: str | None = None,
+    cohort_top: int | None = None,
+    search: str = "auto",
+    projection: str = "pca",
+    model_name: str | None = None,
+    skip_bad_files: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+    trust: bool = False,
+    skip_hint: str | None = None,
+) -> Evaluated:
+    """Evaluate a checkpoint (a path, or a model loaded from one) on `split` of its index (or
+    of the sheet `index`) and write the report into `out` (default <checkpoint folder>/eval),
+    with the options of `python -m audioclf.evaluate` (num_workers None: data.num_workers;
+    score_norm / cohort / cohort_top: audioclf.metrics.resolve_score_norm, the train split by
+    default). Every option and the data are checked before anything is embedded; the out
+    folder is locked from the start. `device` is used to load a path."""
+    start = time.perf_counter()
+    check_search(search)  # an approximate one needs faiss
+    check_loader_options(batch_size, num_workers)
     if max_pairs < 2:
         raise ValueError(f"--max-pairs must be >= 2, got {max_pairs}")
-    if num_workers is not None and num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
+    score_norm, cohort = resolve_score_norm(score_norm, cohort, cohort_top, default_cohort="train")
+    checkpoint = model.path if isinstance(model, LoadedEmbedder) else Path(model)
+    if not isinstance(model, LoadedEmbedder):
+        device = resolve_device(device)
+    out_dir = Path(out) if out is not None else checkpoint.parent / "eval"
+    with out_lock(out_dir):  # from the start: a second evaluate into out is refused at once
+        if not isinstance(model, LoadedEmbedder):
+            model = LoadedEmbedder.from_checkpoint(
+                checkpoint, device, model_name=model_name, trust=trust
+            )
+        model = _evaluable(model, skip_bad_files)
+        data = select_data(
+            model.cfg, index=index, root=root, split=split, gallery=gallery, cohort=cohort
+        )
+        evaluation, rows = evaluate_split(
+            model,
+            data,
+            batch_size=batch_size,
+            num_workers=model.data.num_workers if num_workers is None else num_workers,
+            progress=progress,
+            max_pairs=max_pairs,
+            seed=seed,
+            skip_hint=skip_hint,
+            search=search,
+            score_norm=score_norm,
+            cohort_top=cohort_top,
+        )
+        seconds = time.perf_counter() - start
+        setup = evaluation_setup(checkpoint, model, data, evaluation, seconds=seconds)
+        write_evaluation(
+            out_dir,
+            evaluation,
+            projection=projection,
+            seed=seed,
+            setup=setup,
+            rows=rows,
+            locked=True,
+        )
+    return Evaluated(evaluation, setup, out_dir)
+
+
+def _evaluable(model: LoadedEmbedder, skip_bad_files: bool) -> LoadedEmbedder:
+    """The model with data.skip_bad_files set by the caller too; ValueError for an export,
+    which does not record the training's split rules (data.val_ratio, holdout, seed)."""
+    if not model.knows_splits:
+        raise ValueError(
+            f"{model.path} is an export ({model.description}); evaluate needs the checkpoint it "
+            "was exported from (its config holds the split rules and the data settings)"
+        )
+    data = dataclasses.replace(
+        model.data, skip_bad_files=model.data.skip_bad_files or skip_bad_files
+    )
+    return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, data=data))
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the data
 
 
 @dataclass
@@ -182,12 +317,10 @@ def _evaluated_split(full: Index, splits: dict[str, Index], split: str, data: Da
 
 
 def embed_index(
-    net,
+    model: LoadedEmbedder,
     index: Index,
-    cfg: Config,
     *,
     batch_size: int,
-    device: torch.device,
     num_workers: int,
     progress: bool,
     description: str,
@@ -196,28 +329,24 @@ def embed_index(
     """Embeddings [n, D] of the rows of `index` that could be read, and those rows of its table
     (fewer than all only with data.skip_bad_files=true). `skip_hint`: how an unreadable file's
     message says to skip such files (default: the config key)."""
-    table = index.table
-    dataset = AudioDataset.from_index(index, cfg, train=False, skip_hint=skip_hint)
-    options = loader_kwargs(num_workers, True, False, 2, device)
-    emb, _, positions = extract_embeddings(
-        net,
-        dataset,
+    dataset = AudioDataset.from_index(index, model.cfg, train=False, skip_hint=skip_hint)
+    emb, _, positions = embed_dataset(
+        model.embed_fn,
+        model_input(dataset, model.input_kind),
         batch_size=batch_size,
-        device=device,
-        loader_options=options,
+        device=model.device,
+        num_workers=num_workers,
         progress=progress,
         description=description,
     )
-    return emb, table.iloc[positions].reset_index(drop=True)
+    return emb, index.table.iloc[positions].reset_index(drop=True)
 
 
 def evaluate_split(
-    net,
-    cfg: Config,
+    model: LoadedEmbedder,
     data: EvalData,
     *,
     batch_size: int,
-    device: torch.device,
     num_workers: int,
     progress: bool,
     max_pairs: int,
@@ -232,15 +361,11 @@ def evaluate_split(
     data.cohort, see compute_metrics); returns the evaluation and the index rows of its
     embeddings. ValueError when fewer than 2 files could be read."""
     common = dict(
-        batch_size=batch_size,
-        device=device,
-        num_workers=num_workers,
-        progress=progress,
-        skip_hint=skip_hint,
+        batch_size=batch_size, num_workers=num_workers, progress=progress, skip_hint=skip_hint
     )
-    emb, rows = embed_index(net, data.evaluated, cfg, description=f"embed {data.split}", **common)
+    emb, rows = embed_index(model, data.evaluated, description=f"embed {data.split}", **common)
     gallery_emb, gallery_names, cohort_emb, cohort_note = _gallery_and_cohort(
-        net, cfg, data, rows, common
+        model, data, rows, common
     )
     if len(rows) < 2:
         raise ValueError(
@@ -256,7 +381,7 @@ def evaluate_split(
         gallery_names=gallery_names,
         max_pairs=max_pairs,
         seed=seed,
-        device=device,
+        device=model.device,
         search=search,
         progress=progress,
         cohort_emb=cohort_emb,
@@ -284,17 +409,17 @@ def evaluate_split(
     return evaluation, rows
 
 
-def _gallery_and_cohort(net, cfg: Config, data: EvalData, rows: pd.DataFrame, common: dict):
+def _gallery_and_cohort(model: LoadedEmbedder, data: EvalData, rows: pd.DataFrame, common: dict):
     """(gallery embeddings, their classes, cohort embeddings, a note or None) of evaluate_split:
     a train cohort reuses a train gallery's embeddings; the note says when the cohort shares
     classes with the evaluated `rows`."""
     gallery = cohort = (None, None)
     if data.gallery is not None:
-        gallery = embed_index(net, data.gallery, cfg, description="embed gallery", **common)
+        gallery = embed_index(model, data.gallery, description="embed gallery", **common)
     if data.cohort is data.gallery:
         cohort = gallery
     elif data.cohort is not None:
-        cohort = embed_index(net, data.cohort, cfg, description="embed cohort", **common)
+        cohort = embed_index(model, data.cohort, description="embed cohort", **common)
     names = None if gallery[1] is None else gallery[1]["cls"].to_numpy(dtype=object)
     shared = set() if cohort[1] is None else set(cohort[1]["cls"]) & set(rows["cls"])
     note = (
@@ -366,24 +491,18 @@ def write_evaluation(
 
 
 def evaluation_setup(
-    checkpoint: Path,
-    model: str,
-    data: EvalData,
-    evaluation: Evaluation,
-    *,
-    device: torch.device,
-    seconds: float,
+    checkpoint: Path, model: LoadedEmbedder, data: EvalData, evaluation: Evaluation, *, seconds
 ) -> dict:
     """report.json's "evaluation" entry: what was evaluated how, where, and in how long."""
     return {
         "checkpoint": str(checkpoint),
-        "model": model,
+        "model": model.description,
         "index": str(data.evaluated.source),
         "split": data.split,
         "gallery": data.gallery_source,
         **({} if data.cohort is None else {"cohort": data.cohort_source}),
         **evaluation.setup,
-        "device": str(device),
+        "device": str(model.device),
         "seconds": round(seconds, 2),
     }
 
@@ -397,43 +516,3 @@ def search_line(setup: dict) -> str:
             f"on {setup['search_recall_queries']} queries"
         )
     return line
-
-
-def summary_lines(evaluation: Evaluation, setup: dict, out_dir: Path) -> list[str]:
-    """What evaluate prints: the setup, the notes, the SUMMARY_METRICS table, the files."""
-    rows = [
-        ("checkpoint", f"{setup['checkpoint']} ({setup['model']})"),
-        (
-            "evaluated",
-            f"{setup['split']} split of {setup['index']}: {setup['n_samples']} "
-            f"samples, {setup['n_classes']} classes",
-        ),
-        ("gallery", setup["gallery"]),
-        ("classification", setup["classification"]),
-    ]
-    if "search" in setup:
-        rows.append(("search", search_line(setup)))
-    if "score_norm" in setup:
-        top = f"top {setup['cohort_top']} of " if "cohort_top" in setup else ""
-        cohort = f"{top}{setup['n_cohort']} cohort clips, {setup['cohort']}"
-        rows.append(("score norm", f"{setup['score_norm']} ({cohort})"))
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{key:<{width}}  {value}" for key, value in rows]
-    lines += [f"{'note':<{width}}  {note}" for note in evaluation.notes]
-    lines += ["", f"{'metric':<18} value"]
-    names = list(SUMMARY_METRICS)
-    if "score_norm" in setup:  # the normalised verification figures after the raw ones
-        at = names.index("min_dcf") + 1
-        names[at:at] = [f"eer_{setup['score_norm']}", f"min_dcf_{setup['score_norm']}"]
-    for name in names:
-        value = evaluation.results.get(name)
-        if value is None and evaluation.verification is not None:
-            value = evaluation.verification.get(name)
-        if value is not None:
-            lines.append(f"{name:<18} {float(value):.4f}")
-    return [
-        *lines,
-        "",
-        f"report: {out_dir / 'report.md'}",
-        f"embeddings: {out_dir / 'embeddings.html'} (projector files: embeddings.tsv, metadata.tsv)",
-    ]

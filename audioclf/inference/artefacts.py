@@ -2,7 +2,7 @@
 state_dict export, or a TorchScript / ONNX export with its sidecar <artefact>.json.
 
     model = load_embedder("runs/demo/best.pt", torch.device("cpu"))
-    emb = embed_files(model.embed_fn, model.cfg, files, input_kind=model.input_kind)
+    files, emb, skipped = embed_paths(model, files)   # audioclf.inference.extract
 
 evaluate, embed (and search) read files through what this returns; the features, clips and
 sheet columns come from the checkpoint's config or from the sidecar.
@@ -43,6 +43,16 @@ class LoadedEmbedder:
     # seed); an export's sidecar holds only the column names.
     knows_splits: bool = False
 
+    @classmethod
+    def from_checkpoint(
+        cls, path: Path, device: torch.device, *, model_name: str | None = None, trust=False
+    ) -> LoadedEmbedder:
+        """The model of an audioclf checkpoint (load_trained: `model_name` asserts which)."""
+        net, cfg, ckpt = load_trained(path, device, model_name=model_name, trust=trust)
+        description = describe_checkpoint(ckpt, cfg)
+        kind = input_kind_of(cfg.features)
+        return cls(net.embed, cfg, kind, Path(path), description, device, knows_splits=True)
+
     @property
     def features(self) -> FeaturesConfig:
         return self.cfg.features
@@ -52,8 +62,37 @@ class LoadedEmbedder:
         return self.cfg.data
 
 
+def resolve_device(name: str | torch.device, flag: str = "--device") -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available) → a device that exists here;
+    else a ValueError naming it as the caller's user gave it (`flag`: "--device", "device")."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(
+            f"{flag} {name!r} is not a device; use cpu, cuda, cuda:N or auto"
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{flag} {name} was requested but CUDA is not available here; use {flag} cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"{flag} {name!r} is not supported; use cpu, cuda, cuda:N or auto")
+    return device
+
+
 def load_embedder(
-    path: str | Path, device: torch.device, *, flag: str = "--model", trust: bool = False
+    path: str | Path,
+    device: torch.device,
+    *,
+    flag: str = "--model",
+    trust: bool = False,
 ) -> LoadedEmbedder:
     """An audioclf checkpoint or state_dict export, or an export with its sidecar <path>.json.
 
@@ -82,20 +121,11 @@ def load_embedder(
             "(written by audioclf.export)"
         )
     try:
-        net, cfg, ckpt = load_trained(path, device, trust=trust)
+        return LoadedEmbedder.from_checkpoint(path, device, trust=trust)
     except CheckpointError as exc:
         raise CheckpointError(
             f"{exc} (a TorchScript export needs its sidecar {sidecar.name} next to it)"
         ) from None
-    return LoadedEmbedder(
-        net.embed,
-        cfg,
-        input_kind_of(cfg.features),
-        path,
-        describe_checkpoint(ckpt, cfg),
-        device,
-        knows_splits=True,
-    )
 
 
 def _load_export(

@@ -99,8 +99,11 @@ class CrossBatchMemory(nn.Module):
         )
         finite = torch.isfinite(embeddings).all()
         slots = (self.pointer + torch.arange(len(classes), device=self.pointer.device)) % self.size
-        for queue, rows in ((self.embeddings, embeddings.float()), (self.classes, classes),
-                            (self.items, items)):  # fmt: skip
+        for queue, rows in (
+            (self.embeddings, embeddings.float()),
+            (self.classes, classes),
+            (self.items, items),
+        ):
             queue[slots] = torch.where(finite, rows, queue[slots])
         self.pointer.copy_((self.pointer + len(classes) * finite) % self.size)
 

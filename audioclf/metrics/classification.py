@@ -7,7 +7,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from audioclf.metrics.checks import check_chunk_size, check_embeddings, resolve_device
+from audioclf.metrics.checks import check_chunk_size, check_embeddings
+from audioclf.metrics.neighbours import ExactSearch
 
 
 def _check_query_gallery(query, query_labels, gallery, gallery_labels):
@@ -50,22 +51,20 @@ def knn_accuracy(
     if not isinstance(k, int) or not 1 <= k <= len(g_lab):
         raise ValueError(f"k must be an integer in [1, gallery size = {len(g_lab)}], got {k!r}")
 
-    dev = resolve_device(device)
-    q_normed = F.normalize(q_emb.to(dev), p=2, dim=1)
-    g_normed_t = F.normalize(g_emb.to(dev), p=2, dim=1).T.contiguous()
-    g_labels_t = torch.from_numpy(g_lab).to(dev)
-    predictions = np.empty(len(q_lab), dtype=np.int64)
-    for start in range(0, len(q_lab), chunk_size):
-        stop = min(start + chunk_size, len(q_lab))
-        neighbours = torch.topk(q_normed[start:stop] @ g_normed_t, k, dim=1, sorted=True).indices
-        neighbour_labels = g_labels_t[neighbours]  # [rows, k], nearest first
-        votes = (neighbour_labels[:, :, None] == neighbour_labels[:, None, :]).sum(dim=2)
-        # argmax returns the first maximum, i.e. the nearest neighbour among the tied labels.
-        winner = (votes == votes.max(dim=1, keepdim=True).values).to(torch.uint8).argmax(dim=1)
-        predictions[start:stop] = (
-            neighbour_labels.gather(1, winner[:, None]).squeeze(1).cpu().numpy()
-        )
+    index = ExactSearch(g_emb, chunk_size=chunk_size, device=device)
+    _, neighbours = index.search(q_emb, k)
+    predictions = knn_vote(g_lab[neighbours])
     return {"knn_accuracy": float(np.mean(predictions == q_lab)), "predictions": predictions}
+
+
+def knn_vote(neighbour_labels: np.ndarray) -> np.ndarray:
+    """Each row's majority label among its neighbours' labels [Q, k] (nearest first); a tie
+    goes to the label whose first occurrence is nearest."""
+    labels = torch.from_numpy(np.ascontiguousarray(neighbour_labels))
+    votes = (labels[:, :, None] == labels[:, None, :]).sum(dim=2)
+    # argmax returns the first maximum, i.e. the nearest neighbour among the tied labels.
+    winner = (votes == votes.max(dim=1, keepdim=True).values).to(torch.uint8).argmax(dim=1)
+    return labels.gather(1, winner[:, None]).squeeze(1).numpy()
 
 
 def class_centroids(embeddings, labels) -> tuple[np.ndarray, torch.Tensor]:

@@ -9,69 +9,19 @@ so validation and evaluate score with one implementation whichever index ranks:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from audioclf.metrics.checks import check_chunk_size, check_embeddings, resolve_device
+from audioclf.metrics.checks import check_chunk_size, check_embeddings
+from audioclf.metrics.neighbours import LIST_BUDGET, ExactSearch, NeighbourIndex
 from audioclf.precision import exact_arithmetic
 
 RETRIEVAL_KEYS = ("precision_at_1", "map_at_r", "r_precision")
-# Similarity entries computed per exact-search block (a [chunk, N] float32 buffer: 512 MiB).
-_SIMILARITY_BUDGET = 2**27
-# Most queries ranked per step, and most neighbour-list entries per step (about 100 MiB of
-# ids, scores and flags), so memory stays bounded however deep the lists are.
+# Most queries ranked per step (their lists: at most LIST_BUDGET entries a step).
 _QUERY_CHUNK = 4096
-_LIST_BUDGET = 2**22
-
-
-class NeighbourIndex(Protocol):
-    """An index over the embeddings retrieval_metrics scores (audioclf.search's, ExactSearch):
-    `search` gives (scores, ids) [Q, k] of each query's k most cosine-similar rows, best first,
-    never a row of its own group; id -1 pads a list that found fewer."""
-
-    size: int
-    dim: int
-
-    def search(
-        self, queries: torch.Tensor, k: int, *, query_groups: np.ndarray, index_groups: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]: ...
-
-
-class ExactSearch:
-    """Exact cosine top-k over float32 [N, D] rows on `device` (retrieval_metrics' default),
-    `chunk_size` queries at a time into one reused [chunk_size, N] buffer and own-group mask:
-    memory O(chunk_size * N), never N x N (by default near 512 MiB)."""
-
-    def __init__(self, embeddings: torch.Tensor, *, chunk_size: int | None = None, device=None):
-        self.size, self.dim = embeddings.shape
-        dev = resolve_device(device)
-        self._rows_t = F.normalize(embeddings.to(dev), p=2, dim=1).T.contiguous()
-        block = min(self.size, chunk_size or max(64, min(2048, _SIMILARITY_BUDGET // self.size)))
-        # Buffers reused for every block: a fresh [block, N] tensor per block spends more time
-        # in page faults than in the matmul at N = 100k.
-        self._similarity = torch.empty(block, self.size, device=dev)
-        self._own_group = torch.empty(block, self.size, dtype=torch.bool, device=dev)
-
-    def search(
-        self, queries: torch.Tensor, k: int, *, query_groups: np.ndarray, index_groups: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        dev, block = self._rows_t.device, len(self._similarity)
-        normed = F.normalize(queries.to(dev), p=2, dim=1)
-        q_groups, i_groups = (torch.as_tensor(g).to(dev) for g in (query_groups, index_groups))
-        scores = torch.empty(len(normed), k, device=dev)
-        ids = torch.empty(len(normed), k, dtype=torch.int64, device=dev)
-        for start in range(0, len(normed), block):
-            stop = min(start + block, len(normed))
-            sim, own_group = self._similarity[: stop - start], self._own_group[: stop - start]
-            torch.mm(normed[start:stop], self._rows_t, out=sim)
-            torch.eq(q_groups[start:stop, None], i_groups[None, :], out=own_group)
-            sim.masked_fill_(own_group, -torch.inf)
-            torch.topk(sim, k, dim=1, sorted=True, out=(scores[start:stop], ids[start:stop]))
-        return scores.cpu().numpy(), ids.cpu().numpy()
 
 
 class Relevance(NamedTuple):
@@ -129,7 +79,7 @@ def neighbour_lists(
     while start < len(queries):
         window_end = min(start + _QUERY_CHUNK, len(queries))
         deepest = int(rel.relevant[queries[window_end - 1]])
-        step = max(1, min(window_end - start, _LIST_BUDGET // deepest))
+        step = max(1, min(window_end - start, LIST_BUDGET // deepest))
         chunk = queries[start : start + step]
         _, ids = index.search(
             emb[torch.from_numpy(chunk)],
@@ -226,11 +176,11 @@ def _query_selection(query_rows: Any, n_samples: int) -> np.ndarray:
 def _score_queries(index, emb, scored, rel: Relevance, progress: bool):
     """(correct at 1, average precision at R, R-precision) per sample, zero where it did not
     query; in torch float64 over rows as wide as the largest R of the set (a sum of the same
-    terms grouped otherwise can differ by an ulp), at most _LIST_BUDGET entries a slice."""
+    terms grouped otherwise can differ by an ulp), at most LIST_BUDGET entries a slice."""
     width = max(1, int(rel.relevant.max()))
     correct = np.zeros(len(rel.relevant), dtype=np.bool_)
     average_precision, r_precision = np.zeros(len(rel.relevant)), np.zeros(len(rel.relevant))
-    ranks, rows = torch.arange(1, width + 1), max(1, _LIST_BUDGET // width)
+    ranks, rows = torch.arange(1, width + 1), max(1, LIST_BUDGET // width)
     with tqdm(total=len(scored), unit="query", desc="retrieval", disable=not progress) as bar:
         for chunk, ids in neighbour_lists(index, emb, scored, rel):
             is_match = (ids >= 0) & (rel.classes[np.maximum(ids, 0)] == rel.classes[chunk][:, None])

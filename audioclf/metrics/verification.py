@@ -3,6 +3,8 @@ and, against a cohort, score-normalised (S-norm, AS-norm)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -143,6 +145,36 @@ def asnorm_top(requested: int | None, n_cohort: int) -> int:
     if requested is not None:
         return min(requested, n_cohort)
     return max(2, min(COHORT_TOP, n_cohort // 5))
+
+
+def resolve_score_norm(
+    method: str | None, cohort: Any, top: int | None, *, default_cohort: Any = None
+) -> tuple[str, Any]:
+    """(the normalisation, its cohort) from --score-norm / --cohort / --cohort-top, each
+    defaulting from the others: a cohort (or a top N) alone means asnorm; snorm / asnorm alone
+    take the caller's `default_cohort` (evaluate: its train split; None: one must be given);
+    none of them, raw scores ("none", None). A ValueError for options that do not fit, before
+    any work: evaluate, search and the API all resolve them here."""
+    method = method or ("asnorm" if cohort is not None or top is not None else "none")
+    if method not in SCORE_NORMS:
+        raise ValueError(f"--score-norm {method!r}: use one of {', '.join(SCORE_NORMS)}")
+    if top is not None and method != "asnorm":
+        raise ValueError(f"--cohort-top {top} is AS-norm's; {method} takes no top N")
+    if top is not None and top < 2:
+        raise ValueError(f"--cohort-top must be >= 2, got {top}")
+    if method == "none":
+        if cohort is not None:
+            raise ValueError(
+                f"--cohort {cohort} is unused with --score-norm none; drop one of them"
+            )
+        return method, None
+    cohort = default_cohort if cohort is None else cohort
+    if cohort is None:
+        raise ValueError(
+            f"score normalisation ({method}) needs a cohort: --cohort C, embeddings of other "
+            "clips (e.g. the training set's)"
+        )
+    return method, cohort
 
 
 def normalised_scores(

@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from audioclf.fileio import atomic_write_together, file_stamp
+from audioclf.metrics import LIST_BUDGET
 
 # Version of the JSON description written by save(); load() refuses others.
 META_FORMAT = 1
-# Neighbour-list entries (scores + ids) held per query chunk: 2**24 keeps both near 200 MiB.
-_LIST_BUDGET = 2**24
 # Most query rows handed to a backend at once (faiss parallelises over them).
 _MAX_QUERY_CHUNK = 8192
 
@@ -148,7 +147,7 @@ class SearchIndex(ABC):
         scores = np.full((len(rows), k), -np.inf, dtype=np.float32)
         ids = np.full((len(rows), k), -1, dtype=np.int64)
         widest = int(min(self.size, k + excluded.max()))
-        step = chunk_size or max(1, min(_MAX_QUERY_CHUNK, _LIST_BUDGET // widest))
+        step = chunk_size or max(1, min(_MAX_QUERY_CHUNK, LIST_BUDGET // widest))
         with tqdm(
             total=len(rows), unit="query", desc=f"search {self.method}", disable=not progress
         ) as bar:

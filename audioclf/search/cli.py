@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from audioclf.cli import add_trust_flag, resolve_device
+from audioclf.checkpoint import add_trust_flag
 from audioclf.errors import UsageError, run_cli
-from audioclf.inference import load_embedder
+from audioclf.inference import load_embedder, resolve_device
 from audioclf.metrics import SCORE_NORMS
 from audioclf.search.collection import (
     Collection,
@@ -164,13 +164,21 @@ def run_query(args: argparse.Namespace) -> int:
         if warning:
             print(f"{PROG}: {warning}", file=sys.stderr)
         queries = audio_queries(
-            model, args.inputs, batch_size=args.batch_size, num_workers=args.num_workers,
+            model,
+            args.inputs,
+            batch_size=args.batch_size,
+            num_workers=args.num_workers,
             progress=not args.quiet,
-        )  # fmt: skip
+        )
     table = search_neighbours(
-        index, collection, queries, args.k, exclude_same_item=args.exclude_same_item,
-        score_norm=score_norm, progress=not args.quiet,
-    )  # fmt: skip
+        index,
+        collection,
+        queries,
+        args.k,
+        exclude_same_item=args.exclude_same_item,
+        score_norm=score_norm,
+        progress=not args.quiet,
+    )
     own = ", own item excluded" if args.exclude_same_item else ""
     norm = f"; norm_score: {score_norm.describe()}" if score_norm else ""
     print(f"index {index.describe()}; queries: {queries.source}; top {args.k}{own}{norm}")

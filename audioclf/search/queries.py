@@ -31,8 +31,8 @@ import pandas as pd
 
 from audioclf.fileio import atomic_write_bytes
 from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.inputs import embed_inputs
-from audioclf.metrics import SCORE_NORMS, asnorm_top, normalised_scores
+from audioclf.inference.extract import embed_paths, find_files
+from audioclf.metrics import asnorm_top, normalised_scores, resolve_score_norm
 from audioclf.search.base import SearchIndex
 from audioclf.search.collection import Collection
 
@@ -65,13 +65,14 @@ def audio_queries(
 ) -> Queries:
     """The audio files of `inputs` (folders searched recursively) embedded by `model`; files
     that cannot be read are listed in `skipped` (ValueError when none can be)."""
-    files, embeddings, skipped = embed_inputs(
+    files, embeddings, skipped = embed_paths(
         model,
-        inputs,
-        "the query files",
+        find_files(inputs, model.features),
+        skip_bad=True,
         batch_size=batch_size,
-        progress=progress,
         num_workers=num_workers,
+        progress=progress,
+        what="the query files",
     )
     labels = pd.DataFrame({"query": [str(f) for f in files]})
     return Queries(embeddings, labels, f"{len(files)} audio file(s)", skipped)
@@ -111,20 +112,14 @@ class ScoreNorm:
         *,
         index: SearchIndex | None = None,
     ) -> ScoreNorm | None:
-        """search query's --cohort / --score-norm / --cohort-top (and Model.search's): None
-        without a cohort, else the cohort PREFIX's rows by `method` (asnorm by default),
-        checked against `index` when given; a ValueError for options that do not fit, before
-        any query is embedded."""
-        if cohort is None:
-            if method not in (None, "none") or top is not None:
-                raise ValueError(
-                    f"score normalisation ({method or 'asnorm'}) needs a cohort: --cohort C, "
-                    "the PREFIX of another embed --index run (e.g. of the training set)"
-                )
-            return None
+        """search query's --cohort / --score-norm / --cohort-top (and Model.search's), resolved
+        by audioclf.metrics.resolve_score_norm with no default cohort: None without a cohort,
+        else the cohort PREFIX's rows, checked against `index` when given; a ValueError for
+        options that do not fit, before any query is embedded."""
+        method, cohort = resolve_score_norm(method, cohort, top)
         if method == "none":
-            raise ValueError(f"the cohort {cohort} is unused with --score-norm none; drop one")
-        norm = cls.of(Collection.open(cohort, flag="--cohort"), method or "asnorm", top)
+            return None
+        norm = cls.of(Collection.open(cohort, flag="--cohort"), method, top)
         if index is not None:
             norm.check_dim(index)
         return norm
@@ -133,16 +128,10 @@ class ScoreNorm:
     def of(cls, collection: Collection, method: str, top: int | None = None) -> ScoreNorm:
         """S-norm or AS-norm (`top` by default audioclf.metrics.asnorm_top: 300, or a fifth
         of a smaller cohort) against every row of an embedded collection."""
-        if method not in SCORE_NORMS or method == "none":
-            raise ValueError(f"score normalisation {method!r}: use snorm or asnorm")
         if collection.size < 2:
             raise ValueError(
                 f"the cohort {collection.npy} has {collection.size} row(s); it needs >= 2"
             )
-        if method == "snorm" and top is not None:
-            raise ValueError(f"--cohort-top {top} is AS-norm's; snorm scores the whole cohort")
-        if top is not None and top < 2:
-            raise ValueError(f"--cohort-top must be >= 2, got {top}")
         top = None if method == "snorm" else asnorm_top(top, collection.size)
         source = f"{collection.size} rows of {collection.npy}"
         return cls(collection.embeddings(), top, source, str(collection.prefix))
@@ -237,9 +226,12 @@ def search_neighbours(
 
 
 def _normalised(
-    queries: Queries, collection: Collection, query_at: np.ndarray, found: np.ndarray,
+    queries: Queries,
+    collection: Collection,
+    query_at: np.ndarray,
+    found: np.ndarray,
     norm: ScoreNorm,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """The normalised scores of the hits (query_at[i], found[i]): only the hit rows of the
     index are read (memory-mapped) and scored against the cohort."""
     hit_rows, hit_at = np.unique(found, return_inverse=True)

@@ -10,9 +10,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from audioclf.metrics import NeighbourIndex, check_embeddings, neighbour_lists, relevance
+from audioclf.metrics import (
+    ExactSearch,
+    NeighbourIndex,
+    check_embeddings,
+    neighbour_lists,
+    relevance,
+)
 from audioclf.search.base import check_positive
-from audioclf.search.exact import ExactIndex
 
 
 def neighbour_recall(
@@ -63,7 +68,7 @@ def sampled_neighbour_recall(
     """(recall, queries sampled): the mean fraction of each query's R exact neighbours outside
     its own item (leave-one-out without `items`) that `index`'s list holds, as
     retrieval_metrics asks `index` for them, on `queries` seeded queries that have a relevant
-    sample; the exact lists come from an ExactIndex on `device`. (NaN, 0) without such queries.
+    sample; the exact lists come from ExactSearch on `device`. (NaN, 0) without such queries.
     """
     check_positive(queries, "queries")
     emb, lab = check_embeddings(embeddings, labels)
@@ -74,7 +79,7 @@ def sampled_neighbour_recall(
     rng = np.random.default_rng(seed)
     sample = np.sort(rng.choice(scored, size=min(queries, len(scored)), replace=False))
     sample = sample[np.argsort(rel.relevant[sample], kind="stable")]
-    exact = ExactIndex(emb, device=device)
+    exact = ExactSearch(emb, device=device)
     recalls, weights = [], []
     for (chunk, found), (_, truth) in zip(
         neighbour_lists(index, emb, sample, rel), neighbour_lists(exact, emb, sample, rel)

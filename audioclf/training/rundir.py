@@ -27,8 +27,8 @@ from audioclf import checkpoint, distributed
 from audioclf.config import Config, architecture, config_from_dict, differences, save_config
 from audioclf.errors import AlreadyReported, is_user_error, one_line
 from audioclf.fileio import DiskWriteError, remove_stale_temps, write_failure_message
-from audioclf.logs import log_failure_to_file
-from audioclf.outputs import FolderBusy, FolderLock
+from audioclf.outputs import FolderLock
+from audioclf.training.logs import log_failure_to_file
 
 log = logging.getLogger("audioclf")
 
@@ -51,9 +51,6 @@ def prepare_run_dir(run_dir: Path, cfg) -> tuple[RunLock, list[Path]]:
     return lock, stale
 
 
-RunFolderBusy = FolderBusy  # another live run holds the run folder
-
-
 class RunLock(FolderLock):
     """The run's hold on its folder (rank 0): outputs.FolderLock on <run dir>/run.lock;
     `acquire` once the input is known to be valid."""
@@ -71,7 +68,7 @@ class RunLock(FolderLock):
 
 
 def check_free(run_dir: Path) -> None:
-    """Raise RunFolderBusy when a live run holds `run_dir`; creates nothing."""
+    """Raise outputs.FolderBusy when a live run holds `run_dir`; creates nothing."""
     RunLock(run_dir).check_free()
 
 

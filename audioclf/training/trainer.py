@@ -34,13 +34,19 @@ from audioclf.data.index import load_index
 from audioclf.data.loader import TrainLoader, loader_options
 from audioclf.fileio import atomic_copy
 from audioclf.inference import init_weights
-from audioclf.logs import EpochRow, MetricsWriter, setup_logging
 from audioclf.losses import build_loss, final_epochs_start
 from audioclf.models import build_net, count_parameters
-from audioclf.optim import LRSchedule, OptimizerState, base_lr, build_optimizer, param_groups
 from audioclf.precision import BackendFlags, configure_backends, resolve_precision
 from audioclf.training import averaging
 from audioclf.training.compiled import compile_embedder
+from audioclf.training.logs import EpochRow, MetricsWriter, setup_logging
+from audioclf.training.optim import (
+    LRSchedule,
+    OptimizerState,
+    base_lr,
+    build_optimizer,
+    param_groups,
+)
 from audioclf.training.rundir import (
     RunLock,
     StopRequested,

@@ -3,7 +3,7 @@ sharded over every rank with eval.distributed), on a fixed class-stratified subs
 eval.max_samples is set, with a sample of the embeddings for TensorBoard's projector.
 
 Its numbers pick best.pt, so they are computed as evaluate computes them: the embeddings in
-fp32 whatever train.precision (no autocast), without TF32 or autotuning (extract_embeddings),
+fp32 whatever train.precision (no autocast), without TF32 or autotuning (embed_dataset),
 and the retrieval's similarities in IEEE fp32 (retrieval_metrics)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from audioclf import distributed
 from audioclf.config import Config
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, stratified_subset
-from audioclf.inference import extract_embeddings
-from audioclf.logs import MetricsWriter
+from audioclf.inference import embed_dataset
 from audioclf.metrics import RETRIEVAL_KEYS, retrieval_summary
+from audioclf.training.logs import MetricsWriter
 
 log = logging.getLogger("audioclf")
 
@@ -90,7 +90,7 @@ class Validator:
         env, positions = self.env, self.positions
         if sharded:
             positions = positions[env.rank :: env.world_size]
-        emb, labels, seen = extract_embeddings(
+        emb, labels, seen = embed_dataset(
             model,
             self.val_set,
             batch_size=self.cfg.eval.batch_size,
