@@ -24,7 +24,7 @@ from dataclasses import fields
 
 import torch
 
-from audioclf.cli import add_trust_flag
+from audioclf.checkpoint import add_trust_flag
 from audioclf.errors import UsageError, run_cli
 from audioclf.metrics import SCORE_NORMS
 
