@@ -164,7 +164,7 @@ def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | N
         local_rank_arg=local_rank_arg,
     )
     trainer = None
-    stop = StopRequested()
+    stop = StopRequested(every=max(1, cfg.train.log_every_steps))
     try:
         with stop:
             trainer = Trainer(cfg, env, stop, hooks or TrainHooks())
