@@ -86,7 +86,7 @@ def check_before_ranks(cfg: Config) -> None:
     run_dir = Path(cfg.train.runs_dir) / cfg.train.name
     check_free(run_dir)
     resume_path(cfg, run_dir)
-    check_tracker(cfg)
+    check_tracker(cfg, run_dir)
     load_index(cfg.data)
 
 

@@ -216,7 +216,7 @@ class Trainer:
                 net, cfg.model.init_from, self.train.classes, trust=cfg.checkpoint.trust
             )
 
-        check_tracker(cfg)
+        check_tracker(cfg, self.run_dir)
         self._prepare_run_dir()
         try:
             for note in resume_notes:
