@@ -54,9 +54,9 @@ MODULE_BUDGETS = {
 }
 # Packages by job: their lines together, each with its reason.
 PACKAGE_BUDGETS = {
-    "audioclf.training": (1850, "trainer, step, validation, averaging, the run folder, trackers"),
+    "audioclf.training": (2010, "trainer, step, validation, averaging, the run folder, trackers"),
     "audioclf.data": (
-        5100,
+        5200,
         "index sheets, readers, datasets, loaders, sampler, augmentation, importing the "
         "peer toolkits' datasets (Kaldi, NeMo, Lhotse, WeSpeaker) with their segments, and the "
         "feature pack with its batch-at-a-time loader",
@@ -78,7 +78,7 @@ PACKAGE_BUDGETS = {
     ),
     "audioclf.models": (950, "front end, embedders (cnn, resnet, conformer, ecapa), heads"),
     "audioclf.config": (950, "the typed config, its loading and generated reference"),
-    "audioclf.distributed": (860, "the only talker to torch.distributed; the local launcher"),
+    "audioclf.distributed": (920, "the only talker to torch.distributed; the local launcher"),
     "audioclf.precompute": (
         1200,
         "python -m audioclf.prepare's feature writing, segment spans, and the feature pack",
