@@ -92,13 +92,16 @@ def atomic_write_together(
     return list(temps)
 
 
-def write_failure_message(path: Path, reason: str) -> str:
+def write_failure_message(path: Path, reason: str, kept: str | None = None) -> str:
+    """The one line of a write that failed: the file, why, the free space of its folder, what
+    is left (`kept`; by default the previous file unchanged, or nothing written) and the fix."""
     folder = next((p for p in (path.parent, *path.parents) if p.exists()), Path("/"))
     try:
         free = f"{shutil.disk_usage(folder).free / 2**30:.2f} GiB free on {folder}"
     except OSError:
         free = f"free space on {folder} unknown"
-    kept = "the previous file is unchanged" if path.exists() else "nothing was written"
+    if kept is None:
+        kept = "the previous file is unchanged" if path.exists() else "nothing was written"
     return (
         f"cannot write {path}: {reason} ({free}); {kept}. Free some space there, or write "
         "to another folder"

@@ -166,9 +166,10 @@ class FolderLock:
             handle.flush()
         except OSError as exc:  # a full disk has no room even for the holder's line
             self._handle = handle
-            self.release()
+            self.release()  # its close cannot flush either: quiet, so this message stands
+            reason = exc.strerror or str(exc)
             raise DiskWriteError(
-                exc.errno, write_failure_message(self.path, exc.strerror or str(exc))
+                exc.errno, write_failure_message(self.path, reason, "nothing was written")
             ) from exc
         self._handle = handle
         return self
@@ -180,7 +181,10 @@ class FolderLock:
                     self.path.unlink(missing_ok=True)
                 except OSError:
                     pass
-            self._handle.close()  # closing the file releases the lock
+            try:
+                self._handle.close()  # closing the file releases the lock
+            except OSError:  # a full disk: the holder's line cannot be flushed even now, and
+                pass  # the error that made us release is the one to report (the fd is closed)
             self._handle = None
 
     def __enter__(self) -> FolderLock:

@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.source is not None:
-        summary = import_sheet(*args.source, args.out, cfg.data, args.item_pattern, args.root)
+        summary = import_sheet(*args.source, args.out, cfg.data, args.item_pattern, args.root,
+                               run_commands=args.run_commands, progress=not args.quiet)  # fmt: skip
         print("\n".join(summary.lines()))
         return 0
     if args.index is None:

@@ -14,11 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
-
-from audioclf.config import load_config
-from audioclf.distributed.launch import LaunchStopped, check_local_gpus, launch_ranks
-from audioclf.errors import UsageError, run_cli
 
 PROG = "python -m audioclf.train"
 
@@ -60,12 +57,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, *, hooks=None) -> int:
-    """The entry point; `hooks` (a trainer.TrainHooks) lets tests and tools watch the run."""
+    """The entry point; `hooks` (a trainer.TrainHooks) lets tests and tools watch the run.
+
+    Imports come inside: a Ctrl-C while torch loads (seconds) is one line and 130, not a
+    KeyboardInterrupt traceback; a rank of --nproc-per-node says nothing (the launcher does)."""
     args = parse_args(argv)
-    return run_cli(PROG, lambda: run(args, hooks))
+    try:
+        from audioclf.distributed.launch import die_with_launcher  # noqa: PLC0415 - see above
+        from audioclf.errors import run_cli  # noqa: PLC0415
+
+        die_with_launcher()
+        return run_cli(PROG, lambda: run(args, hooks))
+    except KeyboardInterrupt:  # before the trainer's own handler (which stops at a step)
+        if "AUDIOCLF_LAUNCHER_PID" not in os.environ:
+            print(
+                f"{PROG}: stopped by SIGINT before training started; nothing was saved",
+                file=sys.stderr,
+            )
+        return 130
 
 
 def run(args: argparse.Namespace, hooks=None) -> int:
+    from audioclf.config import load_config  # noqa: PLC0415 - see main
+
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
         return launch(args, cfg)
@@ -79,25 +93,48 @@ def run(args: argparse.Namespace, hooks=None) -> int:
 
 
 def launch(args: argparse.Namespace, cfg) -> int:
-    """--nproc-per-node N: the ranks, each `python -m audioclf.train` without the flag."""
+    """--nproc-per-node N: the ranks, each `python -m audioclf.train` without the flag, once
+    the input is known to be good (every rank would refuse it alike)."""
+    from audioclf.distributed.launch import (  # noqa: PLC0415
+        LaunchStopped,
+        check_local_gpus,
+        launch_ranks,
+    )
+    from audioclf.errors import UsageError  # noqa: PLC0415
+    from audioclf.training.rundir import check_before_ranks  # noqa: PLC0415
+
     if args.nproc < 1 or "WORLD_SIZE" in os.environ:
         raise UsageError(
             "--nproc-per-node needs N >= 1 and no launcher around it (under torchrun or srun, "
             "leave it out)"
         )
     check_local_gpus(args.nproc, cfg.train.device)  # before any rank starts
+    check_before_ranks(cfg)
     argv = [*(["--config", args.config] if args.config else []), *args.overrides]
+    last = Path(cfg.train.runs_dir) / cfg.train.name / "last.pt"
+    started = time.time()
+
+    def said(signal_name: str, at_once: bool = False) -> None:
+        print(f"{PROG}: {stopped_line(signal_name, last, started, at_once)}", file=sys.stderr)
+
     try:
-        launch_ranks(args.nproc, "audioclf.train", argv)
+        launch_ranks(args.nproc, "audioclf.train", argv, at_once=lambda n: said(n, True))
     except LaunchStopped as stop:
-        last = Path(cfg.train.runs_dir) / cfg.train.name / "last.pt"
-        print(
-            f"{PROG}: stopped by {stop.signal_name}; {last} is the last checkpoint saved; "
-            "resume with checkpoint.resume=auto",
-            file=sys.stderr,
-        )
+        said(stop.signal_name)
         return 130 if stop.signal_name == "SIGINT" else 143
     return 0
+
+
+def stopped_line(signal_name: str, last: Path, started: float, at_once: bool) -> str:
+    """What a stopped launch says: last.pt only when it exists, and whether this run wrote it."""
+    how = f"stopped at once by a second {signal_name}" if at_once else f"stopped by {signal_name}"
+    if not last.is_file():
+        return (
+            f"{how} before the first checkpoint: nothing to resume; run the same command "
+            "again to start over"
+        )
+    before = " (from before this launch)" if last.stat().st_mtime < started else ""
+    return f"{how}; {last}{before} is the last checkpoint saved; resume with checkpoint.resume=auto"
 
 
 if __name__ == "__main__":

@@ -759,3 +759,45 @@ class Chromium:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# Watching a launcher and its ranks (Linux /proc)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of process `pid` (every thread's), from /proc; [] once it is gone."""
+    found: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(c) for c in children.read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def wait_until(condition, seconds: float = 120) -> bool:
+    """Poll `condition()` every 0.1 s until it holds, at most `seconds`; whether it held (the
+    caller asserts: a bound on a hang, not a timed assertion)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return bool(condition())
+
+
+def has_loaded(pid: int, library: str) -> bool:
+    """Whether process `pid` has mapped a shared library whose path holds `library` (e.g. it
+    is importing torch: "libtorch_cpu")."""
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def is_alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, dead but not reaped, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

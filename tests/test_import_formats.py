@@ -247,3 +247,71 @@ def test_training_on_an_imported_kaldi_dir_with_segments(tmp_path):
                       "train.epochs=1")  # fmt: skip
     result = fit(cfg)
     assert result["step"] > 0
+
+
+def _pipe_kaldi(root: Path) -> Path:
+    """The Kaldi fixture with two wav.scp entries as commands: one program (run without a
+    shell) and a real pipeline (run under /bin/sh)."""
+    folder = copy_kaldi(root)
+    lines = (folder / "wav.scp").read_text().splitlines()
+    lines[0] = "vidA cat wav/id10001/vidA/00001.wav |"
+    lines[1] = "vidB cat wav/id10001/vidB/00001.wav | cat |"
+    (folder / "wav.scp").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_kaldi_pipes_run_once_with_run_commands_and_the_sheet_lists_files(root, capsys):
+    folder, out = _pipe_kaldi(root), root / "sheets" / "train.csv"
+    code = prepare_main(["--from", "kaldi", str(folder), "--out", str(out), "--root", str(root),
+                         "--run-commands", "--quiet"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    sheet = pd.read_csv(out, dtype=str, keep_default_na=False)
+    audio = out.parent / "train_audio"
+    by_item = dict(zip(sheet["a_item"], sheet["path"], strict=False))
+    assert by_item["vidA"] == str(audio / "vidA.wav") and by_item["vidB"] == str(audio / "vidB.wav")
+    assert by_item["vidC"] == str(root / "wav/id10002/vidC/00001.wav")
+    for item in ("vidA", "vidB"):  # the commands' audio, sample for sample
+        written, _ = soundfile.read(by_item[item], dtype="float32")
+        original, _ = soundfile.read(root / f"wav/id10001/{item}/00001.wav", dtype="float32")
+        np.testing.assert_array_equal(written, original)
+    load_index(DataConfig(index=str(out)))  # trains from files: no command in the sheet
+
+
+def test_without_run_commands_a_pipe_is_one_line_naming_the_flag(root):
+    folder = _pipe_kaldi(root)
+    with pytest.raises(FormatError) as caught:
+        import_sheet("kaldi", folder, root / "out.csv", DataConfig(), root=str(root))
+    message = str(caught.value)
+    assert message.startswith(f"{folder / 'wav.scp'}:1: the entry is a command pipe ('cat wav/")
+    assert "add --run-commands to run each such command once" in message
+    assert not (root / "out_audio").exists()
+
+
+def test_a_failing_command_is_one_line_naming_its_entry(root):
+    folder = copy_kaldi(root)
+    lines = (folder / "wav.scp").read_text().splitlines()
+    lines[2] = "vidC cat wav/missing.wav |"
+    (folder / "wav.scp").write_text("\n".join(lines) + "\n")
+    with pytest.raises(FormatError) as caught:
+        import_sheet("kaldi", folder, root / "out.csv", DataConfig(), root=str(root),
+                     run_commands=True, progress=False)  # fmt: skip
+    message = str(caught.value)
+    assert message.startswith(f"{folder / 'wav.scp'}:3: the command 'cat wav/missing.wav' failed")
+    assert not (root / "out.csv").exists()
+
+
+def test_lhotse_command_sources_run_with_run_commands(root):
+    source = root / "lhotse"
+    shutil.copytree(FIXTURES / "lhotse", source)
+    lines = (source / "recordings.jsonl").read_text().splitlines()
+    lines[0] = lines[0].replace(
+        '{"type": "file", "channels": [0], "source": "wav/id10001/vidA/00001.wav"}',
+        '{"type": "command", "channels": [0], "source": "cat wav/id10001/vidA/00001.wav"}',
+    )
+    (source / "recordings.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(FormatError, match="command source .*add --run-commands"):
+        imported("lhotse", source, root)
+    sheet = imported("lhotse", source, root, run_commands=True, progress=False)
+    assert set(sheet.loc[sheet["a_item"] == "vidA", "path"]) == {
+        str(root / "lhotse_audio" / "vidA.wav")
+    }

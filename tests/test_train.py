@@ -446,12 +446,16 @@ def test_nproc_is_checked_against_the_visible_gpus_before_any_rank_starts(
 ):
     # A rank past the visible GPUs died in set_device ("invalid device ordinal") and the
     # launcher could only name exit codes. The device count is monkeypatched: no GPU here.
+    import audioclf.distributed.launch as launch
     import audioclf.train as train
+    import audioclf.training.rundir as rundir
 
     launched = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    monkeypatch.setattr(train, "launch_ranks", lambda *args: launched.append(args))
+    # train imports the launcher when it launches (a Ctrl-C while torch loads is one line)
+    monkeypatch.setattr(launch, "launch_ranks", lambda *args, **kw: launched.append(args))
+    monkeypatch.setattr(rundir, "check_before_ranks", lambda cfg: None)  # no sheet here
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     status = train.main(["--nproc-per-node", "2", f"train.device={device}"])

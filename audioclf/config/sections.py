@@ -179,6 +179,7 @@ class TrainConfig:
     log_every_steps: int = 50  # steps between host syncs (progress-bar loss, TensorBoard, non-finite check, stop vote); 0 = every step
     ema_decay: float = 0.0  # keep an exponential moving average of the weights (e.g. 0.999 per step, warmed up as min(decay, (1 + step) / (10 + step))), used for validation, best.pt and export; 0 = off
     tracker: Literal["none", "mlflow", "wandb"] = "none"  # also log params, epoch metrics and best.pt to an experiment tracker (rank 0): mlflow (MLFLOW_TRACKING_URI, else <run dir>/mlruns) or wandb (offline unless WANDB_MODE says otherwise); needs pip install mlflow-skinny / wandb
+    tracker_required: bool = False  # with train.tracker: a tracker that cannot be reached or started stops the run before anything is written (one error line); false = one warning and training goes on without it
     compile: bool = False  # torch.compile the embedder for training (the first step compiles, minutes on a CPU, and is left out of samples/s; a batch size or crop length that changes compiles once more, that dimension then dynamic; train.log says each); not with dist.strategy=dp; validation, evaluate, embed and export run it eagerly, checkpoints are unchanged
     final_epochs: int = 0  # the last N epochs train with clips.final_crop_seconds and loss.final_margin / final_head_margin where set (WeSpeaker's large-margin fine-tuning; the margin warm-up applies before them); 0 = off
 

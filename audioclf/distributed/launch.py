@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
+import sys
+from collections.abc import Callable
 
 import torch
+
+from audioclf.errors import AlreadyReported
 
 log = logging.getLogger("audioclf")
 
@@ -162,6 +167,10 @@ def check_local_gpus(nproc: int, device: str) -> None:
     )
 
 
+LAUNCHER_PID = "AUDIOCLF_LAUNCHER_PID"  # set by launch_ranks in its ranks' environment
+_PR_SET_PDEATHSIG = 1
+
+
 class LaunchStopped(Exception):
     """The ranks started by `launch_ranks` were stopped by a signal (Ctrl-C, SIGTERM)."""
 
@@ -170,23 +179,81 @@ class LaunchStopped(Exception):
         self.signal_name = signal_name
 
 
-def launch_ranks(nproc: int, module: str, argv: list[str]) -> None:
-    """`python -m <module> <argv>` on `nproc` local ranks through torch's elastic launcher, as
-    `torchrun --standalone --nproc_per_node <nproc>` does (one node, no restarts, each rank in
-    a session of its own, so a Ctrl-C reaches this launcher, which passes it on once).
+def die_with_launcher() -> None:
+    """In a rank started by `launch_ranks`: be killed (SIGKILL) when the launcher dies, however
+    it dies (kill -9, a closed terminal, an OOM killer), so no rank trains on alone holding the
+    run lock (the kernel releases it with the process; last.pt stays the last one written,
+    whole). Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op. Nothing outside a launch."""
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes  # noqa: PLC0415 - only ranks of a launch need it
 
-    Raises LaunchStopped when a signal stopped the ranks, RuntimeError naming the failed ranks'
-    exit codes when one failed (the rank itself printed why)."""
-    import sys  # noqa: PLC0415 - the launcher's own imports only when it launches
-    import uuid  # noqa: PLC0415
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(launcher):  # it died before the prctl: nobody would kill us
+        os._exit(1)
+
+
+class _Interrupts:
+    """The launcher's Ctrl-C / SIGTERM / SIGHUP: ends torch's agent (SignalException), which
+    sends the ranks SIGTERM, not the SIGINT it would pass on. A rank still importing then dies
+    without a KeyboardInterrupt traceback; a training rank stops at its next stop vote and
+    saves last.pt (rundir.StopRequested). `first` is the signal that asked to stop."""
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+    def __init__(self, at_once: Callable[[str], None]):
+        self.first: str | None = None
+        self.at_once = at_once
+
+    def install(self) -> None:
+        for name in self.SIGNALS:
+            signal.signal(getattr(signal, name), self._handle)
+
+    def uninstall(self) -> None:
+        for name in self.SIGNALS:  # the launch is over: a late signal has nothing to stop
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+    def _handle(self, signum, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
+
+        if self.first is not None:  # a second one: the ranks die with this process
+            self.at_once(self.first)
+            os._exit(130 if self.first == "SIGINT" else 143)
+        self.first = signal.Signals(signum).name
+        raise SignalException(f"stopped by {self.first}", sigval=signal.SIGTERM)
+
+
+def _silence_torch_elastic() -> None:
+    """torch's agent logs warnings and one error line per failed rank (with its own
+    summary) under torch.distributed.*: the ranks and this launcher say what happened."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [logging.NullHandler()]
+        logger.propagate = False
+
+
+def launch_ranks(
+    nproc: int, module: str, argv: list[str], at_once: Callable[[str], None] = lambda name: None
+) -> None:
+    """`python -m <module> <argv>` on `nproc` local ranks through torch's elastic launcher, as
+        `torchrun --standalone --nproc_per_node <nproc>` does (one node, no restarts, each rank in
+        a session of its own, so a Ctrl-C reaches this launcher, which asks the ranks to stop
+        once, with SIGTERM; a second signal calls `at_once(first signal's name)` and exits at once,
+    killing the ranks). Each rank should call `die_with_launcher` first thing.
+
+        Raises LaunchStopped when a signal stopped the ranks, RuntimeError naming the failed ranks'
+        exit codes when one was killed, AlreadyReported when one failed (it printed why)."""
+    import uuid  # noqa: PLC0415 - the launcher's own imports only when it launches
 
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # torchrun's own chatter
+    _silence_torch_elastic()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: CPU ranks share the cores
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -196,14 +263,23 @@ def launch_ranks(nproc: int, module: str, argv: list[str]) -> None:
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.5,
+        # torch's agent would handle these itself, passing the signal itself on to the ranks
+        # (a KeyboardInterrupt traceback in a rank still importing): _Interrupts does instead.
+        signals_to_handle="",
     )
+    interrupts = _Interrupts(at_once)
+    interrupts.install()
     try:
         elastic_launch(config, sys.executable)("-m", module, *argv)
-    except SignalException as exc:
-        raise LaunchStopped(getattr(exc.sigval, "name", str(exc.sigval))) from None
+    except SignalException:
+        raise LaunchStopped(interrupts.first or "SIGTERM") from None
     except ChildFailedError as exc:
         codes = sorted({failure.exitcode for failure in exc.failures.values()})
+        if all(code > 0 for code in codes):  # the rank printed why (one line, or a traceback)
+            raise AlreadyReported() from None
         raise RuntimeError(
-            f"rank(s) {', '.join(map(str, sorted(exc.failures)))} failed (exit status "
-            f"{', '.join(map(str, codes))}); their own lines above say why"
+            f"rank(s) {', '.join(map(str, sorted(exc.failures)))} died (exit status "
+            f"{', '.join(map(str, codes))}: killed by a signal, e.g. out of memory)"
         ) from None
+    finally:
+        interrupts.uninstall()

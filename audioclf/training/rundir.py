@@ -72,7 +72,35 @@ def check_free(run_dir: Path) -> None:
     RunLock(run_dir).check_free()
 
 
+def check_before_ranks(cfg: Config) -> None:
+    """What every rank would refuse alike, checked once by a launcher before it starts them
+    (so a mistake is one line, not one per rank): the run folder free and fit for this start,
+    the resume checkpoint there, the tracker's package, and the sheet (which this read caches
+    for the ranks)."""
+    from audioclf.data.index import load_index  # noqa: PLC0415 - the launcher's check only
+    from audioclf.training.trackers import check_tracker  # noqa: PLC0415
+
+    run_dir = Path(cfg.train.runs_dir) / cfg.train.name
+    check_free(run_dir)
+    resume_path(cfg, run_dir)
+    check_tracker(cfg, run_dir)
+    load_index(cfg.data)
+
+
 # ------------------------------------------------------------------------------ resume point
+
+
+def resume_path(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from (None: a fresh start); ValueError for a fresh start into
+    a folder that holds a run, CheckpointError for a checkpoint.resume file that is missing."""
+    path = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    if path is None and (run_dir / checkpoint.LAST).exists():
+        raise ValueError(
+            f"{run_dir} already holds a run ({checkpoint.LAST}); continue it with "
+            "checkpoint.resume=auto, or start a new one with another train.name (or delete "
+            "the folder)"
+        )
+    return path
 
 
 def resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict | None, list[str]]:
@@ -81,13 +109,7 @@ def resume_point(cfg: Config, run_dir: Path) -> tuple[Path | None, dict | None, 
     A fresh start into a folder that holds a run is refused. With resume_strict=false the
     checkpoint's architecture replaces cfg's (cfg.model, cfg.features are set in place).
     """
-    path = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
-    if path is None and (run_dir / checkpoint.LAST).exists():
-        raise ValueError(
-            f"{run_dir} already holds a run ({checkpoint.LAST}); continue it with "
-            "checkpoint.resume=auto, or start a new one with another train.name (or delete "
-            "the folder)"
-        )
+    path = resume_path(cfg, run_dir)
     if path is None:
         return None, None, []
     ckpt = checkpoint.load(path, trust=cfg.checkpoint.trust)
@@ -121,7 +143,8 @@ class StopRequested:
     SIGTERM, 130 after Ctrl-C). A second Ctrl-C stops the process at once: last.pt stays the
     last one written (checkpoint writes are atomic, so it is whole)."""
 
-    def __init__(self):
+    def __init__(self, every: int = 1):
+        self.every = every  # steps between the ranks' stop votes (train.log_every_steps)
         self.flag = False
         self.signal: str | None = None  # the signal that asked to stop, e.g. "SIGINT"
         self._previous = {}
@@ -140,10 +163,16 @@ class StopRequested:
             log.error("second Ctrl-C: stopping at once; last.pt is the last one saved")
             os._exit(130)
         if not self.flag:
+            when = (
+                "at the next step"
+                if self.every <= 1
+                else f"within {self.every} steps (the ranks vote every "
+                f"train.log_every_steps={self.every})"
+            )
             log.warning(
-                "received %s: stopping at the next step boundary all ranks agree on, "
-                "then saving last.pt%s",
+                "received %s: stopping %s, then saving last.pt%s",
                 name,
+                when,
                 " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "",
             )
         self.flag = True

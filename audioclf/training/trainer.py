@@ -170,7 +170,7 @@ def fit(cfg: Config, *, hooks: TrainHooks | None = None, local_rank_arg: int | N
         local_rank_arg=local_rank_arg,
     )
     trainer = None
-    stop = StopRequested()
+    stop = StopRequested(every=max(1, cfg.train.log_every_steps))
     try:
         with stop:
             trainer = Trainer(cfg, env, stop, hooks or TrainHooks())
@@ -222,7 +222,7 @@ class Trainer:
                 net, cfg.model.init_from, self.train.classes, trust=cfg.checkpoint.trust
             )
 
-        check_tracker(cfg)
+        check_tracker(cfg, self.run_dir)
         self._prepare_run_dir()
         try:
             for note in resume_notes:

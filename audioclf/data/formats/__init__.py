@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from audioclf.config import DataConfig
+from audioclf.data.formats.commands import CommandSources
 from audioclf.data.formats.kaldi import read_kaldi, read_wespeaker
 from audioclf.data.formats.lhotse import read_lhotse
 from audioclf.data.formats.nemo import read_nemo
@@ -85,6 +86,13 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --from: the item is this regex's one group over the utterance id "
         "(default: the recording where the source has one, else the middle of VoxCeleb ids)",
     )
+    parser.add_argument(
+        "--run-commands",
+        action="store_true",
+        help="with --from kaldi|wespeaker|lhotse: run the data dir's commands (wav.scp pipes "
+        "'sox ... |', Lhotse command sources) once each, in parallel, writing their audio to "
+        "OUT_audio/ beside the sheet, which lists those files (off: such entries are refused)",
+    )
 
 
 def import_sheet(
@@ -94,18 +102,26 @@ def import_sheet(
     data: DataConfig,
     item_pattern: str | None = None,
     root: str | None = None,
+    *,
+    run_commands: bool = False,
+    progress: bool = True,
 ) -> ImportSummary:
     """Read `source` in format `kind`, write the checked sheet `out`; relative audio paths
-    resolve against `root` (default: the source's folder)."""
+    resolve against `root` (default: the source's folder). `run_commands`: the source's
+    command entries are run once each into files under <out's folder>/<out's stem>_audio/."""
     source, out = Path(source), Path(out)
     if kind not in READERS:
         raise FormatError(f"--from {kind!r} is not a format: use one of {', '.join(READERS)}")
     if out.suffix.lower() not in SHEET_SUFFIXES:
         raise FormatError(f"--out {out} must end in one of {', '.join(SHEET_SUFFIXES)}")
     base = Path(root) if root else (source if source.is_dir() else source.parent)
-    entries = READERS[kind](source, base.absolute())
+    audio = out.absolute().parent / f"{out.stem}_audio" if run_commands else None
+    commands = CommandSources(audio, cwd=base.absolute())
+    entries = READERS[kind](source, base.absolute(), commands=commands)
     if not entries:
         raise FormatError(f"{source} lists no utterances")
+    if commands.run(progress):
+        log.info("ran %d commands of %s into %s", len(commands.pending), source, audio)
     rule = _assign_items(entries, item_pattern)
     log.info("import %s %s: item %s", kind, source, rule)
     _check_entries(entries)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import soundfile
 
+from audioclf.data.formats.commands import CommandSources
 from audioclf.data.formats.records import (
     Entry,
     FormatError,
@@ -20,12 +21,20 @@ from audioclf.data.formats.records import (
 from audioclf.data.readers import AUDIO_SUFFIXES
 
 
-def read_kaldi(folder: Path, base: Path, *, strip_suffix: bool = False) -> list[Entry]:
+def read_kaldi(
+    folder: Path,
+    base: Path,
+    *,
+    strip_suffix: bool = False,
+    commands: CommandSources | None = None,
+) -> list[Entry]:
     """One Entry per utterance of a Kaldi data dir; with `segments`, a segment of its recording
-    (item: the recording id). `strip_suffix`: keys lose an audio suffix (WeSpeaker's keys)."""
+    (item: the recording id). `strip_suffix`: keys lose an audio suffix (WeSpeaker's keys).
+    wav.scp pipes (`cmd |`) become the files `commands` will write (refused without it)."""
     if not folder.is_dir():
         raise FormatError(f"{folder} is not a folder: give the Kaldi data dir (wav.scp, utt2spk)")
-    wavs = _table(folder / "wav.scp", base, strip_suffix, paths=True)
+    commands = commands or CommandSources(None)
+    wavs = _table(folder / "wav.scp", base, strip_suffix, commands)
     speakers = _table(folder / "utt2spk", base, strip_suffix)
     segments = folder / "segments"
     if segments.is_file():
@@ -47,8 +56,12 @@ def read_kaldi(folder: Path, base: Path, *, strip_suffix: bool = False) -> list[
     return entries
 
 
-def _table(path: Path, base: Path, strip_suffix: bool, paths: bool = False) -> dict:
-    """{key: (value, "file:line")} of a two-column Kaldi file (wav.scp values resolved)."""
+def _table(
+    path: Path, base: Path, strip_suffix: bool, commands: CommandSources | None = None
+) -> dict:
+    """{key: (value, "file:line")} of a two-column Kaldi file (wav.scp, with `commands`: its
+    values resolved)."""
+    paths = commands is not None
     table: dict[str, tuple[str, str]] = {}
     for where, fields in text_lines(path):
         if len(fields) < 2 or (len(fields) > 2 and not paths):
@@ -58,7 +71,7 @@ def _table(path: Path, base: Path, strip_suffix: bool, paths: bool = False) -> d
             )
         key, value = fields[0], " ".join(fields[1:])
         if paths:
-            value = _wav_path(value, where, base)
+            value = _wav_path(key, value, where, base, commands)
         if strip_suffix and os.path.splitext(key)[1].lower() in AUDIO_SUFFIXES:
             key = os.path.splitext(key)[0]
         if key in table:
@@ -67,12 +80,9 @@ def _table(path: Path, base: Path, strip_suffix: bool, paths: bool = False) -> d
     return table
 
 
-def _wav_path(value: str, where: str, base: Path) -> str:
+def _wav_path(key: str, value: str, where: str, base: Path, commands: CommandSources) -> str:
     if value.endswith("|"):
-        raise FormatError(
-            f"{where}: the entry is a command pipe ({value!r}), which cannot be read: write "
-            "the audio to files (e.g. sox or ffmpeg into wav) and list their paths in wav.scp"
-        )
+        return commands.audio_file(key, value[:-1].strip(), where)
     if ".ark:" in value:
         raise FormatError(
             f"{where}: the entry points into a Kaldi archive ({value!r}): write the audio to "
@@ -111,12 +121,14 @@ def _duration(audio: str, where: str) -> float:
     return info.frames / info.samplerate
 
 
-def read_wespeaker(source: Path, base: Path) -> list[Entry]:
+def read_wespeaker(
+    source: Path, base: Path, *, commands: CommandSources | None = None
+) -> list[Entry]:
     """A WeSpeaker data dir (wav.scp + utt2spk, keys without their audio suffix, as
     tools/make_raw_list.py reads them) or its raw list (data.list: JSON lines key, wav, spk)."""
     if source.is_dir():
         if (source / "wav.scp").is_file():
-            return read_kaldi(source, base, strip_suffix=True)
+            return read_kaldi(source, base, strip_suffix=True, commands=commands)
         for name in ("data.list", "raw.list"):
             if (source / name).is_file():
                 return read_wespeaker(source / name, base)

@@ -5,21 +5,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from audioclf.data.formats.commands import CommandSources
 from audioclf.data.formats.records import Entry, FormatError, field, json_lines, resolve
 
 NUMBER = (int, float)
 KINDS = ("recordings", "supervisions", "cuts")
 
 
-def read_lhotse(source: Path, base: Path) -> list[Entry]:
+def read_lhotse(source: Path, base: Path, *, commands: CommandSources | None = None) -> list[Entry]:
     """A cuts manifest, a supervisions or recordings manifest (its partner found by the same
-    name with 'supervisions' <-> 'recordings'), or a folder holding one pair or one cuts file."""
+    name with 'supervisions' <-> 'recordings'), or a folder holding one pair or one cuts file.
+    Sources of type `command` become the files `commands` will write (refused without it)."""
+    commands = commands or CommandSources(None)
     found = _manifests(source)
     if "cuts" in found:
-        return [_cut(where, record, base) for where, record in json_lines(found["cuts"])]
+        return [_cut(where, record, base, commands) for where, record in json_lines(found["cuts"])]
     recordings = {}
     for where, record in json_lines(found["recordings"]):
-        recordings[field(record, "id", where)] = _recording_path(record, where, base)
+        recordings[field(record, "id", where)] = _recording_path(record, where, base, commands)
     entries = []
     for where, record in json_lines(found["supervisions"]):
         recording = field(record, "recording_id", where)
@@ -73,14 +76,19 @@ def _manifests(source: Path) -> dict[str, Path]:
     return {kind: source, other: partner}
 
 
-def _recording_path(recording: dict, where: str, base: Path) -> str:
-    """The one audio file of a recording; refuses other sources (url, command, memory, ...)."""
+def _recording_path(recording: dict, where: str, base: Path, commands: CommandSources) -> str:
+    """The one audio file of a recording (a `command` source: the file `commands` will write);
+    refuses other sources (url, memory, several channels' files, ...)."""
     sources = field(recording, "sources", where, list)
     kinds = [s.get("type") if isinstance(s, dict) else None for s in sources]
+    if kinds == ["command"]:
+        command = field(sources[0], "source", where)
+        return commands.audio_file(field(recording, "id", where), command, where, "command source")
     if kinds != ["file"]:
         raise FormatError(
             f"{where}: recording {recording.get('id')!r} has sources of type {kinds}; only "
-            "one source of type 'file' can be read (save the audio to a file per recording)"
+            "one source of type 'file' (or 'command', with --run-commands) can be read (save "
+            "the audio to a file per recording)"
         )
     return resolve(field(sources[0], "source", where), base)
 
@@ -95,7 +103,7 @@ def _segment(record: dict, where: str, recording: str, path: str, offset: float)
     )
 
 
-def _cut(where: str, cut: dict, base: Path) -> Entry:
+def _cut(where: str, cut: dict, base: Path, commands: CommandSources) -> Entry:
     """A MonoCut as one segment of its recording, its class the speaker of its supervisions."""
     if cut.get("type", "MonoCut") != "MonoCut" or not isinstance(cut.get("recording"), dict):
         raise FormatError(
@@ -104,7 +112,7 @@ def _cut(where: str, cut: dict, base: Path) -> Entry:
             "files, or give the recordings and supervisions manifests)"
         )
     recording = cut["recording"]
-    path = _recording_path(recording, where, base)
+    path = _recording_path(recording, where, base, commands)
     speakers = {s.get("speaker") for s in cut.get("supervisions") or [] if isinstance(s, dict)}
     if len(speakers) != 1 or None in speakers:
         raise FormatError(

@@ -10,7 +10,7 @@ from audioclf.data.formats.records import Entry, FormatError, field, json_lines,
 NUMBER = (int, float)
 
 
-def read_nemo(manifest: Path, base: Path) -> list[Entry]:
+def read_nemo(manifest: Path, base: Path, *, commands=None) -> list[Entry]:  # noqa: ARG001
     """One Entry per manifest line. Ids are the audio paths relative to the folder all of them
     share, without their suffix (`spk/video/utt`), plus `@<offset>` for a segment; a segment's
     item is its audio file (the recording)."""
