@@ -14,7 +14,7 @@ What runs, in one run so that every ratio compares figures taken on the same mac
 - the server (`python -m audioclf.serve MODEL --threads 1`, a subprocess on 127.0.0.1 at a free
   port) with batching (--max-batch 32 --max-wait-ms 5) and with --max-batch 1, for the
   checkpoint; the batched server also for its TorchScript and ONNX exports (written into a
-  temporary folder; --quick skips these two servers);
+  temporary folder; --quick skips these two servers and the page's round trip);
 - a closed-loop load generator (asyncio, one keep-alive connection per client) posting one clip
   per request to /embed at concurrency 1, 8, 32 and 64; each level is bounded by --requests and
   --seconds after a warm-up of 2 requests per client; requests/s, clips/s and the p50 / p95 /
@@ -400,7 +400,8 @@ def measure(args, models: dict[str, Path], files: list[Path], bodies: list[bytes
         print(tail.row(), flush=True)
         mem = memory(server, bodies, args.memory_requests)
         longest = max(files, key=lambda f: soundfile.info(str(f)).duration)
-        page = page_round_trip(server, longest, args, tmp)
+        # --quick leaves the browser out: tests/test_serve_page.py drives the page itself
+        page = None if args.quick else page_round_trip(server, longest, args, tmp)
     over, alive = overload(model, bodies, probe.rate, args)
     print(over.row(), flush=True)
     with Server(model, *UNBATCHED) as server:
@@ -488,7 +489,10 @@ def report_targets(levels, ceilings, tail, over, alive, mem, page) -> bool:
         )
     )
     if page is None:
-        print("SKIP the page's round trip: no chromium on PATH (apt-get install chromium)")
+        print(
+            "SKIP the page's round trip: not measured (--quick, or no chromium on PATH: "
+            "apt-get install chromium)"
+        )
     else:
         median = float(np.median(page))
         ok.append(

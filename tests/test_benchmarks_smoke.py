@@ -91,6 +91,7 @@ COVERED_ELSEWHERE = {
     "gpu_throughput.py": "tests/test_gpu_scripts.py (--device cpu)",
     "gpu_wheels.sh": "tests/test_gpu_scripts.py (a local folder of wheels)",
     "data_scale.py": "tests/test_pack.py (--smoke, issue 32)",
+    "serve.py": "tests/test_serve.py (--quick, issue 37)",
 }
 
 
