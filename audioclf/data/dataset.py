@@ -154,13 +154,13 @@ class AudioDataset(torch.utils.data.Dataset):
         needs_rng = self.train and (self.cfg.kind == "audio" or self.augment is not None)
         rng = np.random.default_rng(seed) if needs_rng else None
         path = self.paths[position]
-        where = f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
         if self.pack is not None:  # a checked pack: nothing to skip, an error is the pack's
-            x = self._read_packed(position, seed, rng, crop_samples, where)
+            x = self._read_packed(position, seed, rng, crop_samples, self._where(position))
             return x, int(self.labels[position]), position
         try:
             x = self._read(path, seed, rng, self._crop_samples(crop_samples), self._span(position))
         except (AudioReadError, FeatureFileError) as exc:
+            where = self._where(position)
             if not self.skip_bad_files:
                 raise type(exc)(
                     f"{where}: {exc}. Fix or remove the file, or {self.skip_hint} to skip "
@@ -170,6 +170,10 @@ class AudioDataset(torch.utils.data.Dataset):
             log.warning("skipping unreadable file at %s (%s): %s", where, path, exc)
             return None
         return x, int(self.labels[position]), position
+
+    def _where(self, position: int) -> str:
+        """How a message names the item at `position`: its sheet row when known."""
+        return f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
 
     def _read_packed(
         self, position: int, seed: int | None, rng, crop_samples: int | None, where: str

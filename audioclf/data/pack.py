@@ -166,18 +166,26 @@ class PackedFeatures:
         file_ids = self.file_ids[positions]
         offsets = self.offsets[positions] + starts * self.frame_bytes
         order = np.lexsort((offsets, file_ids))
-        fds = np.asarray(self.descriptors())[file_ids[order]].tolist()
+        fds = self.descriptors()
         nbytes = (lengths[order] * self.frame_bytes).tolist()
-        plan = list(zip(order.tolist(), fds, offsets[order].tolist(), nbytes, strict=True))
+        plan = list(
+            zip(
+                order.tolist(),
+                file_ids[order].tolist(),
+                offsets[order].tolist(),
+                nbytes,
+                strict=True,
+            )
+        )
         if hasattr(os, "posix_fadvise"):
             advise, will_need = os.posix_fadvise, os.POSIX_FADV_WILLNEED
-            for _, fd, offset, count in plan:
-                advise(fd, offset, count, will_need)
+            for _, file_id, offset, count in plan:
+                advise(fds[file_id], offset, count, will_need)
         preadv = os.preadv
-        for slot, fd, offset, count in plan:
+        for slot, file_id, offset, count in plan:
             target = buffer[slot * slot_bytes : slot * slot_bytes + count]
-            if preadv(fd, [target], offset) < count:  # a short read: finish it, or say why not
-                self._read_fully(fd, target, offset, self.descriptors().index(fd))
+            if preadv(fds[file_id], [target], offset) < count:  # short: finish it, or say why not
+                self._read_fully(fds[file_id], target, offset, file_id)
 
     def _read_fully(self, fd: int, buffer: memoryview, offset: int, file_id: int) -> None:
         done = 0

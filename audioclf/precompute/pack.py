@@ -53,6 +53,7 @@ from audioclf.data.pack import (
 from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError, load_audio
 from audioclf.fileio import atomic_write_bytes
 from audioclf.outputs import FolderLock, write_skipped
+from audioclf.precompute.run import path_suffixes
 from audioclf.spectrogram import log_mel
 
 PROGRESS = ".pack-progress.json"
@@ -171,7 +172,7 @@ def _check_sources(index: Index, kind: str, skip_bad: bool) -> dict[int, str]:
     table = index.table
     if PACK_COLUMNS[0] in table.columns:
         raise ValueError(f"index file {index.source} is a feature pack's index already")
-    suffixes = table["path"].str.extract(r"(\.[^./\\]*)$", expand=False).fillna("").str.lower()
+    suffixes = path_suffixes(table["path"])
     if kind == "npy":
         good, wanted = (suffixes == ".npy").to_numpy(), ".npy feature files (features.kind=npy)"
     else:

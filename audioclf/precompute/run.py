@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from audioclf.config import Config, DataConfig, FeaturesConfig, load_config
+from audioclf.config import Config, DataConfig, load_config
 from audioclf.data.index import Index, load_index, read_table
 from audioclf.data.index.table import FIRST_DATA_ROW, rows_text
+from audioclf.data.pack import feature_settings
 from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError
 from audioclf.fileio import atomic_write, atomic_write_bytes, remove_temporaries
 from audioclf.outputs import (
@@ -43,7 +44,6 @@ from audioclf.precompute.names import feature_paths
 SHARDS_DIR = "shards"
 MANIFEST = "prepare.json"
 VERSION = 1  # bump when the files' contents or layout change, so old folders are refused
-FEATURE_KEYS = ("sample_rate", "n_fft", "win_length", "hop_length", "n_mels", "f_min", "f_max")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,11 +78,6 @@ class Shard:
         return np.arange(self.index, rows, self.count)
 
 
-def feature_settings(features: FeaturesConfig) -> dict:
-    """The settings that shape the files' contents."""
-    return {key: getattr(features, key) for key in FEATURE_KEYS}
-
-
 def index_name(source: Path) -> str:
     suffix = source.suffix.lower()
     return "index" + (".xlsx" if suffix == ".xlsm" else suffix)
@@ -109,12 +104,15 @@ def _run_key(source: Path, cfg: Config) -> str:
     return digest.hexdigest()
 
 
+def path_suffixes(paths: pd.Series) -> pd.Series:
+    """Each path's suffix, lower-cased ("" without one)."""
+    return paths.str.extract(r"(\.[^./\\]*)$", expand=False).fillna("").str.lower()
+
+
 def _check_sources(index: Index, skip_bad: bool) -> dict[int, str]:
     """Positions of rows whose files are not audio (by suffix) → reason; refuses a features
     index outright, and other non-audio files unless `skip_bad`."""
-    suffixes = (
-        index.table["path"].str.extract(r"(\.[^./\\]*)$", expand=False).fillna("").str.lower()
-    )
+    suffixes = path_suffixes(index.table["path"])
     npy = (suffixes == ".npy").to_numpy()
     if npy.any():
         raise ValueError(
