@@ -134,6 +134,11 @@ def query_int(request: Request, name: str, default: int, most: int) -> int:
     return int(text)
 
 
+async def in_workers(service: Service, fn, *args):
+    """fn(*args) in the service's worker threads (off the event loop)."""
+    return await asyncio.wrap_future(service.workers.submit(fn, *args))
+
+
 async def embedded(request: Request) -> tuple[list[str], object]:
     """The request's clips decoded, batched with other requests' and embedded: (names,
     embeddings [n, D])."""
@@ -141,8 +146,8 @@ async def embedded(request: Request) -> tuple[list[str], object]:
     service.batcher.check_room()  # a full server refuses before reading the body
     clips = await clips_of(request, service)
     with service.batcher.reserve(len(clips)) as slot:
-        waves = await run_in_threadpool(
-            lambda: [service.decode(data, where) for _, where, data in clips]
+        waves = await in_workers(
+            service, lambda: [service.decode(data, where) for _, where, data in clips]
         )
         embeddings = await asyncio.wrap_future(slot.submit(waves))
     names = [name for name, _, _ in clips]
@@ -161,7 +166,7 @@ async def rank(request: Request):
         return error(404, "no gallery: start the server with --gallery SHEET")
     top = query_int(request, "top", service.options.top, 1000)
     names, embeddings = await embedded(request)
-    ranked = await run_in_threadpool(service.rank, embeddings, top)
+    ranked = await in_workers(service, service.rank, embeddings, top)
     clips = [
         {"name": name, "classes": [{"class": c, "score": s} for c, s in classes]}
         for name, classes in zip(names, ranked)
@@ -175,7 +180,7 @@ async def search(request: Request):
         return error(404, "no collection: start the server with --collection PREFIX")
     k = query_int(request, "k", service.options.k, 1000)
     names, embeddings = await embedded(request)
-    found = await run_in_threadpool(service.search, embeddings, names, k)
+    found = await in_workers(service, service.search, embeddings, names, k)
     clips = [{"name": name, "neighbours": hits} for name, hits in zip(names, found)]
     return JSONResponse({"collection": str(service.searched.collection.prefix), "clips": clips})
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ from audioclf.serve.batcher import MicroBatcher
 from audioclf.serve.stats import Stats
 
 log = logging.getLogger("audioclf")
+WORKER_THREADS = min(4, os.cpu_count() or 1)
 
 
 class OverLimit(ValueError):
@@ -136,6 +139,9 @@ class Service:
             max_queue=options.max_queue,
             stats=self.stats,
         )
+        # Decoding, ranking and searching run here, off the event loop: a few threads, not one
+        # per waiting request (each thread that allocates keeps a malloc arena of its own)
+        self.workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="audioclf-serve")
         self.gallery: Gallery | None = None
         self.searched: Searched | None = None
         silence = np.zeros(model.sample_rate, np.float32)  # also warms the model up
@@ -198,8 +204,9 @@ class Service:
         self.batcher.start()
 
     def close(self) -> None:
-        """Embed the clips already queued, then stop the batcher."""
+        """Embed the clips already queued, then stop the batcher and the workers."""
         self.batcher.close()
+        self.workers.shutdown(wait=True)
 
     def decode(self, data: bytes, name: str) -> torch.Tensor:
         """An uploaded file's bytes as the model takes them (read as a file of that format is
