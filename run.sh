@@ -211,7 +211,7 @@ cmd_stop() {
 cmd_lint() {
     # The guards the next feature must keep: ruff's lint (complexity C901 <= 12, imports) and
     # its formatter; pylint's duplicate-code check (R0801, alone: pyproject's [tool.pylint]) for
-    # code copied inside the package; tests/test_code_shape.py checks function sizes, the root
+    # code copied inside the package; tests/project/test_code_shape.py checks function sizes, the root
     # and the layering.
     "$PY" -m ruff check --quiet . || die "lint failed: fix the lines above (ruff check --fix fixes some)"
     "$PY" -m ruff format --check --quiet . || die "formatting differs: run .venv/bin/ruff format ."

@@ -4,7 +4,7 @@
 # it fits a machine lent for 10 minutes with the wheels' install.
 #   preflight (~10 s): every module imports (a missing one is named with its wheel), torch at
 #      requirements.txt's floor, a GPU visible;
-#   cuda tests (pytest -m cuda tests/test_cuda.py tests/test_search.py; ~1-2 min): bf16/fp16
+#   cuda tests (pytest -m cuda tests/project/test_cuda.py tests/search/test_search.py; ~1-2 min): bf16/fp16
 #      steps, NCCL collectives, SyncBN under DDP, a GPU checkpoint resumed on CPU and exported,
 #      exact search on the GPU against the CPU's (after trainings in the same process: each
 #      puts back the TF32 and autotuning flags it found);
@@ -32,7 +32,7 @@
 # --wheels DIR installs DIR/*.whl (from benchmarks/gpu_wheels.sh) offline into a temporary
 # folder put first on PYTHONPATH for this run; the machine's own packages are not touched.
 # --cpu-smoke: the preflight without a GPU, then throughput and ddp on the CPU with tiny models
-# (ddp: 2 gloo ranks); the pytest steps are SKIP. tests/test_gpu_scripts.py runs it.
+# (ddp: 2 gloo ranks); the pytest steps are SKIP. tests/project/test_gpu_scripts.py runs it.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -109,7 +109,7 @@ check_cuda_tests() {  # PASS needs a test that passed: skipped cuda tests check 
     local log="$WORK/cuda_tests.log" limit rc passed
     limit="$(time_left 180)"
     timeout -k 10 "$limit" "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/cuda_tmp" \
-        -m cuda tests/test_cuda.py tests/test_search.py > "$log" 2>&1
+        -m cuda tests/project/test_cuda.py tests/search/test_search.py > "$log" 2>&1
     rc=$?
     tail -n 15 "$log"
     passed="$(grep -oE '[0-9]+ passed' "$log" | tail -n 1 | cut -d' ' -f1)"
@@ -126,7 +126,7 @@ check_cuda_tests() {  # PASS needs a test that passed: skipped cuda tests check 
 
 start_cpu_tests() {  # the fast tier in CPU_SHARDS background shards of test files, niced
     local files limit shard i
-    mapfile -t files < <(ls tests/test_*.py)
+    mapfile -t files < <(find tests -name 'test_*.py' | sort)
     limit="$(time_left 420)"
     for ((shard = 0; shard < CPU_SHARDS; shard++)); do
         local mine=()

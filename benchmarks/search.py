@@ -21,7 +21,7 @@ ru_maxrss) after an untimed warm-up, and reports:
   neighbour recall on 1,000 queries.
 
 A last row at every size is `evaluate`'s default, `--search auto`, resolved by the function
-evaluate itself calls (audioclf.evaluation.metrics.choose_search) and measured like the others,
+evaluate itself calls (audioclf.evaluation.metrics.resolve_search) and measured like the others,
 so the table shows its |delta| against exact search on every metric.
 
 Real embeddings (--real PREFIX ...): the rows of PREFIX.npy / .parquet written by
@@ -61,7 +61,7 @@ sys.path.insert(
     0, str(pathlib.Path(__file__).resolve().parents[1])
 )  # run as a script from anywhere
 
-from audioclf.evaluation.metrics import choose_search  # noqa: E402
+from audioclf.evaluation.metrics import resolve_search  # noqa: E402
 from audioclf.metrics import retrieval_metrics  # noqa: E402
 from audioclf.search import (  # noqa: E402
     build,
@@ -103,9 +103,7 @@ class Backend:
 
 def evaluate_default(n: int) -> Backend:
     """What `evaluate --search auto` (its default) uses for n samples on this CPU."""
-    method, note = choose_search("auto", n, torch.device("cpu"))
-    if note:
-        print(f"  evaluate's note at {n}: {note}")
+    method = resolve_search("auto")
     return Backend(method, {}, label=f"evaluate default (--search auto = {method})")
 
 

@@ -400,7 +400,7 @@ def measure(args, models: dict[str, Path], files: list[Path], bodies: list[bytes
         print(tail.row(), flush=True)
         mem = memory(server, bodies, args.memory_requests)
         longest = max(files, key=lambda f: soundfile.info(str(f)).duration)
-        # --quick leaves the browser out: tests/test_serve_page.py drives the page itself
+        # --quick leaves the browser out: tests/serve/test_serve_page.py drives the page itself
         page = None if args.quick else page_round_trip(server, longest, args, tmp)
     over, alive = overload(model, bodies, probe.rate, args)
     print(over.row(), flush=True)

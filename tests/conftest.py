@@ -53,3 +53,26 @@ def notes() -> list[str]:
     yield records
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+# ----------------------------------------------------------------------------- time by room
+# tests/ mirrors the package's rooms (data, training, evaluation, ...): the end of a run says
+# how many tests each room holds and the seconds they took (setup, call and teardown, summed
+# over the workers), beside --durations' slowest ones, so a room that grows slow is seen.
+_ROOMS: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    parts = report.nodeid.split("::", 1)[0].split("/")
+    room = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+    tests_seconds = _ROOMS.setdefault(room, [0, 0.0])
+    tests_seconds[0] += report.when == "call" or (report.when == "setup" and report.skipped)
+    tests_seconds[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _ROOMS:
+        return
+    terminalreporter.section("tests and seconds by room")
+    rooms = sorted(_ROOMS.items(), key=lambda item: -item[1][1])
+    terminalreporter.line("  ".join(f"{room} {n} ({s:.0f} s)" for room, (n, s) in rooms))

@@ -37,6 +37,8 @@ from audioclf.config import Config, config_from_dict, load_config, to_dict
 from audioclf.training.step import NonFiniteGuard, TrainStep
 
 ROOT = Path(__file__).resolve().parents[1]
+# the peer toolkits' data dirs, an old release's checkpoint, stub packages
+FIXTURES = ROOT / "tests" / "fixtures"
 
 TINY_MODELS = {
     "cnn": {"name": "cnn", "embedding_dim": 16, "cnn": {"width": 8, "depth": 2}},

@@ -72,7 +72,7 @@ def compute_metrics(
     classification: "gallery" (against gallery_emb / gallery_names, which hold every evaluated
     class), "enrollment" (half/half split of the set by `items`), or "none".
     search: how retrieval finds each query's neighbours, one of SEARCH_METHODS (see
-    choose_search); the setup records the method, the list depth k and, for approximate
+    resolve_search); the setup records the method, the list depth k and, for approximate
     search, the neighbour recall against exact search on 1,000 seeded queries.
     score_norm: "snorm" or "asnorm" scores the verification pairs against `cohort_emb` too (see
     asnorm_top for `cohort_top`); "none" (the default) only raw.
@@ -125,13 +125,13 @@ def check_search(search: str) -> None:
         )
 
 
-def choose_search(search: str, n_samples: int, device) -> tuple[str, str | None]:
-    """(the method retrieval uses, a note for the report or None). "auto" (the default) is
-    exact at every size and on every device: the approximate methods flatter MAP@R (IVF +0.03,
-    HNSW +0.05 at 100k, benchmarks/search.py), so they are used only on request, their bias
-    against exact measured and noted (`_approximate_bias`)."""
+def resolve_search(search: str) -> str:
+    """The method retrieval uses. "auto" (the default) is exact at every size and on every
+    device: the approximate methods flatter MAP@R (IVF +0.03, HNSW +0.05 at 100k,
+    benchmarks/search.py), so they are used only on request, their bias against exact measured
+    and noted (`_approximate_bias`)."""
     check_search(search)
-    return ("exact" if search == "auto" else search), None
+    return "exact" if search == "auto" else search
 
 
 def _retrieval(
@@ -140,9 +140,7 @@ def _retrieval(
     """Cross-item retrieval with items (leave-one-out without), plus the loo_* figures, from
     the neighbour lists of one search index over the embeddings, handed to the scorer."""
     emb, labels, notes = evaluation.embeddings, evaluation.labels, evaluation.notes
-    method, note = choose_search(search, len(labels), device)
-    if note:
-        notes.append(note)
+    method = resolve_search(search)
     index = build(emb, method, device=device, progress=progress, seed=seed)
     common = dict(index=index, progress=progress, return_per_sample=True)
     leave_one_out = retrieval_metrics(emb, labels, **common)

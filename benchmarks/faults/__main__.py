@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke",
         action="store_true",
         help=f"only cases {SMOKE} (a kill -9 inside a run by the worker, a refusal under 2 ranks;"
-        " about a minute): what tests/test_benchmarks_smoke.py runs",
+        " about a minute): what tests/project/test_benchmarks_smoke.py runs",
     )
     parser.add_argument(
         "--no-mount",

@@ -9,15 +9,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_env
+from tests.helpers import ROOT, child_env
 
 pytestmark = pytest.mark.slow  # every test here starts a benchmark process
 
-ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 # script (or package) -> (its arguments, lines its output must hold: regexes, one per line)
 SMOKE = {
@@ -86,12 +84,12 @@ SMOKE = {
 NEEDS_TOOLS = {"sound_sources.py", "tts_words.py"}
 # Benchmarks whose smallest mode another test runs.
 COVERED_ELSEWHERE = {
-    "gpu_check.sh": "tests/test_gpu_scripts.py (--cpu-smoke)",
-    "gpu_preflight.py": "tests/test_gpu_scripts.py (--cpu)",
-    "gpu_throughput.py": "tests/test_gpu_scripts.py (--device cpu)",
-    "gpu_wheels.sh": "tests/test_gpu_scripts.py (a local folder of wheels)",
-    "data_scale.py": "tests/test_pack.py (--smoke, issue 32)",
-    "serve.py": "tests/test_serve.py (--quick, issue 37)",
+    "gpu_check.sh": "tests/project/test_gpu_scripts.py (--cpu-smoke)",
+    "gpu_preflight.py": "tests/project/test_gpu_scripts.py (--cpu)",
+    "gpu_throughput.py": "tests/project/test_gpu_scripts.py (--device cpu)",
+    "gpu_wheels.sh": "tests/project/test_gpu_scripts.py (a local folder of wheels)",
+    "data_scale.py": "tests/data/test_pack.py (--smoke, issue 32)",
+    "serve.py": "tests/serve/test_serve.py (--quick, issue 37)",
 }
 
 

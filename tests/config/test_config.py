@@ -6,8 +6,9 @@ import pytest
 import yaml
 
 from audioclf.config import Config, ConfigError, config_from_dict, load_config, save_config, to_dict
+from tests.helpers import ROOT
 
-CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
+CONFIGS = sorted(ROOT.joinpath("configs").glob("*.yaml"))
 
 
 def write(tmp_path, data) -> Path:
@@ -131,7 +132,7 @@ def test_round_trip_through_yaml(tmp_path):
 def test_the_configuration_reference_is_current():
     from audioclf.config import readme_with_reference
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    page = ROOT / "docs" / "configuration.md"
     text = page.read_text()
     assert text == readme_with_reference(text), (
         "docs/configuration.md is stale: run python -m audioclf.config --update-readme"

@@ -9,7 +9,6 @@ import sys
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 from audioclf.data.sampler import MPerClassSampler
+from tests.helpers import ROOT
 
-REPO = Path(__file__).resolve().parents[1]
 PROPERTY_SETTINGS = settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
 )
@@ -356,7 +355,7 @@ def test_output_does_not_depend_on_python_hash_seed():
     )
     outputs = []
     for hash_seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(ROOT)}
         run = subprocess.run(
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
         )

@@ -6,7 +6,7 @@ from torch import nn
 
 from audioclf.config import TrainConfig
 from audioclf.precision import BackendFlags, configure_backends, resolve_precision
-from tests.helpers import fit, mixed_precision_steps, tiny_config, train_resume_export
+from tests.helpers import ROOT, fit, mixed_precision_steps, tiny_config, train_resume_export
 
 CPU = torch.device("cpu")
 
@@ -154,11 +154,10 @@ def test_explicit_bf16_on_a_cpu_runs_with_one_warning_giving_the_cost():
 
 
 def test_the_gpu_recipes_choose_fp32_on_a_cpu():
-    from pathlib import Path
 
     from audioclf.config import load_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     for recipe in ("cnn", "conformer"):
         cfg = load_config(root / "configs" / f"{recipe}.yaml")
         assert cfg.train.precision == "auto"

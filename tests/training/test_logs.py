@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 @pytest.mark.slow
@@ -19,6 +19,7 @@ import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
 from audioclf.training.logs import setup_logging
+from tests.helpers import ROOT
 setup_logging(Path({str(tmp_path)!r}), rank=1)
 def waiting_at_the_barrier():
     os.abort()

@@ -27,10 +27,9 @@ from audioclf.data.sampler import MPerClassSampler
 from audioclf.outputs import FolderBusy
 from audioclf.precompute.pack import pack_features
 from audioclf.prepare import main as prepare_main
-from tests.helpers import LockHolder, child_env, run_in_group, tiny_config
+from tests.helpers import ROOT, LockHolder, child_env, run_in_group, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
 
-ROOT = Path(__file__).resolve().parents[1]
 BINS = 16
 
 
@@ -289,7 +288,7 @@ KILLER = """
 import os, signal, sys
 from pathlib import Path
 from audioclf.precompute import pack as packing
-from tests.test_pack import npy_config
+from tests.data.test_pack import npy_config
 packing.CHUNK_ROWS = 4
 sheet, out = Path(sys.argv[1]), Path(sys.argv[2])
 

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_env, run_group
+from tests.helpers import ROOT, child_env, run_group
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parents[1]
 THROUGHPUT = ROOT / "benchmarks/gpu_throughput.py"
 PREFLIGHT = ROOT / "benchmarks/gpu_preflight.py"
 TINY = [
@@ -235,12 +234,12 @@ def test_the_check_runs_every_test_file_with_cuda_tests():
     script = (ROOT / "benchmarks/gpu_check.sh").read_text()
     command = next(line for line in script.splitlines() if "-m cuda tests/" in line)
     holders = sorted(
-        path.name
-        for path in (ROOT / "tests").glob("test_*.py")
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests").rglob("test_*.py")
         if re.search(r"^\s*@?pytest\.mark\.cuda\b", path.read_text(), re.M)  # decorator, pytestmark
     )
-    assert "test_search.py" in holders and "test_cuda.py" in holders
-    assert [name for name in holders if f"tests/{name}" not in command] == []
+    assert "tests/search/test_search.py" in holders and "tests/project/test_cuda.py" in holders
+    assert [name for name in holders if name not in command] == []
 
 
 def test_the_test_processes_run_torch_on_one_thread():

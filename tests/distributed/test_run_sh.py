@@ -9,17 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from audioclf import checkpoint
 from audioclf.config import save_config
-from tests.helpers import as_a_terminal_starts_it, tiny_config, wait_for_text
+from tests.helpers import ROOT, as_a_terminal_starts_it, tiny_config, wait_for_text
 
 pytestmark = pytest.mark.slow  # every test here starts processes
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_sh(

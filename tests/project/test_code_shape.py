@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "audioclf"
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "audioclf"
 MAX_FUNCTION_LINES = 80
 MAX_ROOT_MODULES = 14  # tools and the parts every job shares; a job's internals live in its package
 TOOLS = ("evaluate", "export", "embed", "prepare", "train")

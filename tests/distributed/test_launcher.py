@@ -14,6 +14,7 @@ import pytest
 
 from audioclf.training.rundir import LOCK_FILE, RunLock
 from tests.helpers import (
+    ROOT,
     LockHolder,
     as_a_terminal_starts_it,
     child_env,
@@ -26,7 +27,6 @@ from tests.helpers import (
     wait_until,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 PROG = "python -m audioclf.train"
 
 

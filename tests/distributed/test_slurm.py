@@ -17,9 +17,8 @@ import pytest
 
 from audioclf import checkpoint
 from audioclf.distributed.launch import _first_host, env_ranks
-from tests.helpers import cli_args, tiny_config
+from tests.helpers import ROOT, cli_args, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 LAUNCH_VARS = (
     "RANK",

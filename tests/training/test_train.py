@@ -14,6 +14,7 @@ import torch
 from audioclf import checkpoint
 from audioclf.config import Config
 from tests.helpers import (
+    ROOT,
     as_a_terminal_starts_it,
     child_env,
     cli_args,
@@ -24,8 +25,6 @@ from tests.helpers import (
     wait_for_text,
 )
 from tests.train_hooks import digest_hooks, stop_at
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fit_worker(rank, world, cfg: Config):

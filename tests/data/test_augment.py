@@ -19,11 +19,11 @@ from audioclf.config import AugmentConfig, Config, ConfigError, FeaturesConfig, 
 from audioclf.data.augment import Augmenter, room_impulse_response
 from audioclf.data.augment.channel import codec_ratio
 from audioclf.data.augment.pitch import time_stretch
+from tests.helpers import ROOT
 
 SR = 16000
 FEATURES = FeaturesConfig(sample_rate=SR)
 CROP = 8000  # samples: 0.5 s crops
-ROOT = Path(__file__).resolve().parents[1]
 PIECES = ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "gain_prob")
 SOURCE_PIECES = ("pitch_prob", "stretch_prob", "band_prob", "codec_prob")  # off by default
 

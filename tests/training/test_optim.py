@@ -2,7 +2,6 @@
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ from audioclf.training.optim import (
     learning_rate,
     lr_scale,
 )
-from tests.helpers import Linear, mse, run_epoch
+from tests.helpers import FIXTURES, Linear, mse, run_epoch
 
 CPU = torch.device("cpu")
-STUBS = Path(__file__).parent / "stubs"
+STUBS = FIXTURES / "stubs"
 
 
 @pytest.mark.parametrize(
@@ -77,7 +76,7 @@ def test_step_and_plateau_schedules():
 
 @pytest.fixture
 def apex_stub(monkeypatch):
-    """tests/stubs/apex: apex.optimizers.FusedAdam with apex's signatures (zero_grad() takes no
+    """tests/fixtures/stubs/apex: apex.optimizers.FusedAdam with apex's signatures (zero_grad() takes no
     argument, the step count lives in each param group)."""
 
     def forget_apex():

@@ -18,9 +18,9 @@ from audioclf.data.formats import FormatError, import_sheet
 from audioclf.data.index import TABLE_COLUMNS, IndexValidationError, load_index
 from audioclf.data.readers import load_audio
 from audioclf.prepare import main as prepare_main
-from tests.helpers import tiny_config
+from tests.helpers import FIXTURES, tiny_config
 
-FIXTURES = Path(__file__).resolve().parent / "data" / "formats"
+FORMATS = FIXTURES / "formats"  # the peer toolkits' data dirs and manifests
 RATE = 8000
 FILES = ("id10001/vidA", "id10001/vidB", "id10002/vidC", "id10002/vidD")
 
@@ -51,7 +51,7 @@ def imported(kind: str, source: Path, root: Path, **kwargs) -> pd.DataFrame:
 
 
 def test_kaldi_with_segments_items_are_recordings_and_spans_are_set(root):
-    sheet = imported("kaldi", FIXTURES / "kaldi", root)
+    sheet = imported("kaldi", FORMATS / "kaldi", root)
     assert sheet["a_id"].tolist() == [
         "id10001-vidA-0000", "id10001-vidA-0001", "id10001-vidB-0000", "id10002-vidC-0000",
         "id10002-vidD-0000",
@@ -65,7 +65,7 @@ def test_kaldi_with_segments_items_are_recordings_and_spans_are_set(root):
 
 @pytest.mark.parametrize("source", ["wespeaker", "wespeaker/data.list"])
 def test_wespeaker_lists_take_the_voxceleb_video_as_item(root, source):
-    sheet = imported("wespeaker", FIXTURES / source, root)
+    sheet = imported("wespeaker", FORMATS / source, root)
     assert sheet["a_id"].tolist() == [f"{name}/00001" for name in FILES]
     assert sheet["a_item"].tolist() == ["vidA", "vidB", "vidC", "vidD"]
     assert sheet["a_cls"].tolist() == ["id10001", "id10001", "id10002", "id10002"]
@@ -75,10 +75,10 @@ def test_wespeaker_lists_take_the_voxceleb_video_as_item(root, source):
 
 
 def test_nemo_whole_files_and_segments(root):
-    whole = imported("nemo", FIXTURES / "nemo/manifest.json", root)
+    whole = imported("nemo", FORMATS / "nemo/manifest.json", root)
     assert whole["a_id"].tolist() == [f"{name}/00001" for name in FILES]
     assert whole["a_item"].tolist() == ["vidA", "vidB", "vidC", "vidD"]
-    segments = imported("nemo", FIXTURES / "nemo/segments.json", root)
+    segments = imported("nemo", FORMATS / "nemo/segments.json", root)
     assert segments["a_id"].tolist() == [
         "id10001/vidA/00001@0",
         "id10001/vidA/00001@0.75",
@@ -90,19 +90,19 @@ def test_nemo_whole_files_and_segments(root):
 
 
 def test_item_pattern_overrides_the_rule(root):
-    sheet = imported("nemo", FIXTURES / "nemo/manifest.json", root, item_pattern=r"^(id\d+)/")
+    sheet = imported("nemo", FORMATS / "nemo/manifest.json", root, item_pattern=r"^(id\d+)/")
     assert sheet["a_item"].tolist() == ["id10001", "id10001", "id10002", "id10002"]
 
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_lhotse_recordings_and_supervisions(root, gz):
-    source = FIXTURES / "lhotse"
+    source = FORMATS / "lhotse"
     if gz:
         source = root / "manifests"
         source.mkdir()
         for name in ("recordings", "supervisions"):
             with gzip.open(source / f"vox_{name}_dev.jsonl.gz", "wb") as handle:
-                handle.write((FIXTURES / f"lhotse/{name}.jsonl").read_bytes())
+                handle.write((FORMATS / f"lhotse/{name}.jsonl").read_bytes())
         source = source / "vox_supervisions_dev.jsonl.gz"  # the recordings found beside it
     sheet = imported("lhotse", source, root)
     assert sheet["a_id"].tolist() == ["sup-a0", "sup-a1", "sup-b0", "sup-c0"]
@@ -113,7 +113,7 @@ def test_lhotse_recordings_and_supervisions(root, gz):
 
 
 def test_lhotse_cuts(root):
-    sheet = imported("lhotse", FIXTURES / "lhotse_cuts/cuts.jsonl", root)
+    sheet = imported("lhotse", FORMATS / "lhotse_cuts/cuts.jsonl", root)
     assert sheet["a_id"].tolist() == ["cut-a0", "cut-b0", "cut-c0"]
     assert sheet["a_item"].tolist() == ["vidA", "vidB", "vidC"]
     assert sheet["start"].tolist() == ["0", "0.25", "0.5"]
@@ -122,7 +122,7 @@ def test_lhotse_cuts(root):
 
 def copy_kaldi(root: Path) -> Path:
     folder = root / "kaldi"
-    shutil.copytree(FIXTURES / "kaldi", folder)
+    shutil.copytree(FORMATS / "kaldi", folder)
     return folder
 
 
@@ -162,7 +162,7 @@ def test_malformed_json_lines_and_unsupported_cuts(root):
 
 def test_prepare_from_writes_the_sheet_and_says_the_item_rule(root, capsys):
     out = root / "sheet.xlsx"
-    assert prepare_main(["--from", "kaldi", str(FIXTURES / "kaldi"), "--out", str(out),
+    assert prepare_main(["--from", "kaldi", str(FORMATS / "kaldi"), "--out", str(out),
                          "--root", str(root)]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "5 rows (5 segments), 2 classes, 4 items" in printed and "recording id" in printed
@@ -172,7 +172,7 @@ def test_prepare_from_writes_the_sheet_and_says_the_item_rule(root, capsys):
 
 def test_segment_rows_read_only_their_span(root):
     waves = write_wavs(root)
-    import_sheet("kaldi", FIXTURES / "kaldi", root / "k.csv", DataConfig(), root=str(root))
+    import_sheet("kaldi", FORMATS / "kaldi", root / "k.csv", DataConfig(), root=str(root))
     index = load_index(DataConfig(index=str(root / "k.csv")))
     table = index.table
     assert table["start"].tolist() == [0.0, 0.75, 0.25, 0.5, 1.0]
@@ -189,7 +189,7 @@ def test_dataset_crops_and_eval_clips_come_from_the_span(root):
     from audioclf.data.dataset import AudioDataset
 
     waves = write_wavs(root)
-    import_sheet("kaldi", FIXTURES / "kaldi", root / "k.csv", DataConfig(), root=str(root))
+    import_sheet("kaldi", FORMATS / "kaldi", root / "k.csv", DataConfig(), root=str(root))
     cfg = tiny_config(root / "k.csv", root / "runs", "cnn", "features.sample_rate=8000")
     index = load_index(cfg.data)
     clip = AudioDataset.from_index(index, cfg, train=False)[3][0].numpy()
@@ -302,7 +302,7 @@ def test_a_failing_command_is_one_line_naming_its_entry(root):
 
 def test_lhotse_command_sources_run_with_run_commands(root):
     source = root / "lhotse"
-    shutil.copytree(FIXTURES / "lhotse", source)
+    shutil.copytree(FORMATS / "lhotse", source)
     lines = (source / "recordings.jsonl").read_text().splitlines()
     lines[0] = lines[0].replace(
         '{"type": "file", "channels": [0], "source": "wav/id10001/vidA/00001.wav"}',

@@ -1,6 +1,7 @@
 """CUDA-only checks (marker `cuda`; skipped on machines without a GPU).
 
-Run them with `pytest -m cuda` (benchmarks/gpu_check.sh runs this file's and test_search.py's). They cover what the CPU suite
+Run them with `pytest -m cuda` (benchmarks/gpu_check.sh runs this file's and
+tests/search/test_search.py's). They cover what the CPU suite
 cannot: bf16/fp16 steps on the GPU, NCCL collectives, SyncBN under DDP, a GPU checkpoint
 resumed on the CPU and exported, and DataParallel under bf16 autocast.
 """

@@ -11,7 +11,7 @@ A command that an earlier document already ran as it is runs once. Each command 
 
 A command in neither table runs as written, so a new doc command is either runnable here or is
 classified; a training command that no OVERRIDES pattern shrinks is refused.
-`./run.sh demo` is skipped (tests/test_run_sh.py runs it); SETUP stands in for its first two
+`./run.sh demo` is skipped (tests/distributed/test_run_sh.py runs it); SETUP stands in for its first two
 stages (data/demo and runs/demo_cnn, which the later commands read), and its stages 3-5 are the
 README's own evaluate / export / embed commands.
 """
@@ -35,9 +35,8 @@ from audioclf.export import parse_args as export_args
 from audioclf.prepare import parse_args as prepare_args
 from audioclf.search.cli import parse_args as search_args
 from audioclf.train import parse_args as train_args
-from tests.helpers import TINY, doc_commands
+from tests.helpers import ROOT, TINY, doc_commands
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/*.md")))
 
 SMALL_DEMO = ["--classes", "8", "--items", "3", "--ids", "4"]
@@ -58,16 +57,18 @@ OVERRIDES = [
 TRAINS = re.compile(r"(run\.sh|-m audioclf\.train)\b.*\.yaml")  # must match an OVERRIDES row
 
 FOUR_GPUS = "needs 4 GPUs, and configs/cnn.yaml / conformer.yaml read data/train/index.xlsx"
-BACKGROUND = "a background job on 4 GPUs (tests/test_run_sh.py runs --bg and stop on the CPU)"
-SLURM = "needs a SLURM cluster (tests/test_slurm.py checks the batch script)"
+BACKGROUND = (
+    "a background job on 4 GPUs (tests/distributed/test_run_sh.py runs --bg and stop on the CPU)"
+)
+SLURM = "needs a SLURM cluster (tests/distributed/test_slurm.py checks the batch script)"
 PLACEHOLDER = "placeholder paths (N, big.xlsx, out/big, clips/) to replace with your own"
-INSTALLED = "the installed audioclf command (pip install .): tests/test_api.py runs it from a wheel"
+INSTALLED = "the installed audioclf command (pip install .): tests/inference/test_api.py runs it from a wheel"
 SERVED = (
-    "a server that runs until stopped, and requests to it: tests/test_serve.py"
+    "a server that runs until stopped, and requests to it: tests/serve/test_serve.py"
     "::test_the_serving_docs_run_as_written starts it and runs them"
 )
 SKIP = {
-    "./run.sh demo": "all five stages on the full demo set; tests/test_run_sh.py runs them "
+    "./run.sh demo": "all five stages on the full demo set; tests/distributed/test_run_sh.py runs them "
     "(SETUP stands in for stages 1-2, the README's commands below are stages 3-5)",
     "./run.sh test": "the whole test suite, this test included (what CI runs)",
     "torchrun --nproc_per_node=4 -m audioclf.train --config configs/cnn.yaml": FOUR_GPUS,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from audioclf import checkpoint
-from tests.helpers import make_checkpoint, tiny_config
+from tests.helpers import FIXTURES, make_checkpoint, tiny_config
 
 
 class Payload:
@@ -108,7 +108,7 @@ def test_what_audioclf_writes_loads_as_data(tmp_path, tiny_demo):
     assert {"model", "optimizer", "rng", "sampler", "scaler", "config", "versions"} <= set(state)
 
 
-RELEASE_0_1 = Path(__file__).parent / "data" / "audioclf-0.1-last.pt"  # written by audioclf 0.1.0
+RELEASE_0_1 = FIXTURES / "audioclf-0.1-last.pt"  # written by audioclf 0.1.0
 
 
 def test_a_checkpoint_of_the_previous_release_loads_as_data():

@@ -20,9 +20,8 @@ from audioclf.evaluation.metrics import enrollment_split
 from audioclf.evaluation.report import REPORT_FILES
 from audioclf.evaluation.run import SUMMARY_METRICS, select_data
 from audioclf.inference import LoadedEmbedder, embed_paths, load_trained
-from tests.helpers import tiny_config
+from tests.helpers import ROOT, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 METRICS = (
     "precision_at_1",
     "map_at_r",
@@ -388,17 +387,19 @@ def test_exact_search_equals_the_full_scan_to_the_last_bit():
     assert not {"method", "k", "neighbour_recall"} & set(evaluation.results)
 
 
-def test_auto_search_is_exact_at_every_size_and_on_every_device(monkeypatch):
+def test_auto_search_is_exact_and_a_missing_faiss_is_named(monkeypatch):
     from audioclf.evaluation import metrics as evaluation_metrics
 
-    choose = evaluation_metrics.choose_search
-    for n, device in ((49_999, "cpu"), (50_000, "cpu"), (400_000, "cpu"), (400_000, "cuda")):
-        assert choose("auto", n, device) == ("exact", None)
-    assert choose("hnsw" if evaluation_metrics.faiss_available() else "exact", 10, "cpu")[1] is None
+    resolve = evaluation_metrics.resolve_search
+    assert resolve("auto") == "exact" and resolve("exact") == "exact"
+    if evaluation_metrics.faiss_available():
+        assert resolve("hnsw") == "hnsw"
     monkeypatch.setattr(evaluation_metrics, "faiss_available", lambda: False)
-    assert choose("auto", 400_000, "cpu") == ("exact", None)
+    assert resolve("auto") == "exact"
     with pytest.raises(ValueError, match="--search ivf needs faiss, which is not installed"):
-        choose("ivf", 10, "cpu")
+        resolve("ivf")
+    with pytest.raises(ValueError, match="--search 'flat': use one of"):
+        resolve("flat")
 
 
 def test_each_search_backend_gives_the_exact_figures_and_says_so(trained, tmp_path, capsys):
