@@ -7,11 +7,14 @@ import json
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 from torch import nn
 
+import audioclf
 from audioclf.export import main as export_main
 from audioclf.inference import load_trained
+from audioclf.inference.adapt import describe
 from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
 from tests.helpers import make_checkpoint
 
@@ -96,3 +99,50 @@ def test_an_adapted_model_exports_equal_to_itself(tmp_path, capsys):
     x, lengths = torch.randn(3, 5000) * 0.1, torch.tensor([5000, 4100, 3000])
     with torch.no_grad():
         torch.testing.assert_close(scripted(x, lengths), net.embed(x, lengths), atol=1e-5, rtol=0)
+
+
+def write_wavs(folder, clips: list[torch.Tensor]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, clip in enumerate(clips):
+        soundfile.write(str(folder / f"clip{i}.wav"), clip.numpy(), 8000)
+
+
+def test_model_adapt_records_what_it_did_and_changes_what_follows(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    write_wavs(tmp_path / "new_source", new_source_clips())
+    write_wavs(tmp_path / "queries", new_source_clips(3, seed=5))
+    model = audioclf.load(ckpt)
+    _, before = model.embed(tmp_path / "queries")
+    assert model.adaptation is None
+    unadapted = model.loaded
+    record = model.adapt(tmp_path / "new_source")
+    assert record == model.adaptation
+    assert record["method"] == "adabn" and record["clips"] == 5
+    assert record["source"] == [str(tmp_path / "new_source")]
+    assert model.loaded.description == f"{unadapted.description}, {describe(record)}"
+    _, after = model.embed(tmp_path / "queries")
+    assert np.abs(after - before).max() > 1e-3
+    # the model it was adapted from is left as it was
+    _, again = audioclf.Model(unadapted).embed(tmp_path / "queries")
+    np.testing.assert_array_equal(again, before)
+    # adapted again: from the new audio alone, said once
+    model.adapt(tmp_path / "new_source")
+    assert model.adaptation["statistics"] == record["statistics"]
+    assert model.loaded.description.count("adapted") == 1
+    # the same statistics as adapting the network on the clips read as evaluation reads them
+    net, _, _ = load_trained(ckpt)
+    adapt_batchnorm(net, [c.clamp(-1, 1) for c in new_source_clips()])
+    for ours, theirs in zip(batchnorm_layers(net), batchnorm_layers(model.loaded.network)):
+        torch.testing.assert_close(ours.running_mean, theirs.running_mean, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit")
+def test_an_export_cannot_be_adapted_one_line(tmp_path, capsys):
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    out = tmp_path / "model.pt"
+    assert (
+        export_main(["--checkpoint", str(ckpt), "--format", "torchscript", "--out", str(out)]) == 0
+    )
+    write_wavs(tmp_path / "new_source", new_source_clips(2))
+    with pytest.raises(ValueError, match="--adapt needs an audioclf checkpoint.*then export it"):
+        audioclf.load(out).adapt(tmp_path / "new_source")
