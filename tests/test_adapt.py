@@ -144,5 +144,8 @@ def test_an_export_cannot_be_adapted_one_line(tmp_path, capsys):
         export_main(["--checkpoint", str(ckpt), "--format", "torchscript", "--out", str(out)]) == 0
     )
     write_wavs(tmp_path / "new_source", new_source_clips(2))
-    with pytest.raises(ValueError, match="--adapt needs an audioclf checkpoint.*then export it"):
+    with pytest.raises(
+        ValueError,
+        match="--adapt needs an audioclf checkpoint.*the checkpoint it was exported from",
+    ):
         audioclf.load(out).adapt(tmp_path / "new_source")

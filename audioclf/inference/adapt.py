@@ -10,8 +10,8 @@ audioclf.models.adapt.adapt_batchnorm, which changes a copy of the network; `mod
 is. The adapted model's description ends with what was done, so every output that names the
 model says it (embed's first line, evaluate's report, a search collection's model record), and
 its `adaptation` keys the caches and part files that depend on the embeddings ("statistics":
-a digest of the adapted running statistics). Exports cannot be adapted: adapt the checkpoint,
-then export it.
+a digest of the adapted running statistics). Exports cannot be adapted (their statistics are
+fixed): adapt the checkpoint they were exported from.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def adapt(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedde
     if model.network is None:
         raise ValueError(
             f"--adapt needs an audioclf checkpoint, not {model.description} ({model.path}): "
-            "adapt the checkpoint, then export it"
+            "adapt the checkpoint it was exported from (an export's statistics are fixed)"
         )
     sources = [Path(s) for s in sources]
     files = find_files(sources, model.features)
