@@ -17,7 +17,8 @@ FILES     audio files (every format libsndfile reads) or .npy log-mel files for 
           audio files: after replacing them behind an unchanged sheet, pass --no-cache once).
 --adapt   a folder (or file) of unlabelled audio of a new source, repeatable: a checkpoint's
           BatchNorm statistics become that audio's (AdaBN) before anything is embedded; the
-          model line of the output says so. An export cannot be adapted.
+          model line of the output says so, and the gallery cache and --index parts are the
+          adapted model's own. An export cannot be adapted.
 
 For each file the gallery's N best classes are printed, best first: by default (--rank-by knn,
 --knn 1) a class scores the cosine of its nearest gallery clip, evaluate's kNN rule; with
