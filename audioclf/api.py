@@ -9,6 +9,7 @@
     ranking = model.rank(["clip.wav"], gallery="data/demo/index.xlsx", top=3)
     table = model.search(["clip.wav"], "runs/demo_cnn/embed/all", k=5)
     evaluated = model.evaluate("data/demo/index.xlsx", split="val")  # a checkpoint's report
+    model.adapt(["new_source/"])        # AdaBN on unlabelled audio of a new source (checkpoints)
 
 Embeddings are float32 unit vectors; files are read as `python -m audioclf.evaluate` reads
 them (the model's features and evaluation clips). These names stay as they are across
@@ -28,6 +29,7 @@ import torch
 
 from audioclf.embedding.gallery import Ranking, rank_files
 from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
+from audioclf.inference.adapt import adapt
 from audioclf.inference.extract import (
     embed_clips,
     embed_paths,
@@ -55,6 +57,21 @@ class Model:
     """A loaded model (from `audioclf.load`)."""
 
     loaded: LoadedEmbedder
+
+    def adapt(self, inputs: Sequence[str | Path] | str | Path) -> dict:
+        """AdaBN on unlabelled audio of a new source (files, folders searched recursively):
+        the checkpoint's BatchNorm statistics become the new source's for everything that
+        follows (embed, rank, search, evaluate, whose report records it); returns the record
+        of what was done, kept as `adaptation`. Adapting again starts from the new audio
+        alone. Checkpoints only: an export is a ValueError."""
+        inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+        self.loaded = adapt(self.loaded, inputs)
+        return self.loaded.adaptation
+
+    @property
+    def adaptation(self) -> dict | None:
+        """What `adapt` did (None: not adapted)."""
+        return self.loaded.adaptation
 
     @property
     def sample_rate(self) -> int:
@@ -169,7 +186,7 @@ class Model:
         training's index), as `audioclf evaluate` does, with its report written into `out`
         (default <checkpoint folder>/eval): `.metrics` (report.json's), `.out_dir`, `.lines()`
         (the printed summary). `options`: audioclf.evaluation.evaluate's (score_norm, cohort,
-        search, seed, ...)."""
+        search, seed, adapt, ...; adapt= adapts for this evaluation only)."""
         from audioclf.evaluation import evaluate  # noqa: PLC0415 - lazy: the report loads matplotlib
 
         return evaluate(

@@ -15,6 +15,10 @@ FILES     audio files (every format libsndfile reads) or .npy log-mel files for 
           is used, the split column is ignored. Its embeddings are cached in <model folder>/
           .audioclf_cache/ (keyed by the sheet, the model file and the features settings, not the
           audio files: after replacing them behind an unchanged sheet, pass --no-cache once).
+--adapt   a folder (or file) of unlabelled audio of a new source, repeatable: a checkpoint's
+          BatchNorm statistics become that audio's (AdaBN) before anything is embedded; the
+          model line of the output says so, and the gallery cache and --index parts are the
+          adapted model's own. An export cannot be adapted.
 
 For each file the gallery's N best classes are printed, best first: by default (--rank-by knn,
 --knn 1) a class scores the cosine of its nearest gallery clip, evaluate's kNN rule; with
@@ -49,6 +53,7 @@ from audioclf.embedding.gallery import DEFAULT_K, RANK_RULES, check_ranking_requ
 from audioclf.embedding.index import check_index_request, embed_sheet
 from audioclf.errors import run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
+from audioclf.inference.adapt import ADAPT_HELP, adapt
 from audioclf.inference.extract import check_loader_options
 
 PROG = "python -m audioclf.embed"
@@ -102,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-bad-files", action="store_true", help="--index: list unreadable files, go on"
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--adapt", action="append", type=Path, metavar="DIR", help=ADAPT_HELP)
     parser.add_argument("--no-cache", action="store_true", help="embed the gallery again")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_trust_flag(parser)
@@ -129,9 +135,16 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     device = resolve_device(args.device)
     if args.index is None:
-        return run_ranking(args, load_embedder(args.model, device, trust=args.trust_checkpoint))
+        return run_ranking(args, load_model(args, device))
     with distributed.process_group(device) as env:  # one rank per process under torchrun
-        return run_index(args, load_embedder(args.model, env.device, trust=args.trust_checkpoint))
+        return run_index(args, load_model(args, env.device))
+
+
+def load_model(args: argparse.Namespace, device) -> LoadedEmbedder:
+    """--model, adapted on --adapt's audio when given (its description, on the first line of
+    the output, says so)."""
+    model = load_embedder(args.model, device, trust=args.trust_checkpoint)
+    return adapt(model, args.adapt) if args.adapt else model
 
 
 def run_ranking(args: argparse.Namespace, model: LoadedEmbedder) -> int:

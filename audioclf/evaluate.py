@@ -42,6 +42,10 @@ for it alone in an open-set split, sharing every class in a closed one, hence of
 --cohort SHEET is every row of a sheet, ideally of other classes (a shared class is noted).
 --cohort alone means asnorm, --score-norm alone the train split.
 
+Adaptation (--adapt DIR, repeatable): the checkpoint's BatchNorm statistics become those of
+the unlabelled audio in DIR (AdaBN) before anything is embedded; the printed checkpoint line and
+report.json's "adaptation" say on what.
+
 Writes report.json, report.md and PNG plots (DET curve, per-class P@1, PCA/t-SNE projection,
 kNN confusion matrix) into --out (default <checkpoint folder>/eval), and prints a summary.
 Beside them: embeddings.tsv + metadata.tsv for https://projector.tensorflow.org and
@@ -62,6 +66,7 @@ from audioclf.config import ModelConfig, choices
 from audioclf.errors import run_cli
 from audioclf.evaluation import evaluate
 from audioclf.evaluation.metrics import SEARCH_METHODS
+from audioclf.inference.adapt import ADAPT_HELP
 from audioclf.metrics import SCORE_NORMS
 from audioclf.training.trackers import attach_report
 
@@ -93,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="report folder (default <checkpoint folder>/eval)")
     parser.add_argument("--batch-size", type=int, default=32, help="clips per batch (default 32)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--adapt", action="append", type=Path, metavar="DIR", help=ADAPT_HELP)
     parser.add_argument(
         "--num-workers",
         type=int,

@@ -38,7 +38,9 @@ dataset, its own training run, its own table.
    for the other speech sets (20 words), 0.06 and 0.07 for the sounds sets (18 and 15
    instruments). The baseline, computed in the same run, is untrained: 30 MFCC coefficients'
    mean and std over time, standardised with the domain's training clips' statistics. With
-   --checkpoint, that one model is evaluated on every selected domain.
+   --checkpoint, that one model is evaluated on every selected domain. --adapt adds a row: the
+   model adapted (AdaBN, audioclf.inference.adapt) on each held-out set's own clips, without
+   their labels, then evaluated on that set.
 4. Prints a Markdown table per domain (train time, P@1 and MAP@R per set) and writes them, with
    R-precision and set sizes, as JSON to --out (one "domains" entry per domain).
 """
@@ -314,7 +316,29 @@ def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) ->
             f"model on {domain.eval_sets[key]}: {summary(results[args.name][key])} "
             f"({len(table)} clips embedded in {time.perf_counter() - started:.1f} s)"
         )
+    if args.adapt:
+        results[f"{args.name} + AdaBN"] = adapted_results(args, domain, sets, model)
     return results
+
+
+def adapted_results(args, domain: Domain, sets: dict, model) -> dict:
+    """The model adapted (AdaBN) on each held-out set's own clips, without labels, then
+    evaluated on that set (each set adapts a copy: `model` is left as it is)."""
+    from audioclf.inference import embed_paths
+    from audioclf.inference.adapt import adapt
+
+    per_set = {}
+    for key, table in sets.items():
+        paths = table["path"].tolist()
+        adapted = adapt(model, paths)
+        _, embeddings, _ = embed_paths(adapted, paths, batch_size=args.batch_size)
+        per_set[key] = cross_item(embeddings, table)
+        record = adapted.adaptation
+        say(
+            f"model + AdaBN on {domain.eval_sets[key]} ({record['clips']} clips, "
+            f"{record['batchnorm_layers']} BatchNorm layers): {summary(per_set[key])}"
+        )
+    return per_set
 
 
 def summary(metrics: dict) -> str:
@@ -403,7 +427,8 @@ def run_domain(args, domain: Domain) -> dict:
     checkpoint, train_seconds = model_for(args, domain, sheets)
     results = evaluate(args, domain, sheets, checkpoint)
     set_keys = [key for key in domain.eval_sets if key in sheets]
-    table = markdown_table(results, {args.name: train_seconds}, domain.eval_sets, set_keys)
+    trained = {name: train_seconds for name in results if name != MFCC_ROW}  # adapted: the same
+    table = markdown_table(results, trained, domain.eval_sets, set_keys)
     print()
     print(f"{domain.key}: {domain.title}")
     print()
@@ -418,7 +443,7 @@ def run_domain(args, domain: Domain) -> dict:
         "rows": [
             {
                 "model": name,
-                "train_seconds": train_seconds if name == args.name else None,
+                "train_seconds": trained.get(name),
                 "results": per_set,
             }
             for name, per_set in results.items()
@@ -470,6 +495,11 @@ def parse_args(argv):
         "--skip-train",
         action="store_true",
         help="evaluate each domain's RUNS/.../NAME/best.pt from an earlier run",
+    )
+    parser.add_argument(
+        "--adapt",
+        action="store_true",
+        help="add a row: the model adapted (AdaBN) on each held-out set's own clips, no labels",
     )
     parser.add_argument(
         "--data",

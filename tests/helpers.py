@@ -57,10 +57,14 @@ TINY_MODELS = {
 
 
 def make_checkpoint(
-    path: Path, name: str = "cnn", classes: tuple[str, ...] = (), seed: int = 0
+    path: Path,
+    name: str = "cnn",
+    classes: tuple[str, ...] = (),
+    seed: int = 0,
+    model: dict | None = None,
 ) -> Path:
     """A checkpoint as the trainer writes it (model, config, classes), of an untrained model
-    with non-trivial BatchNorm statistics."""
+    with non-trivial BatchNorm statistics; `model` adds model.* keys (e.g. early_norm)."""
     from audioclf.models import build_net
 
     cfg = config_from_dict(
@@ -72,7 +76,11 @@ def make_checkpoint(
                 "hop_length": 80,
                 "n_mels": 32,
             },
-            "model": {**TINY_MODELS[name], "head": "softmax" if classes else "none"},
+            "model": {
+                **TINY_MODELS[name],
+                "head": "softmax" if classes else "none",
+                **(model or {}),
+            },
         }
     )
     torch.manual_seed(seed)
@@ -451,7 +459,7 @@ class Linear(nn.Module):
         torch.manual_seed(0)
         self.fc = nn.Linear(4, 3)
 
-    def forward(self, x, lengths):
+    def forward(self, x, lengths, labels=None):
         return self.fc(x)
 
 

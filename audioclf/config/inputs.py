@@ -162,10 +162,19 @@ class AugmentConfig:
     codec_kinds: tuple[Literal["resample", "mulaw", "quantize"], ...] = ("resample", "mulaw", "quantize")  # drawn uniformly: down- and upsampling, 8-bit mu-law, or coarse quantisation
     codec_rates: tuple[float, float] = (6000.0, 11025.0)  # sample-rate range of the resample round trip in Hz (snapped to a ratio of sample_rate with denominator <= 16; a rate >= sample_rate leaves the crop as it is)
     codec_bits: tuple[int, int] = (6, 10)  # bit-depth range of the quantisation round trip (levels over ± the crop's peak)
+    ir_dir: str = ""  # folder of measured impulse responses (.wav, any rate, searched recursively; read once, resampled, cut at the largest sample and after 2 s): crops convolved with a random one; "" = none
+    ir_prob: float = 0.5  # with ir_dir set: share of crops convolved with a measured response (after the synthetic reverb and EQ, in the same FFT pass; RMS level kept)
+    ir_wet: tuple[float, float] = (0.5, 1.0)  # range of the wet share: wet · convolved + (1 - wet) · dry
+    freq_mixstyle: float = 0.0  # share of training crops whose log-mel per-bin mean and std (over time) are mixed with those of a crop of another class in the batch (Freq-MixStyle, in the model's front end; training only; 0 = off; not switched by enabled)
+    freq_mixstyle_alpha: float = 0.3  # mixing weight drawn from Beta(alpha, alpha) (small alpha: mostly near 0 or 1)
+    mixstyle: float = 0.0  # share of training crops whose per-channel mean and std are mixed with those of a crop of another class after the first mixstyle_blocks blocks of model.name=cnn or resnet (MixStyle; training only; 0 = off; not switched by enabled)
+    mixstyle_alpha: float = 0.3  # mixing weight drawn from Beta(alpha, alpha)
+    mixstyle_blocks: int = 1  # MixStyle after each of the first this many blocks (CNN blocks, or ResNet stem + blocks)
 
     def __post_init__(self) -> None:
         for name in ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "noise_file_prob", "gain_prob",
-                     "pitch_prob", "stretch_prob", "band_prob", "codec_prob"):
+                     "pitch_prob", "stretch_prob", "band_prob", "codec_prob", "ir_prob", "freq_mixstyle",
+                     "mixstyle"):
             value = getattr(self, name)
             _check(0.0 <= value <= 1.0, f"augment.{name}", value, "a probability in [0, 1]")
         _check(
@@ -190,8 +199,12 @@ class AugmentConfig:
         self._check_range("band_high_hz", self.band_high_hz, 500.0, 48000.0)
         self._check_range("codec_rates", self.codec_rates, 2000.0, 48000.0)
         self._check_range("codec_bits", self.codec_bits, 2, 16)
+        self._check_range("ir_wet", self.ir_wet, 0.0, 1.0)
         _check(len(self.codec_kinds) >= 1, "augment.codec_kinds", self.codec_kinds,
                "a non-empty list of 'resample', 'mulaw', 'quantize'")
+        for name in ("freq_mixstyle_alpha", "mixstyle_alpha"):
+            _check(getattr(self, name) > 0.0, f"augment.{name}", getattr(self, name), "> 0")
+        _check(self.mixstyle_blocks >= 1, "augment.mixstyle_blocks", self.mixstyle_blocks, ">= 1")
 
     @staticmethod
     def _check_range(name: str, value: Any, lowest: float, highest: float) -> None:

@@ -87,6 +87,10 @@ class ModelConfig:
     subcenters: int = 3  # sub-centers per class (subcenter_arcface): a class's cosine is the largest of its K
     sync_bn: bool = True  # SyncBatchNorm under multi-GPU DDP (plain BatchNorm on CPU)
     init_from: str = ""  # fine-tune: start a new run from this checkpoint's or state_dict export's weights
+    early_norm: Literal["batch", "rfn", "subspectral"] = "batch"  # normalisation in the first early_norm_blocks blocks of model.name=cnn or resnet: BatchNorm; rfn = relaxed instance frequency-wise norm (rfn_lambda · per-bin instance norm + (1 - rfn_lambda) · layer norm, no running statistics); subspectral = BatchNorm per frequency sub-band
+    early_norm_blocks: int = 1  # blocks that use early_norm (CNN blocks, or the ResNet stem then its blocks)
+    rfn_lambda: float = 0.5  # weight of the instance frequency-wise norm in rfn (1 = per-bin instance norm only, 0 = layer norm only)
+    subspectral_groups: int = 4  # frequency sub-bands of subspectral (must divide the bins of each early block)
     cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
     conformer: ConformerConfig = field(default_factory=ConformerConfig)  # settings of conformer
     resnet: ResNetConfig = field(default_factory=ResNetConfig)  # settings of model.name=resnet
@@ -97,6 +101,11 @@ class ModelConfig:
         _check(self.head_scale is None or self.head_scale > 0, "model.head_scale",
                self.head_scale, "> 0, or null for the head's default")
         _check(self.subcenters >= 1, "model.subcenters", self.subcenters, ">= 1")
+        _check(self.early_norm_blocks >= 1, "model.early_norm_blocks", self.early_norm_blocks, ">= 1")
+        _check(0.0 <= self.rfn_lambda <= 1.0, "model.rfn_lambda", self.rfn_lambda, "in [0, 1]")
+        _check(self.subspectral_groups >= 1, "model.subspectral_groups", self.subspectral_groups, ">= 1")
+        _check(self.early_norm == "batch" or self.name in ("cnn", "resnet"), "model.early_norm",
+               self.early_norm, f"'batch' for model.name={self.name!r} (rfn and subspectral: cnn, resnet)")
 
     @property
     def effective_head_scale(self) -> float:

@@ -86,6 +86,8 @@ def gallery_cache_file(model: LoadedEmbedder, sheet: Path, root: str) -> Path:
             dataclasses.asdict(model.features),
             dataclasses.asdict(model.cfg.clips),
             dataclasses.asdict(model.data),
+            # an adapted model's gallery is its own (absent otherwise: earlier caches stay valid)
+            *([] if model.adaptation is None else [model.adaptation]),
         ],
         sort_keys=True,
         default=str,

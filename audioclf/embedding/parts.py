@@ -90,6 +90,8 @@ def parts_manifest(model: LoadedEmbedder, chunk_rows: int) -> dict:
         "features": dataclasses.asdict(model.features),
         "clips": dataclasses.asdict(model.cfg.clips),
         "chunk_rows": chunk_rows,
+        # parts of an adapted model are its own (absent otherwise: earlier parts stay valid)
+        **({} if model.adaptation is None else {"adaptation": model.adaptation}),
     }
 
 

@@ -3,9 +3,11 @@
 
     evaluated = evaluate("runs/demo/best.pt", split="val", gallery="train")
     print("\n".join(evaluated.lines()))        # evaluated.metrics: report.json's "metrics"
+    evaluate("runs/demo/best.pt", adapt=["new_source/"])   # AdaBN on unlabelled audio first
 
-which is: which rows (select_data), their embeddings and every metric (evaluate_split, with
-metrics.py), the report folder under its lock (write_evaluation) and the printed summary.
+which is: which rows (select_data), the model adapted (audioclf.inference.adapt) when asked,
+their embeddings and every metric (evaluate_split, with metrics.py), the report folder under
+its lock (write_evaluation) and the printed summary.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from audioclf.data.index import Index, load_index, split_index
 from audioclf.evaluation.metrics import Evaluation, check_search, compute_metrics
 from audioclf.evaluation.report import REPORT_FILES, scalar_metrics, write_report
 from audioclf.inference import LoadedEmbedder, resolve_device
+from audioclf.inference.adapt import adapt as adapt_model
 from audioclf.inference.extract import check_loader_options, embed_dataset, model_input
 from audioclf.metrics import resolve_score_norm
 from audioclf.outputs import FolderLock
@@ -131,13 +134,17 @@ def evaluate(
     progress: bool = True,
     trust: bool = False,
     skip_hint: str | None = None,
+    adapt: Sequence[str | Path] = (),
 ) -> Evaluated:
     """Evaluate a checkpoint (a path, or a model loaded from one) on `split` of its index (or
     of the sheet `index`) and write the report into `out` (default <checkpoint folder>/eval),
     with the options of `python -m audioclf.evaluate` (num_workers None: data.num_workers;
     score_norm / cohort / cohort_top: audioclf.metrics.resolve_score_norm, the train split by
-    default). Every option and the data are checked before anything is embedded; the out
-    folder is locked from the start. `device` is used to load a path."""
+    default). `adapt`: folders or files of unlabelled audio of a new source, which the model
+    is adapted on (AdaBN) before it embeds, a given model left as it is; report.json's
+    "evaluation" records it ("adaptation"), as it does a given model's earlier adaptation.
+    Every option and the data are checked before anything is embedded; the out folder is
+    locked from the start. `device` is used to load a path."""
     start = time.perf_counter()
     check_search(search)  # an approximate one needs faiss
     check_loader_options(batch_size, num_workers)
@@ -157,6 +164,8 @@ def evaluate(
         data = select_data(
             model.cfg, index=index, root=root, split=split, gallery=gallery, cohort=cohort
         )
+        if adapt:
+            model = adapt_model(model, adapt)
         evaluation, rows = evaluate_split(
             model,
             data,
@@ -501,6 +510,7 @@ def evaluation_setup(
         "split": data.split,
         "gallery": data.gallery_source,
         **({} if data.cohort is None else {"cohort": data.cohort_source}),
+        **({} if model.adaptation is None else {"adaptation": model.adaptation}),
         **evaluation.setup,
         "device": str(model.device),
         "seconds": round(seconds, 2),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from audioclf.checkpoint import CheckpointError
 from audioclf.config import Config, DataConfig, FeaturesConfig
@@ -42,6 +42,10 @@ class LoadedEmbedder:
     # A checkpoint's data settings hold the training's split rules (data.val_ratio, holdout,
     # seed); an export's sidecar holds only the column names.
     knows_splits: bool = False
+    # A checkpoint's network (None for an export): what audioclf.inference.adapt changes.
+    network: nn.Module | None = None
+    # What that adaptation did (None: not adapted); the description says it too.
+    adaptation: dict | None = None
 
     @classmethod
     def from_checkpoint(
@@ -51,7 +55,9 @@ class LoadedEmbedder:
         net, cfg, ckpt = load_trained(path, device, model_name=model_name, trust=trust)
         description = describe_checkpoint(ckpt, cfg)
         kind = input_kind_of(cfg.features)
-        return cls(net.embed, cfg, kind, Path(path), description, device, knows_splits=True)
+        return cls(
+            net.embed, cfg, kind, Path(path), description, device, knows_splits=True, network=net
+        )
 
     @property
     def features(self) -> FeaturesConfig:

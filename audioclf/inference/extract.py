@@ -4,6 +4,7 @@ evaluate, embed --index, the gallery, search queries and the API all run.
     emb, labels, positions = embed_dataset(net, dataset, batch_size=32, device="cpu")
     files, emb, skipped = embed_paths(model, find_files(["clips/"], model.features))  # [n, D]
     emb = embed_waves(model, [wave], sample_rate=22050)
+    clips = read_clips(model, files)     # unbatched, as the network takes them (adaptation)
 
 `embed_dataset` runs a model's `embed` (in eval mode) or any callable `(x, lengths) ->
 embeddings`, e.g. a TorchScript export, over a dataset in ordered batches. `embed_paths` reads
@@ -198,6 +199,17 @@ def embed_paths(
         embeddings = np.concatenate(rows)
     check_finite(embeddings, [str(p) for p in kept], what)
     return kept, embeddings, skipped
+
+
+def read_clips(model: LoadedEmbedder, paths: Sequence[str | Path]) -> list[torch.Tensor]:
+    """Each file as `model` takes it, read as embed_paths reads it (the evaluation clip), one
+    unpadded clip each on the model's device (audioclf.inference.adapt runs the network on
+    them). An unreadable file raises AudioReadError / FeatureFileError naming it."""
+    dataset = _files_dataset(model, [Path(p) for p in paths], None)
+    try:
+        return [dataset[i][0].to(model.device) for i in range(len(dataset))]
+    except (AudioReadError, FeatureFileError) as exc:
+        raise _reader_error(exc) from None
 
 
 def _files_dataset(model: LoadedEmbedder, paths: list[Path], spans) -> torch.utils.data.Dataset:

@@ -16,6 +16,8 @@ from audioclf.models.conformer import ConformerEmbedder
 from audioclf.models.ecapa import ECAPAEmbedder
 from audioclf.models.frontend import FeatureFrontend
 from audioclf.models.heads import ClassifierHead
+from audioclf.models.mixstyle import MixStyle, style_partners
+from audioclf.models.norms import EarlyNorm
 from audioclf.models.resnet import ResNetEmbedder
 
 __all__ = [
@@ -28,9 +30,11 @@ __all__ = [
 ]
 
 MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
-    "cnn": lambda cfg, n_mels: CNNEmbedder(n_mels, cfg.cnn, cfg.embedding_dim),
+    "cnn": lambda cfg, n_mels: CNNEmbedder(n_mels, cfg.cnn, cfg.embedding_dim, EarlyNorm.of(cfg)),
     "conformer": lambda cfg, n_mels: ConformerEmbedder(n_mels, cfg.conformer, cfg.embedding_dim),
-    "resnet": lambda cfg, n_mels: ResNetEmbedder(n_mels, cfg.resnet, cfg.embedding_dim),
+    "resnet": lambda cfg, n_mels: ResNetEmbedder(
+        n_mels, cfg.resnet, cfg.embedding_dim, EarlyNorm.of(cfg)
+    ),
     "ecapa": lambda cfg, n_mels: ECAPAEmbedder(n_mels, cfg.ecapa, cfg.embedding_dim),
 }
 
@@ -43,13 +47,23 @@ def build_model(cfg: ModelConfig, n_mels: int) -> nn.Module:
 
 
 def build_net(cfg: Config, num_classes: int) -> EmbeddingNet:
-    """The architecture (cfg.model with its head, cfg.features) with cfg.spec_augment's masks:
-    front end + embedder (+ model.head over `num_classes`, unless model.head=none)."""
+    """The architecture (cfg.model with its head, cfg.features) with cfg.spec_augment's masks
+    and cfg.augment's MixStyle: front end + embedder (+ model.head over `num_classes`, unless
+    model.head=none)."""
     model = cfg.model
     embedder = build_model(model, cfg.features.n_mels)
+    augment = cfg.augment
+    if augment.mixstyle > 0.0:
+        if not isinstance(embedder, CNNEmbedder | ResNetEmbedder):
+            raise ValueError(
+                f"augment.mixstyle={augment.mixstyle} acts inside model.name=cnn or resnet only, "
+                f"not {model.name!r}: set augment.mixstyle=0 (augment.freq_mixstyle works for all)"
+            )
+        embedder.style = MixStyle(augment.mixstyle, augment.mixstyle_alpha)
+        embedder.style_blocks = augment.mixstyle_blocks
     head_classes = num_classes if model.head != "none" else 0
     return EmbeddingNet(
-        FeatureFrontend(cfg.features, cfg.spec_augment),
+        FeatureFrontend(cfg.features, cfg.spec_augment, augment),
         embedder,
         num_classes=head_classes,
         head_scale=model.effective_head_scale,
@@ -65,9 +79,12 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
 class EmbeddingNet(nn.Module):
     """Front end + embedder (+ optional classifier head): what training wraps in DDP.
 
-    forward(x, lengths) → (embeddings [B, D], logits [B, C] or None); x is waveforms [B, S]
-    or features [B, T, F] as the front end expects, lengths in samples or frames. The logits
-    are the head's scaled cosines, without a margin (the loss adds it in training).
+    forward(x, lengths, labels=None) → (embeddings [B, D], logits [B, C] or None); x is
+    waveforms [B, S] or features [B, T, F] as the front end expects, lengths in samples or
+    frames. The logits are the head's scaled cosines, without a margin (the loss adds it in
+    training). In training mode with `labels` (one per row), MixStyle and Freq-MixStyle
+    (augment.mixstyle, augment.freq_mixstyle) mix each row's statistics with those of a row of
+    another class; without labels, in eval mode and in exports nothing is mixed.
     `embed` returns the embeddings alone (call it in eval mode: SpecAugment and dropout follow
     the module's training flag).
     """
@@ -87,6 +104,11 @@ class EmbeddingNet(nn.Module):
             )
         self.frontend = frontend
         self.embedder = embedder
+        # Partners are drawn only with a MixStyle on: without, training draws what it drew before.
+        embedder_style = getattr(embedder, "style", None)
+        self.mixes_styles = frontend.style.prob > 0.0 or (
+            embedder_style is not None and embedder_style.prob > 0.0
+        )
         self.num_classes = num_classes
         self.head: ClassifierHead | None = (
             ClassifierHead(
@@ -96,8 +118,18 @@ class EmbeddingNet(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor | None]:
-        embeddings = self.embed(x, lengths)
+    def forward(
+        self, x: Tensor, lengths: Tensor, labels: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        if (
+            self.mixes_styles
+            and self.training
+            and labels is not None
+            and labels.numel() == x.shape[0]
+        ):
+            embeddings = self._embed_mixing_styles(x, lengths, labels)
+        else:
+            embeddings = self.embed(x, lengths)
         if self.head is None:
             return embeddings, None
         return embeddings, self.head(embeddings)
@@ -107,6 +139,15 @@ class EmbeddingNet(nn.Module):
         """The embedding layer's and the head's parameters (what optim.freeze_epochs trains)."""
         head = list(self.head.parameters()) if self.head is not None else []
         return list(self.embedder.embedding.parameters()) + head
+
+    @torch.jit.unused
+    def _embed_mixing_styles(self, x, lengths, labels):  # unannotated for torch.jit.unused
+        """embed() with style partners drawn from `labels` (training only; never exported)."""
+        partners = style_partners(labels)
+        feats, feat_lengths = self.frontend(x, lengths, partners)
+        if isinstance(self.embedder, CNNEmbedder | ResNetEmbedder):
+            return self.embedder(feats, feat_lengths, partners)
+        return self.embedder(feats, feat_lengths)
 
     @torch.jit.export
     def embed(self, x: Tensor, lengths: Tensor) -> Tensor:

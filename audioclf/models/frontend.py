@@ -1,9 +1,10 @@
 """The batched log-mel front end, part of the model (so an export carries it) and run on the
 training device, not in data workers.
 
-    FeatureFrontend = [LogMel] → SpectralJitter → UtteranceNorm → SpecAugment, with lengths
-    carried along so padding never changes an utterance's statistics (LogMel:
-    audioclf.spectrogram). SpectralJitter and SpecAugment act in training mode only.
+    FeatureFrontend = [LogMel] → SpectralJitter → UtteranceNorm → Freq-MixStyle → SpecAugment,
+    with lengths carried along so padding never changes an utterance's statistics (LogMel:
+    audioclf.spectrogram). SpectralJitter, Freq-MixStyle (audioclf.models.mixstyle; only given
+    style partners) and SpecAugment act in training mode only.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 import torchaudio
 from torch import Tensor, nn
 
-from audioclf.config import FeaturesConfig, SpecAugmentConfig, choices
+from audioclf.config import AugmentConfig, FeaturesConfig, SpecAugmentConfig, choices
+from audioclf.models.mixstyle import MixStyle
 from audioclf.models.pooling import lengths_to_mask
 from audioclf.spectrogram import DB_TO_LOG_POWER, LogMel
 
@@ -143,10 +145,16 @@ class FeatureFrontend(nn.Module):
     `forward` returns (feats [B, T, n_mels] float32, feat_lengths [B]). SpecAugment masks and
     the spectral jitter (tilt_db, freq_warp; in training mode only) come from `spec_augment`;
     without it there are none. `spec_augment.enabled` switches the masks only: the jitter is
-    on whenever its keys are above 0.
+    on whenever its keys are above 0. Freq-MixStyle (augment.freq_mixstyle) mixes the
+    normalised log-mel's per-bin statistics with those of `partners` (training only).
     """
 
-    def __init__(self, cfg: FeaturesConfig, spec_augment: SpecAugmentConfig | None = None):
+    def __init__(
+        self,
+        cfg: FeaturesConfig,
+        spec_augment: SpecAugmentConfig | None = None,
+        augment: AugmentConfig | None = None,
+    ):
         super().__init__()
         self.kind = cfg.kind
         self.n_mels = cfg.n_mels
@@ -157,8 +165,12 @@ class FeatureFrontend(nn.Module):
         self.spec_augment = SpecAugment(
             masks.freq_mask, masks.time_mask, masks.num_masks if masks.enabled else 0
         )
+        styles = augment or AugmentConfig()
+        self.style = MixStyle(styles.freq_mixstyle, styles.freq_mixstyle_alpha, frequency=True)
 
-    def forward(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, lengths: Tensor, partners: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         if self.log_mel is not None:
             if x.dim() != 2:
                 raise ValueError(
@@ -172,5 +184,5 @@ class FeatureFrontend(nn.Module):
                     f"got shape {list(x.shape)}"
                 )
             feats = x
-        feats = self.norm(self.jitter(feats), lengths)
+        feats = self.style(self.norm(self.jitter(feats), lengths), lengths, partners)
         return self.spec_augment(feats), lengths

@@ -206,7 +206,7 @@ class TrainStep:
         """The scaled backward of one micro-batch's loss; returns the loss, detached."""
         before_forward = [b.clone() for b in self._batchnorm] if empty else []
         with self.precision.autocast():
-            output = self.model(x, lengths)
+            output = self.model(x, lengths, labels)  # labels: MixStyle's partners
         if empty:  # take part in the collectives, learn nothing
             output = _empty_output(output)
         loss = self.objective(output, labels, positions)

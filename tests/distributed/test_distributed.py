@@ -56,7 +56,7 @@ class _Net(nn.Module):
         super().__init__()
         self.fc = nn.Linear(4, 2)
 
-    def forward(self, x, lengths):
+    def forward(self, x, lengths, labels=None):
         return self.fc(x)
 
 

@@ -14,8 +14,10 @@ import torch
 from audioclf.embed import main
 from audioclf.embedding import gallery
 from audioclf.embedding import index as index_embedding
+from audioclf.embedding.parts import parts_manifest
 from audioclf.export import export_model
-from audioclf.inference import find_files
+from audioclf.inference import find_files, load_embedder
+from audioclf.inference.adapt import adapt
 from tests.helpers import make_checkpoint
 
 CLASSES = ("c00", "c01", "c02", "c03")
@@ -137,6 +139,35 @@ def test_gallery_embeddings_are_cached_per_sheet_content(setup, capsys):
     assert len(list(cache.glob("gallery-*.npz"))) == 2
     third, _ = embed_cli(capsys, setup, "--no-cache")
     assert "cached" not in third.splitlines()[0]
+
+
+def test_an_adapted_model_says_so_and_keeps_its_own_gallery_cache(setup, capsys):
+    cache = setup["model"].parent / gallery.CACHE_DIR
+    shutil.rmtree(cache, ignore_errors=True)
+    plain, _ = embed_cli(capsys, setup)
+    source = setup["root"] / "gallery_audio"  # the new source: the gallery's own files
+    source.mkdir(exist_ok=True)
+    for path in pd.read_csv(setup["gallery"])["path"]:
+        shutil.copyfile(path, source / Path(path).name)
+    first, _ = embed_cli(capsys, setup, "--adapt", source)
+    header = first.splitlines()[0]
+    assert f"adapted by adabn on 4 unlabelled clips of {source}" in header
+    assert "cached" not in header  # not the unadapted model's gallery
+    again, _ = embed_cli(capsys, setup, "--adapt", source)
+    assert "cached" in again.splitlines()[0] and len(list(cache.glob("gallery-*.npz"))) == 2
+    assert first.splitlines()[1:] == again.splitlines()[1:]
+    assert first.splitlines()[1:] != plain.splitlines()[1:]  # the statistics changed the scores
+
+
+def test_index_parts_of_an_adapted_model_are_its_own(setup, tmp_path):
+    model = load_embedder(setup["model"], torch.device("cpu"))
+    adapted = adapt(model, [setup["queries"]])
+    assert "adaptation" not in parts_manifest(model, 4096)  # earlier parts stay valid
+    assert parts_manifest(adapted, 4096)["adaptation"] == adapted.adaptation
+    sheet = setup["gallery"]
+    assert gallery.gallery_cache_file(model, sheet, "") != gallery.gallery_cache_file(
+        adapted, sheet, ""
+    )
 
 
 @pytest.mark.slow  # exports to TorchScript and ONNX

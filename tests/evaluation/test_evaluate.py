@@ -124,6 +124,22 @@ def test_default_out_is_next_to_the_checkpoint(trained, capsys):
     assert "knn_accuracy" not in report["metrics"]
 
 
+def test_adapt_is_recorded_in_the_report_and_the_summary(trained, tiny_demo, tmp_path, capsys):
+    source = tiny_demo.parent / "wav" / "c00"
+    out = tmp_path / "eval"
+    code, stdout, err = run_cli(
+        capsys, "--checkpoint", trained, "--out", out, "--num-workers", 0, "--quiet",
+        "--gallery", "none", "--adapt", source,
+    )  # fmt: skip
+    assert code == 0, err
+    adaptation = read_report(out)["evaluation"]["adaptation"]
+    assert adaptation["method"] == "adabn" and adaptation["source"] == [str(source)]
+    assert adaptation["clips"] == len(list(source.rglob("*.wav")))
+    assert adaptation["batchnorm_layers"] > 0
+    said = f"adapted by adabn on {adaptation['clips']} unlabelled clips of {source}"
+    assert said in stdout and said in (out / "report.md").read_text()
+
+
 def test_index_and_split_are_honoured_closed_set(trained, closed_set_sheet, tmp_path, capsys):
     for split, expected in (("val", 36), ("test", 36)):
         out = tmp_path / split

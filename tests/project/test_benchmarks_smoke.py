@@ -53,10 +53,11 @@ SMOKE = {
         [r"^first read .* (PASS|FAIL) ", r"^cached .* (PASS|FAIL) ", r"^file check, 200 files"],
     ),
     "quality.py": (
-        ["--smoke"],
+        ["--smoke", "--adapt"],
         [
             r"^\| model \| train time \| every clip P@1 \| MAP@R \|$",
             r"^\| MFCC mean\+std",
+            r"^\| \S+ \+ AdaBN \| [\d.]+ min \| ",
             r"^quality: wrote ",
         ],
     ),

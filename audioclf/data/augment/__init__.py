@@ -18,7 +18,9 @@ are 0 by default), so turning one on leaves the others' draws as they were.
 Pieces, in the order they run (each with its own probability; modules beside this one):
   speed, pitch, stretch  before the crop (`pitch.py`): the source's tempo and pitch.
   reverb                 a synthetic room impulse response (`room.py`).
-  EQ                     a random smooth gain curve (`channel.py`). Reverb and EQ are linear
+  EQ                     a random smooth gain curve (`channel.py`).
+  impulse response       a measured response from `ir_dir` (`responses.py`), mixed wet/dry.
+                         Reverb, EQ and the measured response are linear
                          filters and share one zero-padded FFT pass (linear, not circular, so
                          trimmed to the input length as WeSpeaker's `convolve(audio, rir)
                          [:len(audio)]`), then scaled back to the input's RMS level.
@@ -76,6 +78,7 @@ from audioclf.data.augment.pitch import (
     speed_perturb,
     stft_size,
 )
+from audioclf.data.augment.responses import load_impulse_responses, wet_dry_kernel
 from audioclf.data.augment.room import room_impulse_response
 from audioclf.data.readers import load_audio
 from audioclf.spectrogram import DB_TO_LOG_POWER
@@ -89,7 +92,8 @@ __all__ = [
 class Augmenter:
     """Random, seeded augmentation of training crops; `enabled` is `cfg.enabled`.
 
-    Picklable: built once in the main process (which also lists and checks `noise_dir`), copied
+    Picklable: built once in the main process (which also lists and checks `noise_dir` and
+    reads `ir_dir`'s responses), copied
     into each DataLoader worker; decoded noise files are cached lazily per process.
     """
 
@@ -104,6 +108,11 @@ class Augmenter:
         if cfg.enabled and cfg.band_prob > 0.0:
             check_band(cfg, self.sample_rate)
         self.noise_files = find_noise_files(cfg.noise_dir) if cfg.enabled and cfg.noise_dir else []
+        self.impulse_responses = (
+            load_impulse_responses(cfg.ir_dir, self.sample_rate)
+            if cfg.enabled and cfg.ir_dir and cfg.ir_prob > 0.0
+            else []
+        )
         self._init_caches()
 
     def _init_caches(self) -> None:
@@ -187,31 +196,38 @@ class Augmenter:
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
     def _room_and_eq(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
-        cfg, rir = self.cfg, None
+        cfg, kernels = self.cfg, []
         if chance(rng, cfg.reverb_prob):
-            rir = room_impulse_response(
-                rng,
-                self.sample_rate,
-                rt60=uniform(rng, cfg.reverb_rt60),
-                drr_db=uniform(rng, cfg.reverb_drr_db),
-                early_reflections=cfg.reverb_early_reflections,
-                max_length=x.shape[0],
+            kernels.append(
+                room_impulse_response(
+                    rng,
+                    self.sample_rate,
+                    rt60=uniform(rng, cfg.reverb_rt60),
+                    drr_db=uniform(rng, cfg.reverb_drr_db),
+                    early_reflections=cfg.reverb_early_reflections,
+                    max_length=x.shape[0],
+                )
             )
         eq_curve = self._random_eq(rng) if chance(rng, cfg.eq_prob) else None
-        if rir is None and eq_curve is None:
+        # Drawn last and only with responses: without ir_dir the draws above are unchanged.
+        if self.impulse_responses and chance(rng, cfg.ir_prob):
+            response = self.impulse_responses[int(rng.integers(len(self.impulse_responses)))]
+            kernels.append(wet_dry_kernel(response[: x.shape[0]], uniform(rng, cfg.ir_wet)))
+        if not kernels and eq_curve is None:
             return None
-        return self._filter(x, rir, eq_curve)
+        return self._filter(x, kernels, eq_curve)
 
     def _filter(
-        self, x: np.ndarray, rir: np.ndarray | None, eq_curve: np.ndarray | None
+        self, x: np.ndarray, kernels: list[np.ndarray], eq_curve: np.ndarray | None
     ) -> np.ndarray:
-        """Convolve with `rir` and/or apply the EQ curve in one FFT pass; same length and RMS."""
-        padding = rir.shape[0] - 1 if rir is not None else 0  # linear, not circular, convolution
+        """Convolve with each of `kernels` (room responses) and/or apply the EQ curve in one
+        FFT pass; same length and RMS."""
+        padding = sum(k.shape[0] - 1 for k in kernels)  # linear, not circular, convolution
         padding += EQ_PAD if eq_curve is not None else 0
         size = fft_length(x.shape[0] + padding)
         spectrum = np.fft.rfft(x, size)
-        if rir is not None:
-            spectrum *= np.fft.rfft(rir, size)
+        for kernel in kernels:
+            spectrum *= np.fft.rfft(kernel, size)
         if eq_curve is not None:  # dB → amplitude gain: exp(dB · ln(10) / 20)
             basis = eq_basis_rfft(size, self.sample_rate, self.cfg.eq_bands)
             spectrum *= np.exp(curve_db(eq_curve, basis) * np.float32(DB_TO_LOG_POWER / 2.0))

@@ -1,0 +1,77 @@
+"""`--adapt` / `adapt=` / `Model.adapt`: AdaBN of a loaded checkpoint on unlabelled audio of a
+new source.
+
+    adapted = adapt(model, ["new_source/"])   # files, folders searched recursively
+    adapted.adaptation   # {"method": "adabn", "clips", "batchnorm_layers", "source", "statistics"}
+
+The files are found and read as embedding finds and reads them (audioclf.inference.extract's
+find_files and read_clips: the model's sample rate and evaluation clip) and passed to
+audioclf.models.adapt.adapt_batchnorm, which changes a copy of the network; `model` is left as it
+is. The adapted model's description ends with what was done, so every output that names the
+model says it (embed's first line, evaluate's report, a search collection's model record), and
+its `adaptation` keys the caches and part files that depend on the embeddings ("statistics":
+a digest of the adapted running statistics). Exports cannot be adapted (their statistics are
+fixed): adapt the checkpoint they were exported from.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import nn
+
+from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.extract import find_files, read_clips
+from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
+
+ADAPT_HELP = (
+    "AdaBN first: a checkpoint's BatchNorm statistics from this folder (or file) of unlabelled "
+    "audio of the new source; repeatable"
+)
+
+
+def adapt(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedder:
+    """A copy of `model` (a checkpoint) whose BatchNorm statistics are those of the audio in
+    `sources` (AdaBN), its `adaptation` the record of what was done. ValueError for an export,
+    for no audio found, and naming a file that cannot be read."""
+    if model.network is None:
+        raise ValueError(
+            f"--adapt needs an audioclf checkpoint, not {model.description} ({model.path}): "
+            "adapt the checkpoint it was exported from (an export's statistics are fixed)"
+        )
+    sources = [Path(s) for s in sources]
+    files = find_files(sources, model.features)
+    network = copy.deepcopy(model.network)
+    adapted = dataclasses.replace(model, embed_fn=network.embed, network=network)
+    record = {
+        **adapt_batchnorm(network, read_clips(adapted, files)),
+        "source": [str(s) for s in sources],
+        "statistics": statistics_digest(network),
+    }
+    base = model.description
+    if model.adaptation is not None:  # adapted again: the new statistics replace the old
+        base = base.removesuffix(f", {describe(model.adaptation)}")
+    return dataclasses.replace(
+        adapted, adaptation=record, description=f"{base}, {describe(record)}"
+    )
+
+
+def statistics_digest(network: nn.Module) -> str:
+    """A short key of every BatchNorm's running statistics: which adaptation made embeddings."""
+    hashed = hashlib.blake2b(digest_size=8)
+    for layer in batchnorm_layers(network):
+        hashed.update(layer.running_mean.detach().cpu().numpy().tobytes())
+        hashed.update(layer.running_var.detach().cpu().numpy().tobytes())
+    return hashed.hexdigest()
+
+
+def describe(record: dict) -> str:
+    """What the model was adapted on, in words (the end of an adapted model's description)."""
+    return (
+        f"adapted by {record['method']} on {record['clips']} unlabelled clips of "
+        f"{', '.join(record['source'])} ({record['batchnorm_layers']} BatchNorm layers)"
+    )

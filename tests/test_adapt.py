@@ -1,0 +1,151 @@
+"""AdaBN (audioclf.models.adapt): BatchNorm statistics re-estimated on unlabelled clips, checked
+against a plain loop over the clips; an adapted model exports with parity."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from torch import nn
+
+import audioclf
+from audioclf.export import main as export_main
+from audioclf.inference import load_trained
+from audioclf.inference.adapt import describe
+from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
+from tests.helpers import make_checkpoint
+
+
+def new_source_clips(count: int = 5, seed: int = 0) -> list[torch.Tensor]:
+    """Clips of another 'source': louder, tilted noise of different lengths (8 kHz)."""
+    generator = torch.Generator().manual_seed(seed)
+    clips = []
+    for i in range(count):
+        n = 3000 + 900 * i
+        clips.append(0.5 * torch.randn(n, generator=generator).cumsum(0) / 30.0)
+    return clips
+
+
+def layer_inputs_loop(net: nn.Module, clips: list[torch.Tensor]) -> list[np.ndarray]:
+    """Per BatchNorm layer: its input over all clips as [channels, values], clip by clip."""
+    layers = batchnorm_layers(net)
+    seen: list[list[np.ndarray]] = [[] for _ in layers]
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda _m, args, k=k: seen[k].append(
+                args[0].transpose(0, 1).reshape(args[0].shape[1], -1).double().numpy()
+            )
+        )
+        for k, layer in enumerate(layers)
+    ]
+    with torch.no_grad():
+        for clip in clips:
+            net.embed(clip[None], torch.tensor([clip.shape[0]]))
+    for handle in handles:
+        handle.remove()
+    return [np.concatenate(parts, axis=1) for parts in seen]
+
+
+@pytest.mark.parametrize("early_norm", ["batch", "subspectral"])
+def test_adabn_statistics_are_each_layers_input_over_the_clips(tmp_path, early_norm):
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn", model={"early_norm": early_norm})
+    net, _, _ = load_trained(ckpt)
+    before = [layer.running_mean.clone() for layer in batchnorm_layers(net)]
+    clips = new_source_clips()
+    record = adapt_batchnorm(net, clips)
+    layers = batchnorm_layers(net)
+    assert record == {"method": "adabn", "clips": 5, "batchnorm_layers": len(layers)}
+    # The adapted model's own inputs to each layer: what inference sees after adaptation.
+    for layer, values, old in zip(layers, layer_inputs_loop(net, clips), before, strict=True):
+        mean = values.mean(axis=1)
+        variance = ((values - mean[:, None]) ** 2).mean(axis=1)
+        np.testing.assert_allclose(layer.running_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(layer.running_var.numpy(), variance, rtol=1e-4, atol=1e-6)
+        assert not torch.allclose(layer.running_mean, old)
+    assert not net.training
+
+
+def test_adaptation_changes_embeddings_and_needs_clips(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    net, _, _ = load_trained(ckpt)
+    adapted, _, _ = load_trained(ckpt)
+    x, lengths = torch.randn(2, 4000) * 0.1, torch.tensor([4000, 2500])
+    adapt_batchnorm(adapted, new_source_clips())
+    with torch.no_grad():
+        assert (adapted.embed(x, lengths) - net.embed(x, lengths)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="at least one clip"):
+        adapt_batchnorm(adapted, [])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit")
+def test_an_adapted_model_exports_equal_to_itself(tmp_path, capsys):
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    net, _, _ = load_trained(ckpt)
+    adapt_batchnorm(net, new_source_clips())
+    saved = torch.load(ckpt, weights_only=False)
+    torch.save({**saved, "model": net.state_dict()}, tmp_path / "adapted.pt")
+    out = tmp_path / "adapted_model.pt"
+    code = export_main(
+        ["--checkpoint", str(tmp_path / "adapted.pt"), "--format", "torchscript", "--out", str(out)]
+    )
+    assert code == 0, capsys.readouterr().err
+    assert (
+        json.loads(out.with_name(out.name + ".json").read_text())["parity"]["max_abs_diff"] <= 1e-4
+    )
+    scripted = torch.jit.load(str(out))
+    x, lengths = torch.randn(3, 5000) * 0.1, torch.tensor([5000, 4100, 3000])
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x, lengths), net.embed(x, lengths), atol=1e-5, rtol=0)
+
+
+def write_wavs(folder, clips: list[torch.Tensor]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, clip in enumerate(clips):
+        soundfile.write(str(folder / f"clip{i}.wav"), clip.numpy(), 8000)
+
+
+def test_model_adapt_records_what_it_did_and_changes_what_follows(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    write_wavs(tmp_path / "new_source", new_source_clips())
+    write_wavs(tmp_path / "queries", new_source_clips(3, seed=5))
+    model = audioclf.load(ckpt)
+    _, before = model.embed(tmp_path / "queries")
+    assert model.adaptation is None
+    unadapted = model.loaded
+    record = model.adapt(tmp_path / "new_source")
+    assert record == model.adaptation
+    assert record["method"] == "adabn" and record["clips"] == 5
+    assert record["source"] == [str(tmp_path / "new_source")]
+    assert model.loaded.description == f"{unadapted.description}, {describe(record)}"
+    _, after = model.embed(tmp_path / "queries")
+    assert np.abs(after - before).max() > 1e-3
+    # the model it was adapted from is left as it was
+    _, again = audioclf.Model(unadapted).embed(tmp_path / "queries")
+    np.testing.assert_array_equal(again, before)
+    # adapted again: from the new audio alone, said once
+    model.adapt(tmp_path / "new_source")
+    assert model.adaptation["statistics"] == record["statistics"]
+    assert model.loaded.description.count("adapted") == 1
+    # the same statistics as adapting the network on the clips read as evaluation reads them
+    net, _, _ = load_trained(ckpt)
+    adapt_batchnorm(net, [c.clamp(-1, 1) for c in new_source_clips()])
+    for ours, theirs in zip(batchnorm_layers(net), batchnorm_layers(model.loaded.network)):
+        torch.testing.assert_close(ours.running_mean, theirs.running_mean, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit")
+def test_an_export_cannot_be_adapted_one_line(tmp_path, capsys):
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    out = tmp_path / "model.pt"
+    assert (
+        export_main(["--checkpoint", str(ckpt), "--format", "torchscript", "--out", str(out)]) == 0
+    )
+    write_wavs(tmp_path / "new_source", new_source_clips(2))
+    with pytest.raises(
+        ValueError,
+        match="--adapt needs an audioclf checkpoint.*the checkpoint it was exported from",
+    ):
+        audioclf.load(out).adapt(tmp_path / "new_source")
