@@ -5,6 +5,8 @@
     python -m audioclf.export --checkpoint runs/demo/best.pt --format torchscript \
         --no-frontend --out model_logmel.pt
     python -m audioclf.export --checkpoint runs/demo/best.pt --format state_dict --out weights.pt
+    python -m audioclf.export --checkpoint runs/demo/best.pt --format onnx --out adapted.onnx \
+        --adapt new_source/      # AdaBN on unlabelled audio of a new source first
 
 The exported model is the network in eval mode (no SpecAugment, no dropout):
   forward(x, lengths) -> embeddings float32 [batch, D], L2-normalised
@@ -42,6 +44,8 @@ from pathlib import Path
 from audioclf.checkpoint import add_trust_flag
 from audioclf.config import ModelConfig, choices
 from audioclf.errors import UsageError, run_cli
+from audioclf.inference.adapt import ADAPT_HELP
+from audioclf.inference.artefacts import describe_adaptation
 from audioclf.inference.exporting import (
     DEFAULT_OPSET,
     DEFAULT_TOLERANCE,
@@ -91,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=choices(ModelConfig, "name"),
         help="fail unless the checkpoint holds this model",
     )
+    parser.add_argument("--adapt", action="append", type=Path, metavar="DIR", help=ADAPT_HELP)
     add_trust_flag(parser)
     return parser.parse_intermixed_args(argv)  # options and files in any order
 
@@ -106,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             tolerance=args.tolerance,
             model_name=args.model_name,
             trust=args.trust_checkpoint,
+            adapt=args.adapt or (),
         )
     except ParityError as exc:
         print(f"{PROG}: parity check failed: {exc}", file=sys.stderr)
@@ -117,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     if meta.classes:
         outputs += f" and logits of {len(meta.classes)} classes"
     print(f"exported {meta.format} ({meta.input_kind} input, {outputs}) to {args.out}")
+    if meta.adaptation:
+        print(f"adapted first:{describe_adaptation(meta.adaptation).removeprefix(',')}")
     print(
         f"parity: max abs difference {meta.parity['max_abs_diff']:.3g} on inputs {shapes} "
         f"(tolerance {meta.parity['tolerance']:g})"

@@ -11,7 +11,7 @@ is. The adapted model's description ends with what was done, so every output tha
 model says it (embed's first line, evaluate's report, a search collection's model record), and
 its `adaptation` keys the caches and part files that depend on the embeddings ("statistics":
 a digest of the adapted running statistics). Exports cannot be adapted (their statistics are
-fixed): adapt the checkpoint they were exported from.
+fixed): adapt the checkpoint they were exported from, or export with `export --adapt`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from torch import nn
 
-from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.artefacts import LoadedEmbedder, describe_adaptation
 from audioclf.inference.extract import find_files, read_clips
 from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
 
@@ -52,11 +52,10 @@ def adapt(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedde
         "source": [str(s) for s in sources],
         "statistics": statistics_digest(network),
     }
-    base = model.description
-    if model.adaptation is not None:  # adapted again: the new statistics replace the old
-        base = base.removesuffix(f", {describe(model.adaptation)}")
+    # adapted again: the new statistics replace the old
+    base = model.description.removesuffix(describe_adaptation(model.adaptation))
     return dataclasses.replace(
-        adapted, adaptation=record, description=f"{base}, {describe(record)}"
+        adapted, adaptation=record, description=base + describe_adaptation(record)
     )
 
 
@@ -67,11 +66,3 @@ def statistics_digest(network: nn.Module) -> str:
         hashed.update(layer.running_mean.detach().cpu().numpy().tobytes())
         hashed.update(layer.running_var.detach().cpu().numpy().tobytes())
     return hashed.hexdigest()
-
-
-def describe(record: dict) -> str:
-    """What the model was adapted on, in words (the end of an adapted model's description)."""
-    return (
-        f"adapted by {record['method']} on {record['clips']} unlabelled clips of "
-        f"{', '.join(record['source'])} ({record['batchnorm_layers']} BatchNorm layers)"
-    )

@@ -53,10 +53,26 @@ class LoadedEmbedder:
     ) -> LoadedEmbedder:
         """The model of an audioclf checkpoint (load_trained: `model_name` asserts which)."""
         net, cfg, ckpt = load_trained(path, device, model_name=model_name, trust=trust)
-        description = describe_checkpoint(ckpt, cfg)
+        return cls.of_network(net, cfg, ckpt, Path(path), device)
+
+    @classmethod
+    def of_network(
+        cls, net: nn.Module, cfg: Config, ckpt: dict, path: Path, device: torch.device
+    ) -> LoadedEmbedder:
+        """A loaded checkpoint's network; an adapted state_dict export says so."""
+        adaptation = ckpt.get("adaptation")
+        description = describe_checkpoint(ckpt, cfg) + describe_adaptation(adaptation)
         kind = input_kind_of(cfg.features)
         return cls(
-            net.embed, cfg, kind, Path(path), description, device, knows_splits=True, network=net
+            net.embed,
+            cfg,
+            kind,
+            path,
+            description,
+            device,
+            knows_splits=True,
+            network=net,
+            adaptation=adaptation,
         )
 
     @property
@@ -153,6 +169,17 @@ def _load_export(
     def embed_fn(x: Tensor, lengths: Tensor) -> Tensor:
         return run(x, lengths)[0].to(x.device)  # the embeddings (logits come second)
 
+    description = f"{fmt} export, {meta.embedding_dim}-d" + describe_adaptation(meta.adaptation)
     return LoadedEmbedder(
-        embed_fn, cfg, meta.input_kind, path, f"{fmt} export, {meta.embedding_dim}-d", device
+        embed_fn, cfg, meta.input_kind, path, description, device, adaptation=meta.adaptation
+    )
+
+
+def describe_adaptation(record: dict | None) -> str:
+    """What a model was adapted on, in words: the end of its description ("" when it was not)."""
+    if record is None:
+        return ""
+    return (
+        f", adapted by {record['method']} on {record['clips']} unlabelled clips of "
+        f"{', '.join(record['source'])} ({record['batchnorm_layers']} BatchNorm layers)"
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -21,6 +21,8 @@ from audioclf import checkpoint
 from audioclf.checkpoint import CheckpointError
 from audioclf.config import Config, FeaturesConfig, to_dict
 from audioclf.fileio import atomic_write_bytes, remove_temporaries
+from audioclf.inference.adapt import adapt as adapt_model
+from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.checkpoints import load_trained
 from audioclf.inference.extract import WAVEFORM, input_kind_of
 from audioclf.inference.formats import (
@@ -134,6 +136,7 @@ def write_state_dict(net: EmbeddingNet, cfg: Config, ckpt: dict, path: Path, sou
         "last_metrics": ckpt.get("last_metrics", {}),
         "versions": checkpoint.library_versions(),
         "exported_from": str(source),
+        "adaptation": ckpt.get("adaptation"),  # None: the source's own statistics
     }
     with open(path, "wb") as fh:
         torch.save(slim, fh)
@@ -209,8 +212,12 @@ def export_model(
     tolerance: float = DEFAULT_TOLERANCE,
     model_name: str | None = None,
     trust: bool = False,
+    adapt: Sequence[str | Path] = (),
 ) -> ExportSidecar:
-    """Write the artefact and its sidecar; returns the sidecar.
+    """Write the artefact and its sidecar; returns the sidecar. `adapt`: folders or files of
+    unlabelled audio of a new source the model is adapted on first (AdaBN, as `--adapt`
+    adapts for embed and evaluate); the artefact holds those statistics and the sidecar (a
+    state_dict export: the checkpoint) records the adaptation.
 
     Raises ParityError (nothing written) when the reloaded artefact differs from the PyTorch
     model by more than `tolerance`; ValueError / CheckpointError / ExportError on bad input.
@@ -218,6 +225,10 @@ def export_model(
     out, checkpoint_path = Path(out), Path(checkpoint_path)
     check_export_request(fmt, out, frontend=frontend, opset=opset, tolerance=tolerance)
     net, cfg, ckpt = load_trained(checkpoint_path, "cpu", model_name=model_name, trust=trust)
+    if adapt:
+        loaded = LoadedEmbedder.of_network(net, cfg, ckpt, checkpoint_path, torch.device("cpu"))
+        adapted = adapt_model(loaded, adapt)
+        net, ckpt = adapted.network, {**ckpt, "adaptation": adapted.adaptation}
     kind = input_kind_of(cfg.features, frontend)
     module = exportable(net, cfg, frontend)
     inputs = random_inputs(cfg, kind)
@@ -366,6 +377,7 @@ def sidecar(
         },
         versions=export_versions(fmt),
         opset=opset if fmt == "onnx" else None,
+        adaptation=ckpt.get("adaptation"),
     )
 
 

@@ -39,11 +39,13 @@ class ExportSidecar:
     versions: dict[str, str]
     opset: int | None = None  # ONNX only
     clips: dict[str, Any] = dataclasses.field(default_factory=dict)  # how evaluation reads files
+    adaptation: dict[str, Any] | None = None  # export --adapt: what the statistics were adapted on
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
-        if self.opset is None:
-            del fields["opset"]
+        for optional in ("opset", "adaptation"):
+            if fields[optional] is None:
+                del fields[optional]
         return json.dumps(fields, indent=2) + "\n"
 
     @classmethod

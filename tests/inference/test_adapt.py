@@ -14,7 +14,7 @@ from torch import nn
 import audioclf
 from audioclf.export import main as export_main
 from audioclf.inference import load_trained
-from audioclf.inference.adapt import describe
+from audioclf.inference.artefacts import describe_adaptation
 from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
 from tests.helpers import make_checkpoint
 
@@ -81,24 +81,39 @@ def test_adaptation_changes_embeddings_and_needs_clips(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit")
-def test_an_adapted_model_exports_equal_to_itself(tmp_path, capsys):
+def test_export_adapt_writes_the_adapted_model_and_says_so(tmp_path, capsys):
     ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
-    net, _, _ = load_trained(ckpt)
-    adapt_batchnorm(net, new_source_clips())
-    saved = torch.load(ckpt, weights_only=False)
-    torch.save({**saved, "model": net.state_dict()}, tmp_path / "adapted.pt")
-    out = tmp_path / "adapted_model.pt"
-    code = export_main(
-        ["--checkpoint", str(tmp_path / "adapted.pt"), "--format", "torchscript", "--out", str(out)]
-    )
-    assert code == 0, capsys.readouterr().err
-    assert (
-        json.loads(out.with_name(out.name + ".json").read_text())["parity"]["max_abs_diff"] <= 1e-4
-    )
-    scripted = torch.jit.load(str(out))
+    write_wavs(tmp_path / "new_source", new_source_clips())
+    model = audioclf.load(ckpt)
+    record = model.adapt(tmp_path / "new_source")
     x, lengths = torch.randn(3, 5000) * 0.1, torch.tensor([5000, 4100, 3000])
     with torch.no_grad():
-        torch.testing.assert_close(scripted(x, lengths), net.embed(x, lengths), atol=1e-5, rtol=0)
+        expected = model.loaded.network.embed(x, lengths)
+    for fmt, out in (("torchscript", tmp_path / "adapted.pt"), ("state_dict", tmp_path / "w.pt")):
+        args = ["--checkpoint", str(ckpt), "--format", fmt, "--out", str(out)]
+        assert export_main([*args, "--adapt", str(tmp_path / "new_source")]) == 0
+        printed = capsys.readouterr().out
+        assert f"adapted first: adapted by adabn on 5 unlabelled clips of {tmp_path}" in printed
+        sidecar = json.loads(out.with_name(out.name + ".json").read_text())
+        assert sidecar["adaptation"] == record and sidecar["parity"]["max_abs_diff"] <= 1e-4
+        exported = audioclf.load(out).loaded  # says what it was adapted on, as the model did
+        assert exported.adaptation == record
+        assert exported.description.endswith(describe_adaptation(record))
+        with torch.no_grad():
+            torch.testing.assert_close(exported.embed_fn(x, lengths), expected, atol=1e-5, rtol=0)
+    # the adapted state_dict export adapted again: the new statistics, said once
+    again = audioclf.load(tmp_path / "w.pt")
+    again.adapt(tmp_path / "new_source")
+    assert again.loaded.description.count("adapted by") == 1
+    assert again.adaptation["statistics"] == record["statistics"]
+    # a plain export records no adaptation (its sidecar as before)
+    plain = tmp_path / "plain.pt"
+    assert (
+        export_main(["--checkpoint", str(ckpt), "--format", "torchscript", "--out", str(plain)])
+        == 0
+    )
+    assert "adaptation" not in json.loads(plain.with_name("plain.pt.json").read_text())
+    assert audioclf.load(plain).adaptation is None
 
 
 def write_wavs(folder, clips: list[torch.Tensor]) -> None:
@@ -119,7 +134,7 @@ def test_model_adapt_records_what_it_did_and_changes_what_follows(tmp_path):
     assert record == model.adaptation
     assert record["method"] == "adabn" and record["clips"] == 5
     assert record["source"] == [str(tmp_path / "new_source")]
-    assert model.loaded.description == f"{unadapted.description}, {describe(record)}"
+    assert model.loaded.description == unadapted.description + describe_adaptation(record)
     _, after = model.embed(tmp_path / "queries")
     assert np.abs(after - before).max() > 1e-3
     # the model it was adapted from is left as it was
