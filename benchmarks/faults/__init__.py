@@ -1,6 +1,6 @@
 """The fault matrix: what a user sees, and what is left on disk, when things go wrong.
 
-    .venv/bin/python -m benchmarks.faults                    # every case (about 14 min, 2 cores)
+    .venv/bin/python -m benchmarks.faults                    # every case (23 min on 2 shared cores)
     .venv/bin/python -m benchmarks.faults --cases 4,nan-wav  # a subset, by number or name
     .venv/bin/python -m benchmarks.faults --keep /tmp/faults # keep the work folder
     .venv/bin/python -m benchmarks.faults --smoke            # two quick cases (the smoke test's)
