@@ -102,7 +102,9 @@ def test_stop_treats_a_zombie_as_stopped(tmp_path):
         parent.wait()
 
 
-def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_demo):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["Ctrl-C", "hang-up"])
+def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(sig, tmp_path, tiny_demo):
+    # SIGHUP: the terminal closed (it reaches run.sh, not the launcher in its own session).
     runs = tmp_path / "runs"
     cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=500", "eval.every=0", "train.name=fg")
     save_config(cfg, tmp_path / "fg.yaml")
@@ -120,7 +122,7 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_dem
     log = runs / "fg" / "train.log"
     try:
         assert wait_for_text(log, "epoch 1/500")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
