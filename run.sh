@@ -7,7 +7,8 @@
 #                                                most 4 (pytest-xdist; -n 0: one process, e.g. for
 #                                                --pdb), and the 20 slowest; -m "not slow": the
 #                                                fast tier, about a minute
-#   ./run.sh [--bg] [--nproc N] CONFIG [key=value ...]   train with torchrun (N processes)
+#   ./run.sh [--bg] [--nproc N] CONFIG [key=value ...]   train on N ranks (python -m
+#                                                audioclf.train --nproc N: the ranks die with it)
 #   ./run.sh stop NAME                           stop a background run started with --bg
 #   ./run.sh setup                               only create/refresh .venv
 #
@@ -78,9 +79,8 @@ cmd_demo() {
     if [[ $stage -le 2 && $stop_stage -ge 2 ]]; then
         echo "== stage 2: train (2 processes)"
         # resume=auto: a second ./run.sh demo continues (or, when finished, keeps) the run.
-        run_foreground runs/demo_cnn "$PY" -m torch.distributed.run --standalone \
-            --nproc_per_node 2 -m audioclf.train --config configs/demo_cnn.yaml \
-            checkpoint.resume=auto
+        run_foreground runs/demo_cnn "$PY" -m audioclf.train --nproc 2 \
+            --config configs/demo_cnn.yaml checkpoint.resume=auto
     fi
     if [[ $stage -le 3 && $stop_stage -ge 3 ]]; then
         echo "== stage 3: offline evaluation"
@@ -114,8 +114,8 @@ cmd_train() {
     [[ $# -ge 1 ]] || die "train: missing CONFIG (e.g. ./run.sh --nproc 4 configs/conformer.yaml)"
     local config="$1"; shift
     [[ -f "$config" ]] || die "config $config not found"
-    local launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc"
-                  -m audioclf.train --config "$config" "$@")
+    # audioclf.train's own launcher (torchrun's, as --standalone): its ranks die with it.
+    local launch=("$PY" -m audioclf.train --nproc "$nproc" --config "$config" "$@")
     local name run_dir
     IFS=$'\t' read -r name run_dir < <(run_location "$config" "$@") || exit 2
     if [[ $bg -eq 0 ]]; then
@@ -126,7 +126,7 @@ cmd_train() {
     if [[ -f "$run_dir/pid" ]] && alive "$(cat "$run_dir/pid")"; then
         die "run $name is already running (pid $(cat "$run_dir/pid")); ./run.sh stop $name first"
     fi
-    # setsid: the job gets its own process group, so `stop` can signal torchrun and its workers.
+    # setsid: the job gets its own process group, so `stop` can signal the launcher and its ranks.
     nohup setsid "${launch[@]}" > "$run_dir/nohup.log" 2>&1 < /dev/null &
     echo $! > "$run_dir/pid"
     echo "started $name in the background (pid $(cat "$run_dir/pid"))"
@@ -135,22 +135,25 @@ cmd_train() {
 }
 
 run_foreground() {
-    # run_foreground RUN_DIR COMMAND...: torchrun in its own session, so the terminal's Ctrl-C
-    # does not reach it (it would die with a SignalException traceback and tear the workers
-    # down). Ctrl-C here sends its workers SIGTERM, as ./run.sh stop does: they finish the
-    # step, save last.pt and exit; then this exits 130. A second Ctrl-C kills the run at once.
+    # run_foreground RUN_DIR COMMAND...: the launcher in its own session, so that the terminal's
+    # Ctrl-C reaches this script alone. Ctrl-C here (or SIGTERM, or the terminal's SIGHUP) sends
+    # the ranks SIGTERM, as ./run.sh stop does: they finish the step, save last.pt and exit; then
+    # this exits 130. A second Ctrl-C kills the run at once. The launcher gets SIGTERM when this
+    # script dies (setpriv --pdeathsig: a kill -9 too), and its ranks die with it.
     # Without a Ctrl-C it returns the command's status, so the demo goes on to its next stage.
     local run_dir="$1"; shift
     local interrupts=0 status=0 pid log_start
     log_start="$(stat -c %s "$run_dir/train.log" 2>/dev/null || echo 0)"
-    setsid "$@" &
+    local with_us=()
+    setpriv --pdeathsig TERM true 2>/dev/null && with_us=(setpriv --pdeathsig TERM --)
+    setsid "${with_us[@]}" "$@" &
     pid=$!
-    trap 'interrupts=$((interrupts + 1)); interrupt "$pid" "$interrupts"' INT TERM
+    trap 'interrupts=$((interrupts + 1)); interrupt "$pid" "$interrupts"' INT TERM HUP
     while :; do
         wait "$pid" 2>/dev/null && status=0 || status=$?  # 2>/dev/null: no "Killed" notice
         alive "$pid" || break
     done
-    trap - INT TERM
+    trap - INT TERM HUP
     [[ $interrupts -eq 0 ]] && return "$status"  # a failure ends the script (set -e)
     if [[ $interrupts -ge 2 ]]; then
         echo "run.sh: stopped at once by a second Ctrl-C; last.pt is the last one saved; resume" \
@@ -166,13 +169,13 @@ run_foreground() {
 }
 
 interrupt() {
-    # The first Ctrl-C (or SIGTERM) asks torchrun's workers to stop; the second kills the group.
+    # The first Ctrl-C (or SIGTERM) asks the launcher's ranks to stop; the second kills the group.
     if [[ $2 -eq 1 ]]; then
         echo "run.sh: stopping: the workers finish their step and save last.pt (Ctrl-C again to kill at once)" >&2
         pkill -TERM -P "$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null || true
     else
         echo "run.sh: second Ctrl-C: killing the run at once; last.pt is the last one saved" >&2
-        # torchrun starts each worker in a session of its own: kill them, then torchrun's group.
+        # The launcher starts each rank in a session of its own: kill them, then its group.
         pkill -KILL -P "$1" 2>/dev/null || true
         kill -KILL -- "-$1" 2>/dev/null || true
     fi
@@ -196,8 +199,8 @@ cmd_stop() {
         echo "run $1 is not running"
         return 0
     fi
-    # SIGTERM to torchrun's workers: they finish their step, write last.pt and exit 0, and then
-    # torchrun exits normally. (Signalling torchrun itself makes it tear the workers down.)
+    # SIGTERM to the launcher's ranks: they finish their step, write last.pt and exit 0, and
+    # then the launcher exits normally (a launcher without ranks yet gets the SIGTERM itself).
     if ! pkill -TERM -P "$pid" 2>/dev/null; then
         kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
     fi

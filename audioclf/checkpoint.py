@@ -267,6 +267,88 @@ def add_trust_flag(parser) -> None:
     )
 
 
+_SHEET = "a sheet (an index of clips?)"
+# Files handed over as a model that are something else: (their first bytes, suffixes, what they
+# are). A file is taken for one of these by its first bytes or its suffix, whichever says so.
+_NOT_MODELS = (
+    ((b"\x93NUMPY",), (".npy",), "a NumPy array (embeddings?)"),
+    ((b"PAR1",), (".parquet",), "a Parquet table (an embed --index PREFIX.parquet?)"),
+    ((b"\xd0\xcf\x11\xe0",), (".xls", ".xlsx", ".xlsm", ".csv", ".tsv", ".ods"), _SHEET),
+    (
+        (b"RIFF", b"fLaC", b"OggS", b"ID3", b"\xff\xfb", b"\xff\xf3"),
+        (".wav", ".flac", ".ogg", ".opus", ".mp3", ".m4a", ".aiff", ".aif"),
+        "an audio file (a clip to embed?)",
+    ),
+)
+MODEL_SUFFIXES = (".pt", ".pth", ".onnx")  # what a folder's model files are named
+
+
+def not_a_model(path: Path) -> str | None:
+    """What the file at `path` is when it is plainly not a model (by its first bytes or its
+    suffix: "a NumPy array (embeddings?)", "a sheet ...", "an audio file ..."); None otherwise."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+    except OSError:
+        return None
+    if head.startswith(b"PK") and (names := _zip_names(path)) is not None:
+        return _zip_kind(names)  # torch.save's and torch.jit.save's files are zips too
+    suffix = path.suffix.lower()
+    for magics, suffixes, what in _NOT_MODELS:
+        if head.startswith(magics) or suffix in suffixes:
+            return what
+    return None
+
+
+def _zip_names(path: Path) -> list[str] | None:
+    """The entries of a zip archive; None when it cannot be read (a damaged one)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return None
+
+
+def _zip_kind(names: list[str]) -> str | None:
+    """What a zip archive holding `names` is; None for torch's (a data.pkl in its folder)."""
+    if any(name.endswith("/data.pkl") for name in names):
+        return None
+    if any(name.startswith("xl/") for name in names):
+        return _SHEET
+    if names and all(name.endswith(".npy") for name in names):
+        return "a NumPy archive (.npz)"
+    return "a zip archive"
+
+
+def model_file(path: str | Path, named: str = "checkpoint") -> Path:
+    """The model file `path` names: itself, or in a folder its run's best.pt, else the one
+    checkpoint or export (*.pt, *.pth, *.onnx) it holds. CheckpointError, naming the folder as
+    `named` (e.g. "--model"), when it holds none or several (listed), or is not there."""
+    path = Path(path)
+    if not path.is_dir():
+        if not path.is_file():
+            raise CheckpointError(f"{named} {path} does not exist; check the path or the run name")
+        return path
+    if (path / BEST).is_file():
+        return path / BEST
+    found = sorted(
+        p.name
+        for p in path.iterdir()
+        if p.is_file() and p.suffix.lower() in MODEL_SUFFIXES and not_a_model(p) is None
+    )
+    if len(found) == 1:
+        return path / found[0]
+    if not found:
+        raise CheckpointError(
+            f"{named} {path} is a folder holding no model (no best.pt, no checkpoint .pt or "
+            "export); pass the model file itself"
+        )
+    raise CheckpointError(
+        f"{named} {path} is a folder holding {len(found)} models and no best.pt "
+        f"({', '.join(found)}); pass one of them"
+    )
+
+
 def _is_torchscript(path: Path) -> bool:
     """A torch.jit.save archive: a zip holding constants.pkl (a checkpoint's zip does not)."""
     try:
@@ -284,9 +366,9 @@ def load(
     weights_only unless `trust`: a file that needs more than tensors and plain data (a foreign
     pickle, or a payload) is refused before any of it runs.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; check the path or the run name")
+    path = model_file(path)
+    if (what := not_a_model(path)) is not None:
+        raise CheckpointError(f"{path} is {what}, not a model; pass an audioclf checkpoint (.pt)")
     if _is_torchscript(path):  # torch.load would hand it to torch.jit.load, with a warning
         raise CheckpointError(
             f"{path} is a TorchScript export, not an audioclf checkpoint; {_OTHER_CHECKPOINT}"

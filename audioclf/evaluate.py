@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         checkpoint, progress=not quiet, trust=trust, skip_hint=SKIP_HINT, **options
     )
     print("\n".join(evaluated.lines()))
-    if (tracker := attach_report(checkpoint.parent, evaluated.out_dir)) is not None:
+    run_dir = Path(evaluated.setup["checkpoint"]).parent  # a folder given: its best.pt's
+    if (tracker := attach_report(run_dir, evaluated.out_dir)) is not None:
         print(f"report.json and report.md added to the training's {tracker} run")
     return 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
     Imports come inside: a Ctrl-C while torch loads (seconds) is one line and 130, not a
     KeyboardInterrupt traceback; a rank of --nproc-per-node says nothing (the launcher does)."""
     args = parse_args(argv)
+    if args.nproc is not None:
+        EarlyStop.install()
     try:
         from audioclf.distributed.launch import die_with_launcher  # noqa: PLC0415 - see above
         from audioclf.errors import run_cli  # noqa: PLC0415
@@ -75,6 +78,35 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
                 file=sys.stderr,
             )
         return 130
+
+
+class EarlyStop:
+    """The launcher's Ctrl-C (SIGTERM, SIGHUP) before its ranks start, while it imports torch
+    and checks the input: noted, and honoured once that is done (`stopped`), not raised where
+    it lands: a KeyboardInterrupt inside numpy's lazy import of numpy.dtypes left it half-built,
+    and the next use recursed into a RecursionError traceback. A second one raises at once."""
+
+    signal: str | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+            signal.signal(getattr(signal, name), cls._note)
+
+    @classmethod
+    def _note(cls, signum, frame) -> None:
+        if cls.signal is not None:
+            raise KeyboardInterrupt
+        cls.signal = signal.Signals(signum).name
+
+    @classmethod
+    def stopped(cls) -> int | None:
+        """130 (SIGINT) or 143 with its one line when a signal came before the ranks start."""
+        if cls.signal is None:
+            return None
+        print(f"{PROG}: stopped by {cls.signal} before training started; nothing was saved",
+              file=sys.stderr)  # fmt: skip
+        return 130 if cls.signal == "SIGINT" else 143
 
 
 def run(args: argparse.Namespace, hooks=None) -> int:
@@ -117,8 +149,16 @@ def launch(args: argparse.Namespace, cfg) -> int:
     def said(signal_name: str, at_once: bool = False) -> None:
         print(f"{PROG}: {stopped_line(signal_name, last, started, at_once)}", file=sys.stderr)
 
+    if (code := EarlyStop.stopped()) is not None:
+        return code
     try:
-        launch_ranks(args.nproc, "audioclf.train", argv, at_once=lambda n: said(n, True))
+        launch_ranks(
+            args.nproc,
+            "audioclf.train",
+            argv,
+            at_once=lambda n: said(n, True),
+            noted=lambda: EarlyStop.signal,
+        )
     except LaunchStopped as stop:
         said(stop.signal_name)
         return 130 if stop.signal_name == "SIGINT" else 143

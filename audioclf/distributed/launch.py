@@ -235,13 +235,18 @@ def _silence_torch_elastic() -> None:
 
 
 def launch_ranks(
-    nproc: int, module: str, argv: list[str], at_once: Callable[[str], None] = lambda name: None
+    nproc: int,
+    module: str,
+    argv: list[str],
+    at_once: Callable[[str], None] = lambda name: None,
+    noted: Callable[[], str | None] = lambda: None,
 ) -> None:
     """`python -m <module> <argv>` on `nproc` local ranks through torch's elastic launcher, as
         `torchrun --standalone --nproc_per_node <nproc>` does (one node, no restarts, each rank in
         a session of its own, so a Ctrl-C reaches this launcher, which asks the ranks to stop
         once, with SIGTERM; a second signal calls `at_once(first signal's name)` and exits at once,
-    killing the ranks). Each rank should call `die_with_launcher` first thing.
+    killing the ranks). Each rank should call `die_with_launcher` first thing. `noted()` names a
+    signal the caller caught before this took the signals over (then nothing starts).
 
         Raises LaunchStopped when a signal stopped the ranks, RuntimeError naming the failed ranks'
         exit codes when one was killed, AlreadyReported when one failed (it printed why)."""
@@ -269,6 +274,9 @@ def launch_ranks(
     )
     interrupts = _Interrupts(at_once)
     interrupts.install()
+    if (early := noted()) is not None:
+        interrupts.uninstall()
+        raise LaunchStopped(early)
     try:
         elastic_launch(config, sys.executable)("-m", module, *argv)
     except SignalException:

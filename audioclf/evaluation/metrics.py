@@ -267,16 +267,36 @@ def _verification_and_clustering(
     evaluation: Evaluation, n_classes: int, max_pairs: int, seed: int, norm: dict
 ) -> None:
     emb, labels = evaluation.embeddings, evaluation.labels
-    try:
-        evaluation.verification = verification_metrics(
-            emb, labels, max_pairs=max_pairs, seed=seed, **norm
-        )
-    except ValueError as exc:
-        evaluation.notes.append(f"verification skipped: {exc}")
+    _verification(evaluation, emb, labels, max_pairs=max_pairs, seed=seed, norm=norm)
     if n_classes >= 2:
         evaluation.results.update(clustering_metrics(emb, labels, seed=seed))
     else:
         evaluation.notes.append("a single class: clustering metrics skipped")
+
+
+def _verification(evaluation: Evaluation, emb, labels, *, max_pairs, seed, norm: dict) -> None:
+    """The verification figures, raw and normalised against `norm`'s cohort. A cohort that
+    cannot normalise (no spread: copies of one clip) keeps the raw EER / minDCF; the report's
+    setup says why the normalised ones are not there (score_norm_skipped), and a note too."""
+    try:
+        evaluation.verification = verification_metrics(
+            emb, labels, max_pairs=max_pairs, seed=seed, **norm
+        )
+        return
+    except ValueError as exc:
+        reason = str(exc)
+    try:
+        if not norm:
+            raise ValueError(reason)
+        evaluation.verification = verification_metrics(emb, labels, max_pairs=max_pairs, seed=seed)
+    except ValueError as exc:  # the raw figures fail alike: nothing to keep
+        evaluation.notes.append(f"verification skipped: {exc}")
+        return
+    evaluation.setup["score_norm_skipped"] = reason
+    evaluation.notes.append(
+        f"score normalisation ({evaluation.setup['score_norm']}) skipped: {reason}; the raw EER "
+        "and minDCF are kept"
+    )
 
 
 def enrollment_split(classes: np.ndarray, items: np.ndarray, seed: int) -> np.ndarray:

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from audioclf.checkpoint import model_file
 from audioclf.config import Config, DataConfig
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index, split_index
@@ -152,6 +153,8 @@ def evaluate(
         raise ValueError(f"--max-pairs must be >= 2, got {max_pairs}")
     score_norm, cohort = resolve_score_norm(score_norm, cohort, cohort_top, default_cohort="train")
     checkpoint = model.path if isinstance(model, LoadedEmbedder) else Path(model)
+    if checkpoint.is_dir():  # a run folder: its best.pt, whose folder the report goes into
+        checkpoint = model_file(checkpoint)
     if not isinstance(model, LoadedEmbedder):
         device = resolve_device(device)
     out_dir = Path(out) if out is not None else checkpoint.parent / "eval"

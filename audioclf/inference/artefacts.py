@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from audioclf.checkpoint import CheckpointError
+from audioclf.checkpoint import CheckpointError, model_file, not_a_model
 from audioclf.config import Config, DataConfig, FeaturesConfig
 from audioclf.errors import one_line
 from audioclf.inference.checkpoints import describe_checkpoint, load_trained
@@ -116,15 +116,19 @@ def load_embedder(
     flag: str = "--model",
     trust: bool = False,
 ) -> LoadedEmbedder:
-    """An audioclf checkpoint or state_dict export, or an export with its sidecar <path>.json.
+    """An audioclf checkpoint or state_dict export, or an export with its sidecar <path>.json;
+    a folder stands for its run's best.pt, or the one model file it holds (checkpoint.model_file).
 
     ONNX runs on the CPU whatever `device` says. `flag` is how the caller's user named the
     file (messages say "--model x.pt does not exist"). ArtefactError / CheckpointError name
     the file and the fix.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ArtefactError(f"{flag} {path} does not exist")
+    path = model_file(path, flag)
+    if (what := not_a_model(path)) is not None:
+        raise ArtefactError(
+            f"{flag} {path} is {what}, not a model; pass a checkpoint (.pt), TorchScript or ONNX "
+            "export"
+        )
     sidecar = sidecar_path(path)
     if sidecar.is_file():
         try:

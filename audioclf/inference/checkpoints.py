@@ -43,7 +43,7 @@ def load_trained(
     corrupt, not an audioclf checkpoint, of another model, or its weights do not fit its config.
     `trust` loads a file holding more than tensors and plain data (checkpoint.load).
     """
-    path = Path(path)
+    path = checkpoint.model_file(path)
     ckpt = checkpoint.load(path, map_location="cpu", trust=trust)
     cfg = checkpoint_config(ckpt, path)
     if model_name is not None and model_name != cfg.model.name:
@@ -80,7 +80,7 @@ def init_weights(
     on one side) is left freshly initialised. Returns notes for the log; CheckpointError names
     the first tensor that does not fit.
     """
-    path = Path(path)
+    path = checkpoint.model_file(path, "model.init_from=")
     ckpt = checkpoint.load(path, map_location="cpu", trust=trust)
     saved_cfg = checkpoint_config(ckpt, path)
     state = _strip_wrapper_prefixes(ckpt[weights_key(ckpt, saved_cfg)])

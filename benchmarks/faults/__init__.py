@@ -1,6 +1,6 @@
 """The fault matrix: what a user sees, and what is left on disk, when things go wrong.
 
-    .venv/bin/python -m benchmarks.faults                    # every case (about 9 min, 2 cores)
+    .venv/bin/python -m benchmarks.faults                    # every case (23 min on 2 shared cores)
     .venv/bin/python -m benchmarks.faults --cases 4,nan-wav  # a subset, by number or name
     .venv/bin/python -m benchmarks.faults --keep /tmp/faults # keep the work folder
     .venv/bin/python -m benchmarks.faults --smoke            # two quick cases (the smoke test's)
@@ -32,6 +32,16 @@ half and given to its reader (search index data, PREFIX.npy / .parquet, a part f
 / ONNX exports and a sidecar, prepare.json, a feature file, the run's tracker.json) and a
 gallery cache replaced by garbage.
 
+Cases 24-29 are what users and machines do to a run (issue 34): a Ctrl-C half a second and one
+second into `python -m audioclf.train --nproc 2` (exit 130, one line, no last.pt claimed); kill -9
+of that launcher and of `./run.sh --nproc 2` (the ranks gone within seconds, then resume=auto
+on 2 ranks accepted); MLFLOW_TRACKING_URI at a closed port (one warning, the run goes on, in
+seconds), the tracker's store deleted before a resume and an evaluate, tracker.json cut in half
+before a resume; a full disk under a new run, export and prepare (the writers case 22 leaves
+out); a cohort of three copies of one clip (the raw EER / minDCF kept, the reason in
+report.json); a run folder, PREFIX.npy, the sheet, a wav and a folder of two checkpoints handed
+to evaluate / embed / export as the model.
+
 One line per case:
 
     case | exit code | the message line the user saw | checkpoint intact | data lost
@@ -57,6 +67,6 @@ back to monkeypatched ENOSPC / EROFS errors inside the run or tool, and say so).
 
 The package, each file readable whole: harness.py (rows, commands run as a user runs them,
 their checks, the building blocks of the cases), training.py (cases 1-14: faults in a training
-run), safe_defaults.py (15-19), outputs.py (20-23), injection.py (the worker that injects a
+run), safe_defaults.py (15-19), outputs.py (20-23), misuse.py (24-29), injection.py (the worker that injects a
 fault inside a run or a tool) and __main__.py (the case table and the summary).
 """

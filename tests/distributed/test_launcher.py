@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,57 @@ def test_ctrl_c_while_the_launcher_imports_is_one_line_and_130(tmp_path, tiny_de
     assert err.strip().splitlines() == [
         f"{PROG}: stopped by SIGINT before training started; nothing was saved"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [1.0, 2.0])
+def test_ctrl_c_at_any_moment_of_the_launchers_start_is_one_line_and_130(
+    delay, tmp_path, tiny_demo
+):
+    # A KeyboardInterrupt raised inside numpy's lazy import of numpy.dtypes (the launcher's
+    # checks import audioclf.checkpoint) once ended in a RecursionError traceback, exit 1.
+    proc = _launch(_long_run(tmp_path, tiny_demo))
+    ranks: list[int] = []
+    try:
+        time.sleep(delay)
+        ranks = child_pids(proc.pid)
+        proc.send_signal(signal.SIGINT)
+    finally:
+        out, err = _finish(proc, ranks)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines() in (
+        [f"{PROG}: stopped by SIGINT before training started; nothing was saved"],
+        [
+            f"{PROG}: stopped by SIGINT before the first checkpoint: nothing to resume; run the "
+            "same command again to start over"
+        ],
+    )
+    assert not (tmp_path / "runs" / "t" / "last.pt").exists()
+
+
+def test_an_early_ctrl_c_is_noted_where_it_lands_and_honoured_before_the_ranks(capsys):
+    # Deterministic half of the test above: the signal is not raised where it lands (inside an
+    # import, say), but said once the launcher's checks are done; a second one raises at once.
+    from audioclf.train import EarlyStop
+
+    handlers = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        EarlyStop.install()
+        signal.raise_signal(signal.SIGINT)
+        assert EarlyStop.signal == "SIGINT"
+        assert EarlyStop.stopped() == 130
+        assert capsys.readouterr().err == (
+            f"{PROG}: stopped by SIGINT before training started; nothing was saved\n"
+        )
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        EarlyStop.signal = None
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.slow

@@ -99,7 +99,9 @@ def test_stop_treats_a_zombie_as_stopped(tmp_path):
         parent.wait()
 
 
-def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_demo):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["Ctrl-C", "hang-up"])
+def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(sig, tmp_path, tiny_demo):
+    # SIGHUP: the terminal closed (it reaches run.sh, not the launcher in its own session).
     runs = tmp_path / "runs"
     cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=500", "eval.every=0", "train.name=fg")
     save_config(cfg, tmp_path / "fg.yaml")
@@ -117,7 +119,7 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_dem
     log = runs / "fg" / "train.log"
     try:
         assert wait_for_text(log, "epoch 1/500")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -132,6 +134,56 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(tmp_path, tiny_dem
         f"run.sh: stopped at epoch {epoch}, step {ckpt['step']}; last.pt saved; "
         "resume with checkpoint.resume=auto"
     )
+
+
+@pytest.mark.parametrize("killed", ["the launcher", "run.sh"])
+def test_kill_9_of_run_sh_or_its_launcher_takes_the_ranks_and_frees_the_run_folder(
+    killed, tmp_path, tiny_demo
+):
+    # A closed terminal, an OOM killer, a scheduler: no rank may train on alone, holding the
+    # run lock (a later checkpoint.resume=auto would be refused as "in use by another run").
+    from tests.helpers import child_pids, is_alive, wait_until
+
+    runs = tmp_path / "runs"
+    cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=500", "eval.every=0", "train.name=k")
+    save_config(cfg, tmp_path / "k.yaml")
+    proc = subprocess.Popen(
+        ["./run.sh", "--nproc", "2", str(tmp_path / "k.yaml")],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=as_a_terminal_starts_it,
+    )
+    processes: list[int] = []
+    try:
+        assert wait_for_text(runs / "k" / "train.log", "epoch 1/500")
+        (launcher,) = child_pids(proc.pid)
+        ranks = child_pids(launcher)
+        processes = [launcher, *ranks]
+        assert len(ranks) == 2
+        os.kill(launcher if killed == "the launcher" else proc.pid, signal.SIGKILL)
+        assert wait_until(lambda: not any(is_alive(p) for p in ranks), 30), "the ranks train on"
+        assert wait_until(lambda: not is_alive(launcher), 30), "the launcher runs on"
+    finally:
+        for pid in [proc.pid, *processes]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    # checkpoint.resume=auto may take the folder (once the ranks' last threads are gone: a
+    # killed process shows as a zombie while its other threads still hold its files)
+    assert wait_until(lambda: _lock_is_free(runs / "k"), 30), "the run folder stays locked"
+
+
+def _lock_is_free(run_dir: Path) -> bool:
+    from audioclf.outputs import FolderBusy
+    from audioclf.training.rundir import RunLock
+
+    try:
+        RunLock(run_dir).check_free()
+    except FolderBusy:
+        return False
+    return True
 
 
 def test_demo_runs_every_stage(tmp_path):

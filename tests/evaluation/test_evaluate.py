@@ -496,6 +496,51 @@ def test_a_cohort_sheet_adds_normalised_verification_beside_the_raw(
     assert not any("cohort shares" in note for note in setup["notes"])
 
 
+def test_a_cohort_without_spread_keeps_the_raw_figures_and_says_why_not_the_normalised():
+    from audioclf.evaluation.metrics import compute_metrics
+
+    rng = np.random.default_rng(0)
+    names = np.repeat(np.array(["a", "b", "c"]), 4)
+    emb = (rng.normal(size=(12, 8)) + 3 * np.eye(8)[np.repeat([0, 1, 2], 4)]).astype(np.float32)
+    raw = compute_metrics(emb, names)
+    one_clip = np.repeat(emb[:1], 3, axis=0)  # a cohort of three copies of one clip
+    evaluation = compute_metrics(emb, names, cohort_emb=one_clip, score_norm="asnorm")
+    assert evaluation.verification is not None
+    for key in ("eer", "min_dcf", "eer_threshold", "n_pairs"):
+        assert evaluation.verification[key] == raw.verification[key], key
+    assert "eer_asnorm" not in evaluation.verification
+    reason = evaluation.setup["score_norm_skipped"]  # report.json's "evaluation", report.md
+    assert reason.startswith("some trial embeddings have no spread")
+    assert evaluation.notes == [
+        f"score normalisation (asnorm) skipped: {reason}; the raw EER and minDCF are kept"
+    ]
+
+
+@pytest.mark.slow
+def test_a_cohort_of_one_clip_copied_keeps_the_raw_figures_in_the_report(
+    trained, closed_set_sheet, tmp_path, capsys
+):
+    table = pd.read_csv(closed_set_sheet, dtype=str)
+    cohort = tmp_path / "cohort.csv"
+    copies = table.iloc[[0, 0, 0]].copy()
+    copies["a_id"] = [f"copy{i}" for i in range(3)]  # one clip three times (ids are unique)
+    copies.to_csv(cohort, index=False)
+    out = tmp_path / "eval"
+    args = ["--checkpoint", trained, "--num-workers", 0, "--quiet", "--gallery", "none"]
+    code, stdout, err = run_cli(capsys, *args, "--out", out, "--cohort", cohort)
+    assert code == 0, err
+    report = read_report(out)
+    assert math.isfinite(report["metrics"]["eer"]) and math.isfinite(report["metrics"]["min_dcf"])
+    assert "eer_asnorm" not in report["metrics"]
+    skipped = report["evaluation"]["score_norm_skipped"]
+    assert (
+        "no spread" in skipped
+        and f"- score_norm_skipped: {skipped}" in (out / "report.md").read_text()
+    )
+    assert "score normalisation (asnorm) skipped" in stdout
+    assert any(line.split()[:1] == ["eer"] for line in stdout.splitlines())
+
+
 @pytest.mark.slow
 def test_score_norm_alone_takes_the_train_split_and_notes_its_shared_classes(
     trained, closed_set_sheet, tmp_path, capsys, monkeypatch

@@ -325,3 +325,91 @@ def test_a_damaged_tracker_id_is_one_line_naming_it(tmp_path):
     (tmp_path / "tracker.json").write_text('{"mlflow": "0123')
     with pytest.raises(ValueError, match=r"tracker\.json \(the training's tracker run\) is unread"):
         attach_report(tmp_path, tmp_path / "eval")
+
+
+# A model artefact handed over wrongly (issue 34): a folder stands for its run's best.pt or
+# its one model file; an array, a sheet or an audio file is one line saying what it is.
+
+
+def test_a_folder_stands_for_its_runs_best_pt_or_the_one_model_it_holds(tmp_path):
+    import shutil
+
+    import audioclf
+    from audioclf import checkpoint
+    from tests.helpers import make_checkpoint
+
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    best = make_checkpoint(run / "best.pt")
+    shutil.copy(best, run / "last.pt")
+    assert audioclf.load(run, device="cpu").loaded.path == best
+    assert checkpoint.load(run)["model"]  # export, init_from: the same file
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(best, alone / "weights.pt")
+    (alone / "notes.txt").write_text("the weights of run x")
+    assert audioclf.load(alone, device="cpu").loaded.path == alone / "weights.pt"
+    (run / "best.pt").rename(run / "epoch_0002.pt")
+    with pytest.raises(ValueError) as several:
+        audioclf.load(run, device="cpu")
+    assert str(several.value) == (
+        f"model {run} is a folder holding 2 models and no best.pt (epoch_0002.pt, last.pt); "
+        "pass one of them"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"empty is a folder holding no model \(no best.pt"):
+        audioclf.load(empty, device="cpu")
+
+
+def _wrong_artefacts(folder: Path) -> dict[str, tuple[Path, str]]:
+    """{case: (a file that is not a model, what the message calls it)}."""
+    import soundfile
+
+    np.save(folder / "emb.npy", np.zeros((3, 4), dtype=np.float32))
+    (folder / "emb.pt").write_bytes((folder / "emb.npy").read_bytes())  # renamed: its bytes say
+    pd.DataFrame({"path": ["a.wav"], "a_cls": ["c"]}).to_excel(folder / "s.xlsx", index=False)
+    (folder / "s.csv").write_text("path,a_cls\na.wav,c\n")
+    soundfile.write(folder / "a.wav", np.zeros(800), 8000)
+    soundfile.write(folder / "a.flac", np.zeros(800), 8000)
+    (folder / "a.pt").write_bytes((folder / "a.flac").read_bytes())
+    array, sheet, audio = "a NumPy array (embeddings?)", "a sheet", "an audio file"
+    return {
+        "array": (folder / "emb.npy", array),
+        "array renamed .pt": (folder / "emb.pt", array),
+        "xlsx": (folder / "s.xlsx", sheet),
+        "csv": (folder / "s.csv", sheet),
+        "wav": (folder / "a.wav", audio),
+        "flac": (folder / "a.flac", audio),
+        "flac renamed .pt": (folder / "a.pt", audio),
+    }
+
+
+def test_an_array_a_sheet_or_audio_given_as_a_model_is_one_line_saying_what_it_is(tmp_path):
+    import audioclf
+    from audioclf import checkpoint
+
+    for case, (path, what) in _wrong_artefacts(tmp_path).items():
+        with pytest.raises(ValueError) as caught:
+            audioclf.load(path, device="cpu")
+        message = str(caught.value)
+        assert message.startswith(f"model {path} is {what}"), case
+        assert message.endswith("not a model; pass a checkpoint (.pt), TorchScript or ONNX export")
+        with pytest.raises(ValueError, match=rf"is {re.escape(what)}.*, not a model; pass an audi"):
+            checkpoint.load(path)  # evaluate, export, model.init_from=, checkpoint.resume=
+
+
+def test_the_tools_say_so_in_one_line(tmp_path, capsys):
+    from audioclf.embed import main as embed
+    from audioclf.evaluate import main as evaluate
+
+    wrong = _wrong_artefacts(tmp_path)
+    clip, sheet = wrong["wav"][0], wrong["xlsx"][0]
+    assert embed(["--model", str(wrong["array"][0]), "--gallery", str(sheet), str(clip)]) == 2
+    assert capsys.readouterr().err == (
+        f"python -m audioclf.embed: error: --model {wrong['array'][0]} is a NumPy array "
+        "(embeddings?), not a model; pass a checkpoint (.pt), TorchScript or ONNX export\n"
+    )
+    assert evaluate(["--checkpoint", str(sheet), "--out", str(tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{sheet} is a sheet (an index of clips?), not a m" in err
