@@ -785,6 +785,20 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
+def run_lock_is_free(run_dir: Path) -> bool:
+    """Whether the next run (checkpoint.resume=auto) may take `run_dir`: poll it with
+    wait_until after a kill -9, since a killed process shows as a zombie while its other
+    threads still hold its files."""
+    from audioclf.outputs import FolderBusy
+    from audioclf.training.rundir import RunLock
+
+    try:
+        RunLock(run_dir).check_free()
+    except FolderBusy:
+        return False
+    return True
+
+
 def wait_until(condition, seconds: float = 120) -> bool:
     """Poll `condition()` every 0.1 s until it holds, at most `seconds`; whether it held (the
     caller asserts: a bound on a hang, not a timed assertion)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from audioclf.training.rundir import LOCK_FILE, RunLock
+from audioclf.training.rundir import LOCK_FILE
 from tests.helpers import (
     ROOT,
     LockHolder,
@@ -23,6 +23,7 @@ from tests.helpers import (
     cli_args,
     has_loaded,
     is_alive,
+    run_lock_is_free,
     tiny_config,
     wait_for_text,
     wait_until,
@@ -160,7 +161,7 @@ def test_kill_9_of_the_launcher_takes_its_ranks_and_frees_the_run_folder(tmp_pat
         assert wait_until(lambda: not any(is_alive(r) for r in ranks)), "the ranks train on"
     finally:
         _finish(proc, ranks)
-    RunLock(run_dir).check_free()  # the next run (checkpoint.resume=auto) may take it
+    assert wait_until(lambda: run_lock_is_free(run_dir), 30), "the run folder stays locked"
     assert (run_dir / LOCK_FILE).exists()
 
 

@@ -142,7 +142,7 @@ def test_kill_9_of_run_sh_or_its_launcher_takes_the_ranks_and_frees_the_run_fold
 ):
     # A closed terminal, an OOM killer, a scheduler: no rank may train on alone, holding the
     # run lock (a later checkpoint.resume=auto would be refused as "in use by another run").
-    from tests.helpers import child_pids, is_alive, wait_until
+    from tests.helpers import child_pids, is_alive, run_lock_is_free, wait_until
 
     runs = tmp_path / "runs"
     cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=500", "eval.every=0", "train.name=k")
@@ -172,18 +172,7 @@ def test_kill_9_of_run_sh_or_its_launcher_takes_the_ranks_and_frees_the_run_fold
         proc.wait()
     # checkpoint.resume=auto may take the folder (once the ranks' last threads are gone: a
     # killed process shows as a zombie while its other threads still hold its files)
-    assert wait_until(lambda: _lock_is_free(runs / "k"), 30), "the run folder stays locked"
-
-
-def _lock_is_free(run_dir: Path) -> bool:
-    from audioclf.outputs import FolderBusy
-    from audioclf.training.rundir import RunLock
-
-    try:
-        RunLock(run_dir).check_free()
-    except FolderBusy:
-        return False
-    return True
+    assert wait_until(lambda: run_lock_is_free(runs / "k"), 30), "the run folder stays locked"
 
 
 def test_demo_runs_every_stage(tmp_path):
