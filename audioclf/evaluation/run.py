@@ -147,10 +147,7 @@ def evaluate(
     Every option and the data are checked before anything is embedded; the out folder is
     locked from the start. `device` is used to load a path."""
     start = time.perf_counter()
-    check_search(search)  # an approximate one needs faiss
-    check_loader_options(batch_size, num_workers)
-    if max_pairs < 2:
-        raise ValueError(f"--max-pairs must be >= 2, got {max_pairs}")
+    _check_options(search, batch_size, num_workers, max_pairs)
     score_norm, cohort = resolve_score_norm(score_norm, cohort, cohort_top, default_cohort="train")
     checkpoint = model.path if isinstance(model, LoadedEmbedder) else Path(model)
     if checkpoint.is_dir():  # a run folder: its best.pt, whose folder the report goes into
@@ -194,6 +191,14 @@ def evaluate(
             locked=True,
         )
     return Evaluated(evaluation, setup, out_dir)
+
+
+def _check_options(search: str, batch_size: int, num_workers: int | None, max_pairs: int) -> None:
+    """The options evaluate checks before it loads anything (an approximate search needs faiss)."""
+    check_search(search)
+    check_loader_options(batch_size, num_workers)
+    if max_pairs < 2:
+        raise ValueError(f"--max-pairs must be >= 2, got {max_pairs}")
 
 
 def _evaluable(model: LoadedEmbedder, skip_bad_files: bool) -> LoadedEmbedder:

@@ -226,21 +226,12 @@ def export_model(
     check_export_request(fmt, out, frontend=frontend, opset=opset, tolerance=tolerance)
     net, cfg, ckpt = load_trained(checkpoint_path, "cpu", model_name=model_name, trust=trust)
     if adapt:
-        loaded = LoadedEmbedder.of_network(net, cfg, ckpt, checkpoint_path, torch.device("cpu"))
-        adapted = adapt_model(loaded, adapt)
-        net, ckpt = adapted.network, {**ckpt, "adaptation": adapted.adaptation}
+        net, ckpt = _adapted(net, cfg, ckpt, checkpoint_path, adapt)
     kind = input_kind_of(cfg.features, frontend)
     module = exportable(net, cfg, frontend)
     inputs = random_inputs(cfg, kind)
     expected = reference(net, module, frontend)
-    with torch.no_grad():
-        if not all(
-            torch.isfinite(o).all() for x, lengths in inputs for o in as_tuple(expected(x, lengths))
-        ):
-            raise CheckpointError(
-                f"the model in {checkpoint_path} gives NaN/inf outputs (did "
-                "training diverge?); export another checkpoint"
-            )
+    _check_finite(expected, inputs, checkpoint_path)
 
     with export_lock(out):  # creates out's folder
         remove_temporaries(out)  # of killed exports: the lock holder is out's only writer
@@ -287,6 +278,27 @@ def export_model(
         )
         atomic_write_bytes(sidecar_path(out), meta.to_json().encode())
     return meta
+
+
+def _adapted(
+    net: EmbeddingNet, cfg: Config, ckpt: dict, path: Path, sources: Sequence[str | Path]
+) -> tuple[EmbeddingNet, dict]:
+    """The network adapted on `sources` (AdaBN, as --adapt adapts for embed and evaluate), and
+    the checkpoint's entries with the record of it (for the sidecar and a state_dict export)."""
+    loaded = LoadedEmbedder.of_network(net, cfg, ckpt, path, torch.device("cpu"))
+    adapted = adapt_model(loaded, sources)
+    return adapted.network, {**ckpt, "adaptation": adapted.adaptation}
+
+
+def _check_finite(expected: Callable, inputs, path: Path) -> None:
+    with torch.no_grad():
+        if not all(
+            torch.isfinite(o).all() for x, lengths in inputs for o in as_tuple(expected(x, lengths))
+        ):
+            raise CheckpointError(
+                f"the model in {path} gives NaN/inf outputs (did training diverge?); export "
+                "another checkpoint"
+            )
 
 
 def export_lock(out: Path) -> FolderLock:

@@ -1,6 +1,6 @@
 """The package's shape, kept by tests that each list every offender at once: functions fit in a
 screen, the root holds tools and shared parts, imports run down the layers and never into a
-tool's CLI. A module's length follows its job and is not counted. Ruff checks complexity
+tool's CLI, tests live in the room they test. A module's length follows its job and is not counted. Ruff checks complexity
 (C901 <= 12) and the rest of the lint; pylint's duplicate-code check (./run.sh test) finds
 copied code."""
 
@@ -17,7 +17,7 @@ MAX_ROOT_MODULES = 14  # tools and the parts every job shares; a job's internals
 TOOLS = ("evaluate", "export", "embed", "prepare", "train")
 # Tools whose library is a package of the same name (`audioclf/search/`): their CLI is
 # <tool>/cli.py, run by <tool>/__main__.py.
-PACKAGE_TOOLS = ("search",)
+PACKAGE_TOOLS = ("search", "serve")
 # The tools' CLIs and the `audioclf` command (cli.py): nothing in the package imports them, but
 # a package tool's own __main__, which runs its CLI.
 TOOL_CLIS = (
@@ -129,6 +129,20 @@ def test_only_distributed_talks_to_torch_distributed():
         and top_of(p) != "distributed"
     )
     assert not talkers, talkers
+
+
+def test_tests_live_in_the_room_they_test():
+    # tests/<room>/ for each package room (tests/data for audioclf/data, ...), tests/project for
+    # what checks the project itself (docs, benchmarks, faults, this file), tests/fixtures for
+    # files tests read; the root keeps only the shared conftest and helpers.
+    rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    tests = ROOT / "tests"
+    strays = sorted(
+        path.relative_to(tests).as_posix()
+        for path in tests.rglob("test_*.py")
+        if path.parent == tests or path.relative_to(tests).parts[0] not in {*rooms, "project"}
+    )
+    assert not strays, f"test files outside tests/<room>/: {strays}"
 
 
 def test_the_checks_see_what_they_guard():
