@@ -391,11 +391,12 @@ def wait_for_text(path: Path, text: str, seconds: float = 120) -> bool:
 
 
 def as_a_terminal_starts_it() -> None:
-    """preexec_fn for a child that stands for a terminal's foreground job: Ctrl-C and Ctrl-\\
-    at their defaults. A runner that starts pytest from a shell without job control (`cmd &`,
-    nohup) passes SIGINT down ignored, and bash cannot trap a signal it inherited ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    """preexec_fn for a child that stands for a terminal's foreground job: Ctrl-C, Ctrl-\\ and
+    the terminal's hang-up at their defaults. A runner that starts pytest from a shell without
+    job control (`cmd &`) passes SIGINT down ignored, `nohup` SIGHUP, and bash cannot trap a
+    signal it inherited ignored."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def child_env() -> dict:

@@ -120,12 +120,12 @@ def test_ctrl_c_in_the_foreground_saves_last_pt_and_exits_130(sig, tmp_path, tin
     try:
         assert wait_for_text(log, "epoch 1/500")
         proc.send_signal(sig)
-        try:  # a bound on a hang (a loaded CI machine once took over 120 s), not a timing
-            _, err = proc.communicate(timeout=300)
+        try:  # a bound on a hang, not a timing: past it, what was still running
+            _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             ps = ["ps", "-eo", "pid,ppid,sid,stat,etime,args"]
             tree = subprocess.run(ps, capture_output=True, text=True).stdout
-            pytest.fail(f"run.sh ran on 300 s after {sig!r}:\n{tree}\n{log.read_text()[-2000:]}")
+            pytest.fail(f"run.sh ran on 120 s after {sig!r}:\n{tree}\n{log.read_text()[-2000:]}")
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
