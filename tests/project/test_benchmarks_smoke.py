@@ -52,6 +52,10 @@ SMOKE = {
         ["--smoke"],
         [r"^first read .* (PASS|FAIL) ", r"^cached .* (PASS|FAIL) ", r"^file check, 200 files"],
     ),
+    "measured_irs.py": (
+        ["--smoke"],
+        [r"^wrote 4 responses to \S+ \(from \S+\); read back at 16 kHz: 4, \d+-\d+ taps$"],
+    ),
     "quality.py": (
         ["--smoke", "--adapt"],
         [
