@@ -53,7 +53,7 @@ from audioclf.embedding.gallery import DEFAULT_K, RANK_RULES, check_ranking_requ
 from audioclf.embedding.index import check_index_request, embed_sheet
 from audioclf.errors import run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
-from audioclf.inference.adapt import ADAPT_HELP, adapt
+from audioclf.inference.adapt import ADAPT_HELP, adapt_across_ranks
 from audioclf.inference.extract import check_loader_options
 
 PROG = "python -m audioclf.embed"
@@ -142,9 +142,9 @@ def run(args: argparse.Namespace) -> int:
 
 def load_model(args: argparse.Namespace, device) -> LoadedEmbedder:
     """--model, adapted on --adapt's audio when given (its description, on the first line of
-    the output, says so)."""
+    the output, says so; under torchrun rank 0 adapts and the other ranks take its statistics)."""
     model = load_embedder(args.model, device, trust=args.trust_checkpoint)
-    return adapt(model, args.adapt) if args.adapt else model
+    return adapt_across_ranks(model, args.adapt) if args.adapt else model
 
 
 def run_ranking(args: argparse.Namespace, model: LoadedEmbedder) -> int:

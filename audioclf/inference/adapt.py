@@ -24,6 +24,7 @@ from pathlib import Path
 
 from torch import nn
 
+from audioclf import distributed
 from audioclf.inference.artefacts import LoadedEmbedder, describe_adaptation
 from audioclf.inference.extract import find_files, read_clips
 from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
@@ -45,13 +46,41 @@ def adapt(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedde
         )
     sources = [Path(s) for s in sources]
     files = find_files(sources, model.features)
-    network = copy.deepcopy(model.network)
-    adapted = dataclasses.replace(model, embed_fn=network.embed, network=network)
+    adapted = _copy(model)
     record = {
-        **adapt_batchnorm(network, read_clips(adapted, files)),
+        **adapt_batchnorm(adapted.network, read_clips(adapted, files)),
         "source": [str(s) for s in sources],
-        "statistics": statistics_digest(network),
+        "statistics": statistics_digest(adapted.network),
     }
+    return _described(adapted, model, record)
+
+
+def adapt_across_ranks(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedder:
+    """adapt() under a process group (embed --index under torchrun): rank 0 reads the clips
+    and measures, every rank takes its statistics, so all embed with one network and the new
+    source is read once (its errors are raised on every rank). Without a group: adapt()."""
+    if not distributed.is_initialized():
+        return adapt(model, sources)
+
+    def measure() -> tuple[dict, list[tuple]]:
+        adapted = adapt(model, sources)
+        layers = batchnorm_layers(adapted.network)
+        return adapted.adaptation, [(b.running_mean.cpu(), b.running_var.cpu()) for b in layers]
+
+    record, statistics = distributed.primary_only(measure)
+    adapted = _copy(model)
+    for layer, (mean, var) in zip(batchnorm_layers(adapted.network), statistics, strict=True):
+        layer.running_mean.copy_(mean)
+        layer.running_var.copy_(var)
+    return _described(adapted, model, record)
+
+
+def _copy(model: LoadedEmbedder) -> LoadedEmbedder:
+    network = copy.deepcopy(model.network)
+    return dataclasses.replace(model, embed_fn=network.embed, network=network)
+
+
+def _described(adapted: LoadedEmbedder, model: LoadedEmbedder, record: dict) -> LoadedEmbedder:
     # adapted again: the new statistics replace the old
     base = model.description.removesuffix(describe_adaptation(model.adaptation))
     return dataclasses.replace(

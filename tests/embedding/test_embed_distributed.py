@@ -119,6 +119,43 @@ def test_one_ranks_unreadable_file_stops_both_ranks_at_once(tmp_path, inputs):
     assert sorted(p.name for p in (tmp_path / "out.parts").glob("chunk-*")) == ["chunk-000000.npz"]
 
 
+def _embed_adapted(rank, world, model_path, sheet, prefix, source):
+    """embed --index --adapt SOURCE as the CLI runs it; rank 1 cannot read a clip (its reader
+    raises), so it can only embed with statistics that rank 0 measured."""
+    import torch
+
+    from audioclf.embedding.index import select_rows, write_index_embeddings
+    from audioclf.inference import adapt as adapt_module
+    from audioclf.inference import load_embedder
+
+    torch.set_num_threads(1)
+    if rank == 1:
+
+        def unreadable(*_args, **_kwargs):
+            raise AssertionError("rank 1 read the adaptation clips")
+
+        adapt_module.read_clips = unreadable
+    model = adapt_module.adapt_across_ranks(
+        load_embedder(model_path, torch.device("cpu")), [source]
+    )
+    index = select_rows(model, sheet, root=None, split=None, skip_bad_files=False)
+    write_index_embeddings(model, index, prefix, chunk_rows=CHUNK, progress=False)
+    return model.adaptation
+
+
+def test_an_adapted_index_is_measured_once_and_embedded_with_one_network(tmp_path, inputs):
+    source = Path(pd.read_csv(inputs["sheet"], dtype=str)["path"].iloc[0]).parent
+    one = _embed_adapted(0, 1, inputs["model"], inputs["sheet"], tmp_path / "one", source)
+    two = run_in_group(
+        _embed_adapted, tmp_path, inputs["model"], inputs["sheet"], tmp_path / "two", source
+    )
+    assert two == [one, one] and one["clips"] > 0  # the same record on both ranks
+    assert _saved(tmp_path / "one")[0].tobytes() == _saved(tmp_path / "two")[0].tobytes()
+    plain = _embed(0, 1, inputs["model"], inputs["sheet"], tmp_path / "plain")
+    assert plain == (48, 0)
+    assert not np.allclose(_saved(tmp_path / "plain")[0], _saved(tmp_path / "one")[0])
+
+
 def test_torchrun_embed_index_prints_one_summary(tmp_path, inputs):
     common = ["--model", str(inputs["model"]), "--index", str(inputs["sheet"]), "--quiet"]
     single = subprocess.run(
