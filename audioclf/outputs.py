@@ -6,7 +6,8 @@ The resumable folders are written in pieces, so that a rerun after a crash, a ki
 finishes what the killed run left. A manifest records what every piece depends on (settings,
 model, format version); a folder whose manifest differs holds another run's work and must be
 refused, not completed. The rows a run left out are listed in a skipped.csv (row, id, path,
-reason).
+reason). embed --index's PREFIX.parquet carries, in its schema metadata, the record of the model
+that made the embeddings (write_table / read_made_by), which search indexes then keep.
 """
 
 from __future__ import annotations
@@ -85,6 +86,33 @@ def write_skipped(path: Path, table: pd.DataFrame, reasons: Mapping[int, str]) -
 
 
 # ------------------------------------------------------------------------------ folder locks
+
+
+MADE_BY_KEY = b"audioclf.model"  # PREFIX.parquet's schema metadata: the model's record (JSON)
+
+
+def write_table(handle, frame: pd.DataFrame, made_by: dict | None) -> None:
+    """`frame` as Parquet into the open binary `handle`, `made_by` (a JSON-able record of the
+    model that made the rows' embeddings) in its schema metadata under MADE_BY_KEY."""
+    import pyarrow as pa  # noqa: PLC0415 (pandas' Parquet engine: imported where it is used)
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    if made_by is not None:
+        metadata = {**(table.schema.metadata or {}), MADE_BY_KEY: json.dumps(made_by).encode()}
+        table = table.replace_schema_metadata(metadata)
+    pq.write_table(table, handle)
+
+
+def read_made_by(parquet: Path) -> dict | None:
+    """The model record write_table put in `parquet` (None: none, or unreadable)."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    try:
+        raw = (pq.read_schema(parquet).metadata or {}).get(MADE_BY_KEY)
+        return None if raw is None else json.loads(raw)
+    except (OSError, ValueError):
+        return None
 
 
 class FolderBusy(ValueError):

@@ -41,7 +41,7 @@ from audioclf.embedding.parts import (
     write_part,
 )
 from audioclf.errors import one_line
-from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.artefacts import LoadedEmbedder, model_record
 from audioclf.inference.extract import check_finite, embed_dataset, model_input
 
 log = logging.getLogger("audioclf")
@@ -337,7 +337,9 @@ def write_index_embeddings(
                 bar.update(work.rows_in(range(first, min(first + world, work.chunks))))
         resumed = int(distributed.all_reduce_sum([resumed]).item())
         try:
-            embedded, skipped = distributed.primary_only(assemble, outputs, index, work.chunks)
+            embedded, skipped = distributed.primary_only(
+                assemble, outputs, index, work.chunks, model_record(model)
+            )
         except RuntimeError as exc:  # rank 0 failed and says why; the others stop quietly
             if rank == 0:
                 raise

@@ -33,6 +33,7 @@ from audioclf.outputs import (
     check_manifest,
     write_manifest,
     write_skipped,
+    write_table,
 )
 
 PARTS_VERSION = 1  # bump when the part files' layout changes
@@ -171,9 +172,12 @@ def read_part(
 # Assembling the outputs
 
 
-def assemble(outputs: IndexOutputs, index: Index, chunks: int) -> tuple[int, int]:
-    """PREFIX.npy, PREFIX.parquet and PREFIX.skipped.csv from the part files (streamed, never
-    all in memory at once), then PREFIX.parts/ removed. Returns (rows embedded, skipped)."""
+def assemble(
+    outputs: IndexOutputs, index: Index, chunks: int, made_by: dict | None = None
+) -> tuple[int, int]:
+    """PREFIX.npy, PREFIX.parquet (with `made_by`, the model's record, in its metadata) and
+    PREFIX.skipped.csv from the part files (streamed, never all in memory at once), then
+    PREFIX.parts/ removed. Returns (rows embedded, skipped)."""
     positions, skipped, reasons, dim = [], [], [], 0
     for chunk in range(chunks):
         with np.load(outputs.part(chunk), allow_pickle=False) as part:
@@ -217,7 +221,7 @@ def assemble(outputs: IndexOutputs, index: Index, chunks: int) -> tuple[int, int
     )
     # Together: a reader never meets a new PREFIX.npy beside an earlier run's PREFIX.parquet.
     atomic_write_together(
-        {outputs.npy: write_npy, outputs.parquet: lambda h: frame.to_parquet(h, index=False)}
+        {outputs.npy: write_npy, outputs.parquet: lambda h: write_table(h, frame, made_by)}
     )
     # The manifest goes last: a run killed here leaves a folder that a rerun completes.
     for chunk in range(chunks):

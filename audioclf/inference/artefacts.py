@@ -10,8 +10,10 @@ sheet columns come from the checkpoint's config or from the sidecar.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 from audioclf.checkpoint import CheckpointError, model_file, not_a_model
 from audioclf.config import Config, DataConfig, FeaturesConfig
 from audioclf.errors import one_line
+from audioclf.fileio import file_stamp
 from audioclf.inference.checkpoints import describe_checkpoint, load_trained
 from audioclf.inference.extract import EmbedFn, input_kind_of
 from audioclf.inference.formats import load_onnx, load_torchscript
@@ -187,3 +190,28 @@ def describe_adaptation(record: dict | None) -> str:
         f", adapted by {record['method']} on {record['clips']} unlabelled clips of "
         f"{', '.join(record['source'])} ({record['batchnorm_layers']} BatchNorm layers)"
     )
+
+
+def model_dim(model: LoadedEmbedder) -> int | None:
+    """The dimension of the model's embeddings, from its export sidecar or checkpoint config."""
+    sidecar = sidecar_path(model.path)
+    if sidecar.is_file():
+        try:
+            return int(ExportSidecar.read(sidecar).embedding_dim)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return int(model.cfg.model.embedding_dim) if model.knows_splits else None
+
+
+def model_record(model: LoadedEmbedder) -> dict[str, Any]:
+    """What outputs remember of the model that made their embeddings (embed --index's table, a
+    search index): its file, description, input, features, dimension and adaptation (None:
+    its own statistics)."""
+    return {
+        **file_stamp(model.path),
+        "description": model.description,
+        "input_kind": model.input_kind,
+        "features": dataclasses.asdict(model.features),
+        "dim": model_dim(model),
+        "adaptation": model.adaptation,
+    }

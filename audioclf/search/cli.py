@@ -49,8 +49,8 @@ from audioclf.search.collection import (
     Collection,
     build_saved,
     check_model,
-    model_record,
     open_index,
+    record_for,
 )
 from audioclf.search.index import METHODS
 from audioclf.search.queries import (
@@ -121,7 +121,7 @@ def run_build(args: argparse.Namespace) -> int:
     record = None
     if args.model is not None:
         model = load_embedder(args.model, torch.device("cpu"), trust=args.trust_checkpoint)
-        record = model_record(model, collection)
+        record = record_for(model, collection)
     params = {name: getattr(args, name) for name in BUILD_PARAMS}
     index = build_saved(
         collection, args.method, model=record, progress=not args.quiet, seed=args.seed, **params

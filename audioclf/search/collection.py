@@ -3,18 +3,19 @@ PREFIX.parquet of `audioclf.embed --index SHEET --save PREFIX`, and the search i
 beside them as PREFIX.<method>.json (plus PREFIX.<method>.faiss for the approximate ones).
 
     collection = Collection.open("out/big")
-    index = build_saved(collection, "ivf", model=model_record(model), progress=True)
+    index = build_saved(collection, "ivf", progress=True)  # records collection.made_by
     index = open_index(collection, None, device="cpu")   # the saved one; exact when none is
     warning = check_model(index, model, collection)      # ValueError when they cannot match
 
 An index remembers in its `info` what is known of the embeddings: their rows and dimension,
-and, when build is given the model that made them, that model (file, size, mtime, features,
-dimension), so a query with another model is one clear line instead of meaningless neighbours.
+and the model that made them (file, size, mtime, features, dimension, adaptation: the one
+build is given, else the one embed --index recorded in PREFIX.parquet), so a query with
+another model, or with the same one adapted otherwise, is one clear line instead of
+meaningless neighbours.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,9 @@ import pandas as pd
 import torch
 
 from audioclf.errors import one_line
-from audioclf.fileio import file_stamp, remove_temporaries
-from audioclf.inference.artefacts import LoadedEmbedder
-from audioclf.inference.sidecar import ExportSidecar, sidecar_path
-from audioclf.outputs import FolderLock
+from audioclf.fileio import remove_temporaries
+from audioclf.inference.artefacts import LoadedEmbedder, model_dim, model_record
+from audioclf.outputs import FolderLock, read_made_by
 from audioclf.search.approximate import APPROXIMATE_METHODS, FaissIndex, faiss_available
 from audioclf.search.base import SearchIndex
 from audioclf.search.index import METHODS, build, load
@@ -46,6 +46,9 @@ class Collection:
     rows: pd.DataFrame
     size: int
     dim: int
+    # model_record of the model that embedded the rows, as embed --index wrote it into
+    # PREFIX.parquet (None: a table written before it did, or by other code)
+    made_by: dict[str, Any] | None = None
 
     @classmethod
     def open(cls, prefix: str | Path, *, flag: str = "PREFIX") -> Collection:
@@ -80,7 +83,8 @@ class Collection:
                 f"{parquet} has {len(rows)} rows but {npy} has {shape[0]}: they are not one "
                 f"run's files; write {prefix} again with audioclf.embed --index"
             )
-        return cls(prefix, npy, parquet, rows.reset_index(drop=True), shape[0], shape[1])
+        rows = rows.reset_index(drop=True)
+        return cls(prefix, npy, parquet, rows, shape[0], shape[1], read_made_by(parquet))
 
     def embeddings(self) -> np.ndarray:
         return np.load(self.npy, allow_pickle=False)
@@ -127,7 +131,7 @@ def build_saved(
 ) -> SearchIndex:
     """Build the `method` index of the collection's embeddings (build()'s `params`) and save it
     as collection.index_file(method), recording the embeddings' shape and `model`
-    (model_record of the model that made them; None: not known)."""
+    (model_record of the model that made them; None: the one the collection recorded, if any)."""
     check_method(method)
     path = collection.index_file(method)
     with FolderLock(
@@ -144,7 +148,7 @@ def build_saved(
             "dim": collection.dim,
             "table": collection.parquet.name,
         }
-        index.info = {"embeddings": embeddings, "model": model}
+        index.info = {"embeddings": embeddings, "model": model or collection.made_by}
         index.save(path)
     return index
 
@@ -190,33 +194,16 @@ def open_index(
     return index
 
 
-def model_dim(model: LoadedEmbedder) -> int | None:
-    """The dimension of the model's embeddings, from its export sidecar or checkpoint config."""
-    sidecar = sidecar_path(model.path)
-    if sidecar.is_file():
-        try:
-            return int(ExportSidecar.read(sidecar).embedding_dim)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-    return int(model.cfg.model.embedding_dim) if model.knows_splits else None
-
-
-def model_record(model: LoadedEmbedder, collection: Collection | None = None) -> dict[str, Any]:
-    """What an index remembers of the model that made its embeddings; with `collection`, a
-    ValueError first when the model makes embeddings of another dimension than it holds."""
+def record_for(model: LoadedEmbedder, collection: Collection) -> dict[str, Any]:
+    """model_record of `model`, given as the one that made the collection's embeddings; a
+    ValueError first when it makes embeddings of another dimension than the collection holds."""
     dim = model_dim(model)
-    if collection is not None and dim is not None and dim != collection.dim:
+    if dim is not None and dim != collection.dim:
         raise ValueError(
             f"--model {model.path} makes {dim}-d embeddings but {collection.npy} holds "
             f"{collection.dim}-d ones: it did not make them; pass the model that did"
         )
-    return {
-        **file_stamp(model.path),
-        "description": model.description,
-        "input_kind": model.input_kind,
-        "features": dataclasses.asdict(model.features),
-        "dim": dim,
-    }
+    return model_record(model)
 
 
 def check_model(index: SearchIndex, model: LoadedEmbedder, collection: Collection) -> str | None:
@@ -241,6 +228,14 @@ def check_model(index: SearchIndex, model: LoadedEmbedder, collection: Collectio
             f"index {index.path}{made_by}; query with that model, or rebuild the index from "
             "embeddings of this one"
         )
+    if _statistics(mine.get("adaptation")) != _statistics(recorded.get("adaptation")):
+        return (
+            f"warning: {collection.prefix} was embedded by {recorded['path']} "
+            f"({recorded['description']}) and --model {model.path} is {model.description}: "
+            "their BatchNorm statistics differ (--adapt), so the queries and the rows come from "
+            "two networks; query with the model that embedded it (export --adapt DIR writes an "
+            "adapted model)"
+        )
     if [mine[key] for key in ("path", "bytes", "mtime_ns")] != [
         recorded[key] for key in ("path", "bytes", "mtime_ns")
     ]:
@@ -250,3 +245,8 @@ def check_model(index: SearchIndex, model: LoadedEmbedder, collection: Collectio
             "something only if both are the same trained model (e.g. a checkpoint and its export)"
         )
     return None
+
+
+def _statistics(adaptation: dict | None) -> str | None:
+    """Which adaptation made embeddings (its statistics digest); None: the model's own."""
+    return None if not adaptation else adaptation.get("statistics")

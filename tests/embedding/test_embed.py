@@ -467,7 +467,9 @@ def test_an_assembly_that_fails_leaves_the_earlier_pair_and_a_rerun_its_temporar
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(pd.DataFrame, "to_parquet", full_disk)
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    monkeypatch.setattr(pq, "write_table", full_disk)  # the disk fills while the table is written
     code, _, err = index_cli(capsys, setup, reordered, prefix)
     assert code == 2 and f"cannot write {prefix}.parquet: No space left" in err
     assert earlier == {s: Path(f"{prefix}{s}").read_bytes() for s in earlier}  # one run's pair

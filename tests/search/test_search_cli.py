@@ -16,6 +16,7 @@ import pytest
 from audioclf.embed import main as embed_main
 from audioclf.search import faiss_available, load
 from audioclf.search.cli import main
+from audioclf.search.collection import Collection
 from tests.helpers import ROOT, make_checkpoint
 
 NEIGHBOUR_COLUMNS = ["rank", "score", "class", "item", "id", "path"]
@@ -160,6 +161,8 @@ def test_audio_queries_through_a_checkpoint(embedded, capsys):
     assert code == 0, err
     info = load(f"{prefix}.exact.json").info
     assert info["model"]["path"] == str(model.resolve()) and info["model"]["dim"] == 16
+    assert info["model"]["adaptation"] is None
+    assert Collection.open(prefix).made_by == info["model"]  # what embed --index recorded
     assert info["embeddings"] == {"rows": 24, "dim": 16, "table": "emb.parquet"}
     out_json = embedded["root"] / "audio.json"
     code, _, err = run_cli(
@@ -221,6 +224,28 @@ def test_a_query_model_of_another_file_is_a_warning(embedded, tmp_path, capsys):
     )  # fmt: skip
     assert code == 0 and "query " in out
     assert err.count("\n") == 1 and "warning: the index" in err and str(other) in err
+
+
+def test_an_adapted_collection_says_so_and_an_unadapted_query_model_is_a_warning(
+    embedded, tmp_path, capsys
+):
+    model = make_checkpoint(tmp_path / "cnn.pt")  # BatchNorm layers: --adapt changes them
+    prefix = tmp_path / "adapted"
+    argv = ["--model", model, "--index", embedded["root"] / "sheet.csv", "--save", prefix]
+    more = ["--adapt", embedded["queries"], "--quiet", "--num-workers", "0"]
+    assert embed_main([str(arg) for arg in argv + more]) == 0
+    made_by = Collection.open(prefix).made_by
+    assert made_by["path"] == str(model.resolve()) and made_by["adaptation"]["clips"] == 3
+    assert "adapted by adabn on 3 unlabelled clips" in made_by["description"]
+    code, _, err = run_cli(capsys, "build", prefix, "--quiet")  # no --model: the table's record
+    assert code == 0, err
+    assert load(f"{prefix}.exact.json").info["model"] == made_by
+    code, out, err = run_cli(
+        capsys, "query", prefix, embedded["queries"], "--model", model, "--quiet",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0 and "query " in out
+    assert err.count("\n") == 1 and "their BatchNorm statistics differ (--adapt)" in err
 
 
 def test_a_model_of_another_dimension_is_one_line(embedded, tmp_path, capsys):
