@@ -351,3 +351,51 @@ def test_ddp_at_world_size_1_under_a_launcher_keeps_its_process_group(monkeypatc
         assert isinstance(model, nn.parallel.DistributedDataParallel)
     finally:
         distributed.teardown()
+
+
+def _domain_generalisation_worker(rank, world, early_norm):
+    """Two training steps of a tiny CNN with an early norm, MixStyle and Freq-MixStyle through
+    DDP, on other data per rank; then the parameter drift check (None: none)."""
+    from audioclf.config import config_from_dict
+    from audioclf.models import build_net
+
+    cfg = config_from_dict(
+        {
+            "features": {
+                "sample_rate": 8000,
+                "n_fft": 256,
+                "win_length": 200,
+                "hop_length": 80,
+                "n_mels": 32,
+            },
+            "model": {
+                "name": "cnn",
+                "embedding_dim": 16,
+                "head": "none",
+                "early_norm": early_norm,
+                "cnn": {"width": 8, "depth": 2},
+            },
+            "spec_augment": {"enabled": False},
+            "augment": {"freq_mixstyle": 1.0, "mixstyle": 1.0},
+        }
+    )
+    torch.manual_seed(0)
+    env = distributed.DistEnv(rank=rank, world_size=world, strategy="ddp", backend="gloo")
+    model = distributed.wrap(build_net(cfg, 0), env, sync_bn=False, find_unused_parameters=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(10 + rank)  # other data and other style draws on each rank
+    for _ in range(2):
+        x, labels = 0.1 * torch.randn(6, 4000), torch.tensor([0, 0, 1, 1, 2, 2])
+        embeddings, _ = model(x, torch.full((6,), 4000), labels)
+        embeddings.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return distributed.check_parameter_consistency(model, action="warn")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("early_norm", ["subspectral", "rfn"])
+def test_early_norms_and_mixstyle_train_alike_on_every_rank(tmp_path, early_norm):
+    # every parameter moved through DDP alike (no unused one, no drift); BatchNorm statistics
+    # are rank 0's at each forward's start, as with plain BatchNorm
+    assert run_in_group(_domain_generalisation_worker, tmp_path, early_norm) == [None, None]
