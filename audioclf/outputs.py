@@ -85,7 +85,7 @@ def write_skipped(path: Path, table: pd.DataFrame, reasons: Mapping[int, str]) -
     return atomic_write_bytes(path, listing.to_csv(index=False).encode())
 
 
-# ------------------------------------------------------------------------------ folder locks
+# --------------------------------------------------------------------- embed --index's table
 
 
 MADE_BY_KEY = b"audioclf.model"  # PREFIX.parquet's schema metadata: the model's record (JSON)
@@ -113,6 +113,9 @@ def read_made_by(parquet: Path) -> dict | None:
         return None if raw is None else json.loads(raw)
     except (OSError, ValueError):
         return None
+
+
+# ------------------------------------------------------------------------------ folder locks
 
 
 class FolderBusy(ValueError):

@@ -40,6 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # the peer toolkits' data dirs, an old release's checkpoint, stub packages
 FIXTURES = ROOT / "tests" / "fixtures"
 
+# the tiny models' log-mel front end: 8 kHz, 32 bins
+TINY_FEATURES = {
+    "sample_rate": 8000,
+    "n_fft": 256,
+    "win_length": 200,
+    "hop_length": 80,
+    "n_mels": 32,
+}
 TINY_MODELS = {
     "cnn": {"name": "cnn", "embedding_dim": 16, "cnn": {"width": 8, "depth": 2}},
     "conformer": {
@@ -69,13 +77,7 @@ def make_checkpoint(
 
     cfg = config_from_dict(
         {
-            "features": {
-                "sample_rate": 8000,
-                "n_fft": 256,
-                "win_length": 200,
-                "hop_length": 80,
-                "n_mels": 32,
-            },
+            "features": TINY_FEATURES,
             "model": {
                 **TINY_MODELS[name],
                 "head": "softmax" if classes else "none",

@@ -26,7 +26,7 @@ import torch
 
 from audioclf.errors import one_line
 from audioclf.fileio import remove_temporaries
-from audioclf.inference.artefacts import LoadedEmbedder, model_dim, model_record
+from audioclf.inference.artefacts import LoadedEmbedder, model_record
 from audioclf.outputs import FolderLock, read_made_by
 from audioclf.search.approximate import APPROXIMATE_METHODS, FaissIndex, faiss_available
 from audioclf.search.base import SearchIndex
@@ -197,22 +197,25 @@ def open_index(
 def record_for(model: LoadedEmbedder, collection: Collection) -> dict[str, Any]:
     """model_record of `model`, given as the one that made the collection's embeddings; a
     ValueError first when it makes embeddings of another dimension than the collection holds."""
-    dim = model_dim(model)
+    record = model_record(model)
+    dim = record["dim"]
     if dim is not None and dim != collection.dim:
         raise ValueError(
             f"--model {model.path} makes {dim}-d embeddings but {collection.npy} holds "
             f"{collection.dim}-d ones: it did not make them; pass the model that did"
         )
-    return model_record(model)
+    return record
 
 
 def check_model(index: SearchIndex, model: LoadedEmbedder, collection: Collection) -> str | None:
     """ValueError when `model` cannot make embeddings comparable with the index's (another
-    dimension or other features than the recorded model's); a warning line when the index
-    recorded another model file (e.g. the checkpoint of this export: fine if so); else None."""
+    dimension or other features than the recorded model's); a warning line when the recorded
+    model's BatchNorm statistics differ (another --adapt, or none) or it is another file (e.g.
+    the checkpoint of this export: fine if so); else None."""
     recorded = index.info.get("model")
     made_by = f" (made by {recorded['path']}, {recorded['description']})" if recorded else ""
-    dim = model_dim(model)
+    mine = model_record(model)
+    dim = mine["dim"]
     if dim is not None and dim != index.dim:
         raise ValueError(
             f"--model {model.path} ({model.description}) makes {dim}-d embeddings but the index "
@@ -221,7 +224,6 @@ def check_model(index: SearchIndex, model: LoadedEmbedder, collection: Collectio
         )
     if not recorded:
         return None
-    mine = model_record(model)
     if mine["features"] != recorded["features"] or mine["input_kind"] != recorded["input_kind"]:
         raise ValueError(
             f"--model {model.path} reads audio with other features than the model that made the "

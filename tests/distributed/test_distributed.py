@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from audioclf import distributed
-from tests.helpers import run_in_group
+from tests.helpers import TINY_FEATURES, TINY_MODELS, run_in_group
 
 
 def _ddp_mlp(rank, world):
@@ -361,20 +361,8 @@ def _domain_generalisation_worker(rank, world, early_norm):
 
     cfg = config_from_dict(
         {
-            "features": {
-                "sample_rate": 8000,
-                "n_fft": 256,
-                "win_length": 200,
-                "hop_length": 80,
-                "n_mels": 32,
-            },
-            "model": {
-                "name": "cnn",
-                "embedding_dim": 16,
-                "head": "none",
-                "early_norm": early_norm,
-                "cnn": {"width": 8, "depth": 2},
-            },
+            "features": TINY_FEATURES,
+            "model": {**TINY_MODELS["cnn"], "head": "none", "early_norm": early_norm},
             "spec_augment": {"enabled": False},
             "augment": {"freq_mixstyle": 1.0, "mixstyle": 1.0},
         }

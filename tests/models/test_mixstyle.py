@@ -8,8 +8,8 @@ import torch
 from audioclf.config import config_from_dict
 from audioclf.models import build_net
 from audioclf.models.mixstyle import MixStyle, style_partners
+from tests.helpers import TINY_FEATURES
 
-FEATURES = {"sample_rate": 8000, "n_fft": 256, "win_length": 200, "hop_length": 80, "n_mels": 32}
 MODELS = {
     "cnn": {"name": "cnn", "embedding_dim": 16, "cnn": {"width": 8, "depth": 2}},
     "resnet": {"name": "resnet", "embedding_dim": 16, "resnet": {"width": 4, "blocks": [1, 1]}},
@@ -19,7 +19,7 @@ MODELS = {
 def net_with(name: str, **augment):
     cfg = config_from_dict(
         {
-            "features": FEATURES,
+            "features": TINY_FEATURES,
             "model": {**MODELS[name], "head": "none"},
             "spec_augment": {"enabled": False},
             "augment": augment,
@@ -118,7 +118,7 @@ def test_without_mixstyle_labels_draw_nothing_more():
 def test_mixstyle_inside_a_conformer_is_one_clear_error():
     cfg = config_from_dict(
         {
-            "features": FEATURES,
+            "features": TINY_FEATURES,
             "model": {"name": "conformer", "embedding_dim": 16},
             "augment": {"mixstyle": 0.5},
         }

@@ -14,9 +14,8 @@ from audioclf.export import main as export_main
 from audioclf.inference import load_trained
 from audioclf.models import build_net
 from audioclf.models.norms import RelaxedFrequencyNorm, SubSpectralNorm
-from tests.helpers import make_checkpoint
+from tests.helpers import TINY_FEATURES, make_checkpoint
 
-FEATURES = {"sample_rate": 8000, "n_fft": 256, "win_length": 200, "hop_length": 80, "n_mels": 32}
 MODELS = {
     "cnn": {"name": "cnn", "embedding_dim": 16, "cnn": {"width": 8, "depth": 2}},
     "resnet": {"name": "resnet", "embedding_dim": 16, "resnet": {"width": 4, "blocks": [1, 1]}},
@@ -25,7 +24,7 @@ TOL = 1e-4
 
 
 def net_with(name: str, **model):
-    cfg = config_from_dict({"features": FEATURES, "model": {**MODELS[name], **model}})
+    cfg = config_from_dict({"features": TINY_FEATURES, "model": {**MODELS[name], **model}})
     torch.manual_seed(0)
     return build_net(cfg, 0)
 
