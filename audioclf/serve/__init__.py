@@ -11,6 +11,6 @@ Modules:
     server    uvicorn on a socket bound first, and a stop on SIGTERM / Ctrl-C that exits 0
     cli       audioclf serve / python -m audioclf.serve
 
-app and server need the [serve] extra (starlette, uvicorn, python-multipart); service, batcher
+app and server need the [serve] extra (starlette, uvicorn, python-multipart, prometheus_client); service, batcher
 and stats need only audioclf's own requirements. docs/serving.md is the manual.
 """

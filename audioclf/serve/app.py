@@ -26,6 +26,7 @@ import contextlib
 import time
 from importlib import resources
 
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -40,7 +41,6 @@ from audioclf.serve.batcher import Overloaded
 from audioclf.serve.service import OverLimit, Service
 
 PATHS = ("/", "/embed", "/rank", "/search", "/health", "/metrics")  # metered by path
-PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def error(status: int, message: str, **headers: str) -> JSONResponse:
@@ -190,7 +190,9 @@ async def health(request: Request):
 
 
 async def metrics(request: Request):
-    return PlainTextResponse(request.app.state.service.stats.render(), media_type=PROMETHEUS_TYPE)
+    return PlainTextResponse(
+        request.app.state.service.stats.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4
+    )
 
 
 async def page(request: Request):

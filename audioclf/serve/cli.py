@@ -14,7 +14,7 @@ when that many wait or --max-wait-ms after the oldest came. Limits: --max-reques
 --max-clip-seconds (413), --max-clips per request (413), --max-queue clips waiting (503 at once).
 It listens on 127.0.0.1 only unless --host says otherwise (docs/serving.md: a reverse proxy for
 other machines). SIGTERM or Ctrl-C: no new connections, the requests in flight answered, exit 0.
-Needs the [serve] extra: pip install "audioclf[serve]" (starlette, uvicorn, python-multipart).
+Needs the [serve] extra: pip install "audioclf[serve]" (starlette, uvicorn, python-multipart, prometheus_client).
 """
 
 from __future__ import annotations

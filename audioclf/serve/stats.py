@@ -1,4 +1,5 @@
-"""What `GET /metrics` reports, in the Prometheus text format (version 0.0.4): counters, gauges
+"""What `GET /metrics` reports, in the Prometheus text format (version 0.0.4, written by
+prometheus_client from the server's own registry, not the process-wide one): counters, gauges
 and summaries whose quantiles are taken over a window of the most recent observations, so that
 memory stays bounded however long the server runs.
 
@@ -31,18 +32,6 @@ METRICS = {
 }
 
 Labels = dict[str, str]
-
-
-def _series(name: str, labels: Labels | None, extra: Labels | None = None) -> str:
-    pairs = {**(labels or {}), **(extra or {})}
-    if not pairs:
-        return name
-    inside = ",".join(f'{key}="{_escape(value)}"' for key, value in sorted(pairs.items()))
-    return f"{name}{{{inside}}}"
-
-
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 class _Summary:
@@ -96,27 +85,53 @@ class Stats:
         return name, tuple(sorted((labels or {}).items()))
 
     def render(self) -> str:
-        """Every metric with its HELP and TYPE lines, then its series."""
+        """Every metric with its HELP and TYPE lines, then its series (prometheus_client's
+        text format, from this server's own registry)."""
+        from prometheus_client import CollectorRegistry, generate_latest  # noqa: PLC0415
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(self))
+        return generate_latest(registry).decode()
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """(counter and gauge values, summaries as (recent values, sum, count)), copied."""
         with self._lock:
             values = dict(self._values)
             summaries = {
                 key: (np.array(s.recent), s.total, s.count) for key, s in self._summaries.items()
             }
-        lines = []
+        return values, summaries
+
+
+class _Snapshot:
+    """A prometheus_client collector over one Stats: the METRICS in their order, each series
+    as recorded, a summary's quantiles over its recent window."""
+
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric  # noqa: PLC0415
+
+        values, summaries = self.stats.snapshot()
         for name, (kind, about) in METRICS.items():
-            lines += [f"# HELP {name} {about}", f"# TYPE {name} {kind}"]
+            metric = Metric(name.removesuffix("_total"), about, kind)
             if kind != "summary":
                 series = [(dict(k[1]), v) for k, v in values.items() if k[0] == name]
-                lines += [f"{_series(name, labels)} {v:g}" for labels, v in series or [({}, 0)]]
-                continue
-            series = {key: v for key, v in summaries.items() if key[0] == name}
-            if not series:  # no observation yet: count and sum are 0 (no quantiles)
-                lines += [f"{name}_sum 0", f"{name}_count 0"]
-            for key, (recent, total, count) in series.items():
-                labels = dict(key[1])
-                for q in QUANTILES:
-                    value = float(np.quantile(recent, q))
-                    lines.append(f"{_series(name, labels, {'quantile': str(q)})} {value:.6g}")
-                lines.append(f"{_series(name + '_sum', labels)} {total:.6g}")
-                lines.append(f"{_series(name + '_count', labels)} {count}")
-        return "\n".join(lines) + "\n"
+                for labels, value in series or [({}, 0)]:
+                    metric.add_sample(name, labels, value)
+            else:
+                _add_summaries(metric, name, {k: v for k, v in summaries.items() if k[0] == name})
+            yield metric
+
+
+def _add_summaries(metric, name: str, series: dict) -> None:
+    if not series:  # no observation yet: count and sum are 0 (no quantiles)
+        metric.add_sample(name + "_sum", {}, 0)
+        metric.add_sample(name + "_count", {}, 0)
+    for key, (recent, total, count) in series.items():
+        labels = dict(key[1])
+        for q in QUANTILES:
+            metric.add_sample(name, {**labels, "quantile": str(q)}, float(np.quantile(recent, q)))
+        metric.add_sample(name + "_sum", labels, total)
+        metric.add_sample(name + "_count", labels, count)

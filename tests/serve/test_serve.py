@@ -23,6 +23,7 @@ import pandas as pd
 import pytest
 import soundfile
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 import audioclf
 from audioclf.embedding.index import embed_sheet
@@ -177,6 +178,17 @@ def test_metrics_are_prometheus_text(served):
     for name in ("queue_seconds", "batch_size", "request_seconds"):
         assert f"# TYPE audioclf_{name} summary" in body.decode()
     assert 0 < metric(url, 'audioclf_request_seconds{path="/embed",quantile="0.99"}') < 60
+    families = {f.name: f.type for f in text_string_to_metric_families(body.decode())}
+    assert families == {  # the reference parser reads every family (counters without _total)
+        "audioclf_requests": "counter",
+        "audioclf_request_seconds": "summary",
+        "audioclf_clips": "counter",
+        "audioclf_rejected_requests": "counter",
+        "audioclf_queue_clips": "gauge",
+        "audioclf_queue_seconds": "summary",
+        "audioclf_batch_size": "summary",
+        "audioclf_batch_seconds": "summary",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +500,7 @@ def test_the_serving_docs_run_as_written(served, tmp_path):
     *replies, metrics_text = answers
     for command, reply in zip(curls, replies):
         assert "error" not in json.loads(reply), f"{command}: {reply}"
-    assert 'audioclf_requests_total{code="200",path="/rank"} 1' in metrics_text
+    assert 'audioclf_requests_total{code="200",path="/rank"} 1.0' in metrics_text
     assert json.loads(replies[3])["clips"][0]["neighbours"][0]["norm_score"] > 0  # --cohort
 
 
