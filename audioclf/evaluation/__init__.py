@@ -1,6 +1,6 @@
 """Offline evaluation (`python -m audioclf.evaluate`) as one call, `evaluate(checkpoint, ...)`
-(run.py: the data selection, embedding, scoring and the report folder under its lock),
-every metric of one evaluated set (metrics.py, over audioclf.metrics with the search backend
+(run.py: the job, embedding and scoring; select.py: which rows; report.py: the report folder
+under its lock), every metric of one evaluated set (metrics.py, over audioclf.metrics with the search backend
 injected), and the report folder (report.py with markdown.py, plots.py, embedding_files.py):
 
 - ``report.json``: scalar metrics, counts and per-class P@1 as plain JSON (NaN -> null);

@@ -5,9 +5,14 @@ See the package docstring (audioclf.evaluation) for what each file holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import pathlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -23,6 +28,7 @@ from audioclf.evaluation.markdown import markdown
 from audioclf.evaluation.metrics import Evaluation
 from audioclf.evaluation.plots import plot_confusion, plot_det, plot_per_class, plot_projection
 from audioclf.fileio import atomic_write
+from audioclf.outputs import FolderLock
 
 PROJECTIONS = ("pca", "tsne")
 PLOT_FILES = ("det.png", "per_class_p1.png", "projection.png", "confusion.png")
@@ -216,3 +222,64 @@ def _per_class_p1(
     return sorted(
         rows, key=lambda row: (row["p_at_1"] is None, row["p_at_1"] or 0.0, row["class_id"])
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The report folder of evaluate: written whole under its lock
+
+
+@contextlib.contextmanager
+def out_lock(out_dir: Path) -> Iterator[None]:
+    """Holds the lock of an --out folder (one evaluate writes it; evaluate takes it at its
+    start); a folder made for the lock alone is removed again when nothing was written."""
+    made = not Path(out_dir).exists()
+    try:
+        with FolderLock(
+            Path(out_dir) / ".evaluate.lock",
+            what=f"--out {out_dir}",
+            by="another evaluate",
+            fix="wait for it to finish, or choose another --out",
+        ):
+            yield
+    finally:
+        if made:
+            with contextlib.suppress(OSError):
+                Path(out_dir).rmdir()  # only when empty
+
+
+def write_evaluation(
+    out_dir: Path,
+    evaluation: Evaluation,
+    *,
+    projection: str,
+    seed: int,
+    setup: dict,
+    rows: pd.DataFrame | None = None,
+    locked: bool = False,
+) -> Path:
+    """write_report into a staging folder, then each file into out_dir, under its lock (held
+    by the caller when `locked`). `rows`: the evaluated rows (metadata.tsv's item, id, path)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    with contextlib.ExitStack() as held:
+        if not locked:
+            held.enter_context(out_lock(out_dir))
+        for stale in out_dir.parent.glob(f".{out_dir.name}.partial-*"):  # of killed runs
+            shutil.rmtree(stale, ignore_errors=True)  # the lock holder is the only writer
+        held.callback(shutil.rmtree, staging, ignore_errors=True)  # before the lock's release
+        written = write_report(
+            staging,
+            evaluation,
+            projection=projection,
+            seed=seed,
+            setup=setup,
+            metadata=None if rows is None else rows[["item", "id", "path"]],
+        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in REPORT_FILES:  # a stale plot of an earlier run must not pass for this one
+            if name not in written:
+                (out_dir / name).unlink(missing_ok=True)
+        for name in written:
+            os.replace(staging / name, out_dir / name)
+    return out_dir

@@ -5,20 +5,17 @@
     print("\n".join(evaluated.lines()))        # evaluated.metrics: report.json's "metrics"
     evaluate("runs/demo/best.pt", adapt=["new_source/"])   # AdaBN on unlabelled audio first
 
-which is: which rows (select_data), the model adapted (audioclf.inference.adapt) when asked,
+which is: which rows (select_data, select.py), the model adapted (audioclf.inference.adapt) when asked,
 their embeddings and every metric (evaluate_split, with metrics.py), the report folder under
-its lock (write_evaluation) and the printed summary.
+its lock (write_evaluation, report.py) and the printed summary.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import shutil
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +23,16 @@ import pandas as pd
 import torch
 
 from audioclf.checkpoint import model_file
-from audioclf.config import Config, DataConfig
 from audioclf.data.dataset import AudioDataset
-from audioclf.data.index import Index, load_index, split_index
+from audioclf.data.index import Index
 from audioclf.evaluation.metrics import Evaluation, check_search, compute_metrics
-from audioclf.evaluation.report import REPORT_FILES, scalar_metrics, write_report
+from audioclf.evaluation.report import out_lock, scalar_metrics, write_evaluation
+from audioclf.evaluation.select import EvalData, select_data
 from audioclf.inference import LoadedEmbedder, resolve_device
 from audioclf.inference.adapt import adapt as adapt_model
 from audioclf.inference.extract import check_loader_options, embed_dataset, model_input
 from audioclf.metrics import resolve_score_norm
-from audioclf.outputs import FolderLock
 
-SHEET_SUFFIXES = (".xlsx", ".xlsm", ".csv", ".parquet")
 # The metrics of the printed summary, in its order (report.md and report.json hold them all).
 SUMMARY_METRICS = (
     "precision_at_1",
@@ -216,120 +211,6 @@ def _evaluable(model: LoadedEmbedder, skip_bad_files: bool) -> LoadedEmbedder:
 
 
 # ---------------------------------------------------------------------------------------------
-# Choosing the data
-
-
-@dataclass
-class EvalData:
-    evaluated: Index
-    split: str
-    classification: str  # "gallery", "enrollment" or "none"
-    gallery: Index | None  # with classification="gallery"
-    gallery_source: str  # "train split of <sheet>", "<sheet>", or "none"
-    missing_classes: list[str] = field(default_factory=list)  # evaluated, absent from the gallery
-    cohort: Index | None = None  # of score normalisation; the gallery itself when both are train
-    cohort_source: str = "none"
-
-
-def data_config(cfg: Config, index: Path | None, root: str | None) -> DataConfig:
-    """The checkpoint's data section with --index / --root applied."""
-    data = cfg.data
-    if index is not None:
-        data = dataclasses.replace(data, index=str(index), root=root or "")
-    elif root is not None:
-        data = dataclasses.replace(data, root=root)
-    if index is None and not Path(data.index).is_file():
-        raise ValueError(
-            f"the index sheet {data.index} named in the checkpoint's config (data.index) is not "
-            f"found from {os.getcwd()}; pass --index PATH (and --root if paths are relative to "
-            "another folder)"
-        )
-    return data
-
-
-def select_data(
-    cfg: Config,
-    *,
-    index: Path | None = None,
-    root: str | None = None,
-    split: str = "val",
-    gallery: str = "train",
-    cohort: str | None = None,
-) -> EvalData:
-    """The evaluated split, how it is classified and the score-normalisation cohort (None,
-    "train" or a sheet); ValueError / IndexValidationError on bad input, all before anything is
-    embedded."""
-    data = data_config(cfg, index, root)
-    full = load_index(data)
-    splits = split_index(full, data)
-    evaluated = _evaluated_split(full, splits, split, data)
-    chosen = {}
-    if cohort is not None:
-        rows, source = _train_or_sheet("--cohort", cohort, full, splits, split, data, root)
-        if len(rows) < 2:
-            raise ValueError(f"the cohort ({source}) has {len(rows)} row(s); it needs at least 2")
-        chosen = {"cohort": rows, "cohort_source": source}
-    if gallery == "none":
-        return EvalData(evaluated, split, "none", None, "none", **chosen)
-    gallery_index, source = _train_or_sheet("--gallery", gallery, full, splits, split, data, root)
-    missing = sorted(set(evaluated.classes) - set(gallery_index.classes))
-    if not missing:
-        return EvalData(evaluated, split, "gallery", gallery_index, source, **chosen)
-    if gallery != "train":
-        shown = ", ".join(repr(m) for m in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(
-            f"the gallery {source} lacks {len(missing)} of the {len(evaluated.classes)} evaluated "
-            f"classes ({shown}{more}); give a gallery sheet with every class, --gallery train or "
-            "--gallery none"
-        )
-    # An open-set split: the train split cannot classify these classes; enroll from the split.
-    return EvalData(evaluated, split, "enrollment", None, source, missing, **chosen)
-
-
-def _train_or_sheet(flag: str, value: str, full: Index, splits, split: str, data, root):
-    """(rows, where they come from) of a --gallery / --cohort value: the train split, or every
-    row of a sheet, read with the model's column settings."""
-    other = "--gallery none, " if flag == "--gallery" else ""
-    if value == "train":
-        if split in ("train", "all"):
-            raise ValueError(
-                f"--split {split} overlaps the train {flag[2:]}; pass {other}{flag} SHEET"
-            )
-        return splits["train"], f"train split of {full.source}"
-    if Path(value).suffix.lower() not in SHEET_SUFFIXES or not Path(value).is_file():
-        raise ValueError(
-            f"{flag} {value}: no such sheet; use {flag} train, {other}or a sheet that exists "
-            "(.xlsx, .csv, .parquet)"
-        )
-    try:
-        sheet = load_index(dataclasses.replace(data, index=value, root=root or ""))
-    except ValueError as exc:
-        raise ValueError(f"{flag} {value}: {exc}") from None
-    return sheet, str(sheet.source)
-
-
-def _evaluated_split(full: Index, splits: dict[str, Index], split: str, data: DataConfig) -> Index:
-    if split == "all":
-        evaluated = full
-    elif split in splits:
-        evaluated = splits[split]
-    else:
-        raise ValueError(
-            f"{full.source} has no {split!r} split (it has {', '.join(splits)}); "
-            f"use --split {' / '.join([*splits, 'all'])}"
-        )
-    if len(evaluated) < 2:
-        state = "is empty" if len(evaluated) == 0 else "has a single sample"
-        raise ValueError(
-            f"the {split} split of {full.source} {state} (split rules: data.split_column="
-            f"{data.split_column!r}, data.holdout={data.holdout}, data.val_ratio={data.val_ratio}"
-            "); evaluation needs at least 2 samples: choose another --split or --index"
-        )
-    return evaluated
-
-
-# ---------------------------------------------------------------------------------------------
 # Embedding and scoring
 
 
@@ -448,63 +329,6 @@ def _gallery_and_cohort(model: LoadedEmbedder, data: EvalData, rows: pd.DataFram
 
 # ---------------------------------------------------------------------------------------------
 # The report folder and the printed summary
-
-
-@contextlib.contextmanager
-def out_lock(out_dir: Path) -> Iterator[None]:
-    """Holds the lock of an --out folder (one evaluate writes it; evaluate takes it at its
-    start); a folder made for the lock alone is removed again when nothing was written."""
-    made = not Path(out_dir).exists()
-    try:
-        with FolderLock(
-            Path(out_dir) / ".evaluate.lock",
-            what=f"--out {out_dir}",
-            by="another evaluate",
-            fix="wait for it to finish, or choose another --out",
-        ):
-            yield
-    finally:
-        if made:
-            with contextlib.suppress(OSError):
-                Path(out_dir).rmdir()  # only when empty
-
-
-def write_evaluation(
-    out_dir: Path,
-    evaluation: Evaluation,
-    *,
-    projection: str,
-    seed: int,
-    setup: dict,
-    rows: pd.DataFrame | None = None,
-    locked: bool = False,
-) -> Path:
-    """write_report into a staging folder, then each file into out_dir, under its lock (held
-    by the caller when `locked`). `rows`: the evaluated rows (metadata.tsv's item, id, path)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    with contextlib.ExitStack() as held:
-        if not locked:
-            held.enter_context(out_lock(out_dir))
-        for stale in out_dir.parent.glob(f".{out_dir.name}.partial-*"):  # of killed runs
-            shutil.rmtree(stale, ignore_errors=True)  # the lock holder is the only writer
-        held.callback(shutil.rmtree, staging, ignore_errors=True)  # before the lock's release
-        written = write_report(
-            staging,
-            evaluation,
-            projection=projection,
-            seed=seed,
-            setup=setup,
-            metadata=None if rows is None else rows[["item", "id", "path"]],
-        )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name in REPORT_FILES:  # a stale plot of an earlier run must not pass for this one
-            if name not in written:
-                (out_dir / name).unlink(missing_ok=True)
-        for name in written:
-            os.replace(staging / name, out_dir / name)
-    return out_dir
 
 
 def evaluation_setup(

@@ -18,7 +18,8 @@ from audioclf.data.index import load_index
 from audioclf.evaluate import main
 from audioclf.evaluation.metrics import enrollment_split
 from audioclf.evaluation.report import REPORT_FILES
-from audioclf.evaluation.run import SUMMARY_METRICS, select_data
+from audioclf.evaluation.run import SUMMARY_METRICS
+from audioclf.evaluation.select import select_data
 from audioclf.inference import LoadedEmbedder, embed_paths, load_trained
 from tests.helpers import ROOT, tiny_config
 

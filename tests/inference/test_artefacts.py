@@ -103,7 +103,7 @@ def test_prepare_evaluate_and_export_outputs_are_locked(tmp_path):
 
 @pytest.mark.slow
 def test_write_evaluation_refuses_a_held_out_folder(tmp_path):
-    from audioclf.evaluation.run import write_evaluation
+    from audioclf.evaluation.report import write_evaluation
 
     out = tmp_path / "eval"
     with LockHolder(out / ".evaluate.lock") as holder:
@@ -298,7 +298,7 @@ def test_evaluate_into_a_held_out_folder_is_refused_before_any_work(tmp_path, ca
 
 
 def test_write_evaluation_removes_the_staging_folders_of_killed_runs(tmp_path, monkeypatch):
-    from audioclf.evaluation import run
+    from audioclf.evaluation import report
 
     stale = tmp_path / ".eval.partial-99999"  # a killed evaluate's
     (stale / "report.json").parent.mkdir(parents=True)
@@ -311,8 +311,8 @@ def test_write_evaluation_removes_the_staging_folders_of_killed_runs(tmp_path, m
         (staging / "report.json").write_text("{}")
         return ["report.json"]
 
-    monkeypatch.setattr(run, "write_report", write_report)
-    out = run.write_evaluation(tmp_path / "eval", None, projection="none", seed=0, setup={})
+    monkeypatch.setattr(report, "write_report", write_report)
+    out = report.write_evaluation(tmp_path / "eval", None, projection="none", seed=0, setup={})
     assert (out / "report.json").read_text() == "{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".evaluation.partial-1", "eval"]
 

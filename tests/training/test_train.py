@@ -414,7 +414,8 @@ def test_fresh_start_refuses_to_overwrite_a_run(tmp_path, tiny_demo):
 def test_validation_is_cross_item_and_matches_the_offline_evaluation(tmp_path, tiny_demo):
     # Open-set validation: 3 held-out classes of 3 items x 4 clips. A clip may not retrieve clips
     # of its own item, in training as offline.
-    from audioclf.evaluation.run import compute_metrics, embed_index, select_data
+    from audioclf.evaluation.run import compute_metrics, embed_index
+    from audioclf.evaluation.select import select_data
     from audioclf.inference import LoadedEmbedder
     from audioclf.metrics import retrieval_summary
 
