@@ -203,3 +203,18 @@ def test_the_card_quotes_the_run_and_its_evaluation_report(tmp_path, capsys, tin
     train = report["evaluation"]["n_samples"]
     assert f"({train} clips, {report['evaluation']['n_classes']} classes" in card
     assert "- the run: 1 epochs in" in card and "Measured on the training source only" in card
+
+
+def test_fine_tuning_starts_from_a_folder(tmp_path, capsys):
+    from audioclf.inference import init_weights, load_trained
+    from audioclf.models import build_net
+
+    checkpoint = make_checkpoint(tmp_path / "best.pt", seed=3)
+    out = tmp_path / "model"
+    assert export_folder(capsys, checkpoint, out)[0] == 0
+    trained, cfg, _ = load_trained(checkpoint)
+    fresh = build_net(cfg, 0)
+    notes = init_weights(fresh, out, [])
+    assert notes[0].startswith(f"model.init_from: weights of {out} (cnn, 16-d, epoch 3")
+    for key, value in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
