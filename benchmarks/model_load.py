@@ -1,6 +1,6 @@
 """Load time and peak memory of `audioclf.load` for a model folder (safetensors), the checkpoint
 it was exported from (torch's weights-only pickle loader) and a TorchScript export, each in a
-fresh process: the demo's CNN and an ECAPA-TDNN with C = 512 (configs/ecapa.yaml's size).
+fresh process: a CNN (width 32, depth 4: the default) and an ECAPA-TDNN with C = 512 (configs/ecapa.yaml's size).
 
     python benchmarks/model_load.py            # both models, 5 fresh processes per cell
     python benchmarks/model_load.py --smoke    # a tiny CNN, 1 process per cell (the tests)
@@ -32,7 +32,7 @@ from audioclf.inference.exporting import export_model  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
 
 MODELS = {  # name -> the config sections that build it
-    "demo cnn": {"features": {"sample_rate": 16000}, "model": {"name": "cnn", "embedding_dim": 64}},
+    "cnn w32 d4": {"features": {"sample_rate": 16000}, "model": {"name": "cnn", "embedding_dim": 64}},
     "ecapa C=512": {
         "features": {"sample_rate": 16000, "n_mels": 80},
         "model": {"name": "ecapa", "embedding_dim": 192, "ecapa": {"channels": 512}},
