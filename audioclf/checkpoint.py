@@ -281,6 +281,13 @@ _NOT_MODELS = (
     ),
 )
 MODEL_SUFFIXES = (".pt", ".pth", ".onnx")  # what a folder's model files are named
+# The files of an exported model folder (export --format folder; inference/folder.py).
+MODEL_FOLDER_FILES = ("model.safetensors", "config.json")
+
+
+def is_model_folder(path: Path) -> bool:
+    """A folder written by `export --format folder` (or one of its two files left): not a run."""
+    return path.is_dir() and any((path / name).is_file() for name in MODEL_FOLDER_FILES)
 
 
 def not_a_model(path: Path) -> str | None:
@@ -321,10 +328,13 @@ def _zip_kind(names: list[str]) -> str | None:
 
 
 def model_file(path: str | Path, named: str = "checkpoint") -> Path:
-    """The model file `path` names: itself, or in a folder its run's best.pt, else the one
-    checkpoint or export (*.pt, *.pth, *.onnx) it holds. CheckpointError, naming the folder as
-    `named` (e.g. "--model"), when it holds none or several (listed), or is not there."""
+    """The model file `path` names: itself, an exported model folder (is_model_folder) itself,
+    or in a folder its run's best.pt, else the one checkpoint or export (*.pt, *.pth, *.onnx)
+    it holds. CheckpointError, naming the folder as `named` (e.g. "--model"), when it holds
+    none or several (listed), or is not there."""
     path = Path(path)
+    if is_model_folder(path) and not (path / BEST).is_file():
+        return path
     if not path.is_dir():
         if not path.is_file():
             raise CheckpointError(f"{named} {path} does not exist; check the path or the run name")

@@ -26,6 +26,11 @@ Formats:
                needs the optional packages: pip install onnx onnxscript onnxruntime.
   state_dict   a checkpoint without optimizer state ({model, config, classes, ...}); load with
                audioclf.inference.load_trained(path) (--no-frontend does not apply).
+  folder       the way to hand a model to someone else: --out DIR gets model.safetensors (the
+               weights; no code runs while loading), config.json (what audioclf.load needs, and
+               this sidecar's fields) and README.md, a model card written from the run's files
+               (its data, training time, and the evaluation's figures from --report); load
+               with audioclf.load("DIR") or give DIR to any tool's --model.
 
 After writing, the artefact is loaded back (torch.jit.load / onnxruntime / load_trained) and
 compared with the PyTorch model on random input at two lengths; the max abs difference is
@@ -71,7 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--format", required=True, choices=FORMATS, help="artefact format")
     parser.add_argument(
-        "--out", required=True, type=Path, help="artefact path; the sidecar goes to <out>.json"
+        "--out",
+        required=True,
+        type=Path,
+        help="artefact path; the sidecar goes to <out>.json (--format folder: the folder)",
     )
     parser.add_argument(
         "--no-frontend",
@@ -96,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fail unless the checkpoint holds this model",
     )
     parser.add_argument("--adapt", action="append", type=Path, metavar="DIR", help=ADAPT_HELP)
+    parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="REPORT_JSON",
+        help="--format folder: the evaluation report.json the model card quotes (default: "
+        "eval/report.json in the checkpoint's run folder, when it evaluated this checkpoint)",
+    )
     add_trust_flag(parser)
     return parser.parse_intermixed_args(argv)  # options and files in any order
 
@@ -112,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.model_name,
             trust=args.trust_checkpoint,
             adapt=args.adapt or (),
+            report=args.report,
         )
     except ParityError as exc:
         print(f"{PROG}: parity check failed: {exc}", file=sys.stderr)
@@ -129,7 +145,12 @@ def run(args: argparse.Namespace) -> int:
         f"parity: max abs difference {meta.parity['max_abs_diff']:.3g} on inputs {shapes} "
         f"(tolerance {meta.parity['tolerance']:g})"
     )
-    print(f"sidecar: {sidecar_path(args.out)}")
+    if meta.format == "folder":
+        print(
+            f"model card: {args.out / 'README.md'}; load it with audioclf.load({str(args.out)!r})"
+        )
+    else:
+        print(f"sidecar: {sidecar_path(args.out)}")
     return 0
 
 

@@ -27,7 +27,7 @@ What runs, in one run so that every ratio compares figures taken on the same mac
   time to each 503, and whether the server answers /health after;
 - memory: --memory-requests requests at concurrency 32; the server's resident memory after the
   first tenth and at the end;
-- the page, when chromium is installed: headless Chromium (tests/helpers.py's DevTools client)
+- the page, when chromium is installed: headless Chromium (Playwright, tests/helpers.py)
   opens the page of the batched server, loaded with the sheet as gallery and as collection, and
   chooses the longest clip (about 2 s) --page-uploads times; the page's own upload-to-results
   time is reported (--screenshot PATH: the page after the last as PNG);
@@ -355,25 +355,27 @@ def memory(server: Server, bodies: list[bytes], requests: int) -> list[float]:
 
 def page_round_trip(server: Server, clip: Path, args, tmp: Path) -> list[float] | None:
     """The page's upload-to-results milliseconds for `clip`, --page-uploads times (None without
-    chromium); the server has a gallery and a collection."""
-    from tests.helpers import Chromium, chromium_binary
+    Playwright and chromium); the server has a gallery and a collection."""
+    from tests.helpers import browser_missing, chromium, offline_page
 
-    if (binary := chromium_binary()) is None:
+    if browser_missing() is not None:
         return None
     times = []
-    with Chromium(binary, tmp / "profile") as browser:
-        browser.open(f"http://{server.host}:{server.port}/")
-        browser.wait_for("document.getElementById('model').textContent.includes('classes')")
+    with chromium() as browser:
+        page, elsewhere = offline_page(browser)
+        page.goto(f"http://{server.host}:{server.port}/")
+        page.locator("#model").filter(has_text="classes").wait_for()
         for _ in range(args.page_uploads):
-            browser.evaluate("document.body.dataset.state = ''")
-            browser.set_files("#file", [clip])
-            browser.wait_for("['done', 'error'].includes(document.body.dataset.state)")
-            status = browser.evaluate("document.getElementById('status').textContent")
-            if browser.evaluate("document.body.dataset.state") != "done":
-                raise RuntimeError(f"the page says: {status}")
-            times.append(float(browser.evaluate("document.body.dataset.ms")))
+            page.evaluate("document.body.dataset.state = ''")
+            page.set_input_files("#file", clip)
+            page.wait_for_function("['done', 'error'].includes(document.body.dataset.state)")
+            if page.evaluate("document.body.dataset.state") != "done":
+                raise RuntimeError(f"the page says: {page.locator('#status').text_content()}")
+            times.append(float(page.evaluate("document.body.dataset.ms")))
+        if elsewhere:
+            raise RuntimeError(f"the page asked another host: {elsewhere[0]}")
         if args.screenshot:
-            Path(args.screenshot).write_bytes(browser.screenshot())
+            page.screenshot(path=args.screenshot, full_page=True)
     return times
 
 

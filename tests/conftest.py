@@ -36,6 +36,22 @@ def cpu_suite_on_the_cpu(request, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--screenshots",
+        metavar="DIR",
+        help="the browser tests save their screenshots in DIR (docs/ holds the ones the docs "
+        "show); default: each test's temporary folder",
+    )
+
+
+@pytest.fixture
+def screenshots(request, tmp_path) -> Path:
+    """Where a browser test saves its screenshots (--screenshots DIR, else its tmp_path)."""
+    chosen = request.config.getoption("--screenshots")
+    return Path(chosen) if chosen else tmp_path
+
+
 @pytest.fixture
 def notes() -> list[str]:
     """The INFO lines of the 'audioclf' logger (a handler of its own: setup_logging elsewhere

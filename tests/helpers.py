@@ -1,11 +1,10 @@
 """Helpers shared by several test files (test modules do not import each other): tiny
 configs and checkpoints, real process groups (gloo over spawn, no mocks), launching the tools
 as a user would, a stand-in epoch loop over TrainStep, small index sheets, and a served app
-with plain HTTP and headless Chromium to talk to it."""
+with plain HTTP and headless Chromium (Playwright) to talk to it."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime
 import http.client
@@ -14,7 +13,6 @@ import math
 import os
 import pickle
 import re
-import select
 import shlex
 import shutil
 import signal
@@ -663,115 +661,52 @@ def chromium_binary() -> str | None:
     return None
 
 
-class Chromium:
-    """Headless Chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
-    JSON messages ending in NUL on fds 3 and 4; no port, no websocket library). One page.
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here (one reason), or None when they can: Playwright
+    for Python (requirements-dev.txt) drives the system's Chromium offline, no browser download."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed: pip install playwright (requirements-dev.txt)"
+    if chromium_binary() is None:
+        return "no chromium on PATH: apt-get install chromium"
+    return None
 
-        with Chromium(binary, tmp_path) as browser:
-            browser.open("http://127.0.0.1:8000/")
-            browser.set_files("#file", [path])
-            browser.wait_for("document.body.dataset.state === 'done'")
-            browser.evaluate("document.title")
-            png = browser.screenshot()
-    """
 
-    def __init__(self, binary: str, profile: Path, width: int = 1000, height: int = 1100):
-        to_browser, self._to_browser = os.pipe()
-        self._from_browser, from_browser = os.pipe()
-        args = [
-            *("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run"),
-            *("--disable-extensions", "--disable-background-networking", "--mute-audio"),
-            *("--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"),
-        ]
-        # bash moves the pipe ends to fds 3 (commands in) and 4 (answers out)
-        script = f'exec "$@" 3<&{to_browser} 4>&{from_browser} {to_browser}<&- {from_browser}>&-'
-        self.proc = subprocess.Popen(
-            ["bash", "-c", script, "bash", binary, *args],
-            pass_fds=(to_browser, from_browser),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
+@contextlib.contextmanager
+def chromium() -> Iterator:
+    """A headless Playwright Browser over the system's Chromium (executable_path: offline)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=chromium_binary(), args=["--no-sandbox", "--mute-audio"]
         )
-        os.close(to_browser)
-        os.close(from_browser)
-        self._buffer, self._next_id, self.session = b"", 0, None
-        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        attached = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})
-        self.session = attached["sessionId"]
-        self.send("Page.enable")
-        size = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
-        self.send("Emulation.setDeviceMetricsOverride", size)
-
-    def send(self, method: str, params: dict | None = None, timeout: float = 60) -> dict:
-        """The result of one DevTools command (events in between are dropped)."""
-        self._next_id += 1
-        message = {"id": self._next_id, "method": method, "params": params or {}}
-        if self.session is not None:
-            message["sessionId"] = self.session
-        os.write(self._to_browser, json.dumps(message).encode() + b"\0")
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\0" not in self._buffer:
-                left = deadline - time.monotonic()
-                ready, _, _ = select.select([self._from_browser], [], [], max(left, 0))
-                chunk = os.read(self._from_browser, 1 << 20) if ready else b""
-                if not chunk:
-                    raise RuntimeError(f"chromium did not answer {method} within {timeout} s")
-                self._buffer += chunk
-            raw, self._buffer = self._buffer.split(b"\0", 1)
-            answer = json.loads(raw)
-            if answer.get("id") == self._next_id:
-                if "error" in answer:
-                    raise RuntimeError(f"{method}: {answer['error']}")
-                return answer["result"]
-
-    def evaluate(self, expression: str):
-        """The value of a JavaScript expression in the page (awaited when a promise)."""
-        result = self.send(
-            "Runtime.evaluate",
-            {"expression": expression, "returnByValue": True, "awaitPromise": True},
-        )
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
-        return result["result"].get("value")
-
-    def wait_for(self, expression: str, seconds: float = 60) -> None:
-        deadline = time.monotonic() + seconds
-        while not self.evaluate(expression):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{expression!r} still false after {seconds} s")
-            time.sleep(0.02)
-
-    def open(self, url: str) -> None:
-        self.send("Page.navigate", {"url": url})
-        self.wait_for("document.readyState === 'complete'")
-
-    def set_files(self, selector: str, paths: list[Path]) -> None:
-        """Choose files in an <input type=file>, as a person does (its change event fires)."""
-        root = self.send("DOM.getDocument")["root"]["nodeId"]
-        node = self.send("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
-        files = [str(Path(p).resolve()) for p in paths]
-        self.send("DOM.setFileInputFiles", {"nodeId": node, "files": files})
-
-    def screenshot(self) -> bytes:
-        """The whole page as PNG."""
-        shot = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
-        return base64.b64decode(shot["data"])
-
-    def close(self) -> None:
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
-        os.close(self._to_browser)
-        os.close(self._from_browser)
+            yield browser
+        finally:
+            browser.close()
 
-    def __enter__(self) -> Chromium:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def offline_page(browser, width: int = 1000, height: int = 1100) -> tuple:
+    """(a new Playwright Page, the URLs it asked of any host but this machine's loopback): each
+    such request is recorded and refused, so a test asserts the list stays empty."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    elsewhere: list[str] = []
+
+    def route(handle) -> None:
+        url = urllib.parse.urlsplit(handle.request.url)
+        if url.scheme in ("http", "https", "ws", "wss") and url.hostname not in LOOPBACK:
+            elsewhere.append(handle.request.url)
+            handle.abort()
+        else:
+            handle.continue_()
+
+    page.route("**/*", route)
+    return page, elsewhere
 
 
 # Watching a launcher and its ranks (Linux /proc)

@@ -5,7 +5,8 @@ into a new run's model for fine-tuning.
     notes = init_weights(net, "runs/demo/best.pt", classes)   # model.init_from (the trainer)
 
 A state_dict export (`audioclf.export --format state_dict`) is a checkpoint without optimizer
-state, so both read it too. The weights are the EMA's ("ema") when the run kept one
+state, and a model folder (`--format folder`) reads as one (inference/folder.py), so both read
+them too. The weights are the EMA's ("ema") when the run kept one
 (train.ema_decay > 0 in the checkpoint's config) and the entry is there, else "model" (avg.pt
 holds the average there); describe_checkpoint says which.
 """
@@ -21,6 +22,7 @@ from torch import Tensor
 from audioclf import checkpoint
 from audioclf.checkpoint import CheckpointError
 from audioclf.config import Config, ConfigError, config_from_dict
+from audioclf.inference.folder import read_folder
 from audioclf.models import EmbeddingNet, build_net
 
 # Prefixes that wrappers add to state-dict keys (DDP / DataParallel, torch.compile).
@@ -43,8 +45,7 @@ def load_trained(
     corrupt, not an audioclf checkpoint, of another model, or its weights do not fit its config.
     `trust` loads a file holding more than tensors and plain data (checkpoint.load).
     """
-    path = checkpoint.model_file(path)
-    ckpt = checkpoint.load(path, map_location="cpu", trust=trust)
+    path, ckpt = read_model(path, "checkpoint", trust=trust)
     cfg = checkpoint_config(ckpt, path)
     if model_name is not None and model_name != cfg.model.name:
         raise CheckpointError(
@@ -80,8 +81,7 @@ def init_weights(
     on one side) is left freshly initialised. Returns notes for the log; CheckpointError names
     the first tensor that does not fit.
     """
-    path = checkpoint.model_file(path, "model.init_from=")
-    ckpt = checkpoint.load(path, map_location="cpu", trust=trust)
+    path, ckpt = read_model(path, "model.init_from=", trust=trust)
     saved_cfg = checkpoint_config(ckpt, path)
     state = _strip_wrapper_prefixes(ckpt[weights_key(ckpt, saved_cfg)])
     notes = []
@@ -103,6 +103,16 @@ def init_weights(
     described = describe_checkpoint(ckpt, saved_cfg)
     notes.insert(0, f"model.init_from: weights of {path} ({described})")
     return notes
+
+
+def read_model(path: str | Path, named: str, *, trust: bool = False) -> tuple[Path, dict]:
+    """The model file `path` names (checkpoint.model_file) and its checkpoint dict: a checkpoint
+    or state_dict export through checkpoint.load, an exported model folder through
+    read_folder (no pickle)."""
+    path = checkpoint.model_file(path, named)
+    if checkpoint.is_model_folder(path):
+        return path, read_folder(path)
+    return path, checkpoint.load(path, map_location="cpu", trust=trust)
 
 
 def _check_init_tensors(expected: dict[str, Tensor], state: dict, path: Path) -> None:

@@ -23,8 +23,16 @@ from audioclf.config import Config, FeaturesConfig, to_dict
 from audioclf.fileio import atomic_write_bytes, remove_temporaries
 from audioclf.inference.adapt import adapt as adapt_model
 from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.card import model_card
 from audioclf.inference.checkpoints import load_trained
 from audioclf.inference.extract import WAVEFORM, input_kind_of
+from audioclf.inference.folder import (
+    check_folder_out,
+    finish_folder,
+    place_folder,
+    remove_tree_or_file,
+    write_folder,
+)
 from audioclf.inference.formats import (
     ExportError,
     as_tuple,
@@ -53,7 +61,7 @@ __all__ = [
     "parity_difference",
 ]
 
-FORMATS = ("torchscript", "onnx", "state_dict")
+FORMATS = ("torchscript", "onnx", "state_dict", "folder")
 DEFAULT_OPSET = 18  # the dynamo exporter's lowest opset (it cannot convert down to 17)
 DEFAULT_TOLERANCE = 1e-4  # max abs difference of fp32 unit-length embeddings
 # Parity inputs: (batch, seconds, valid fraction of each row); two lengths, varied padding.
@@ -185,9 +193,9 @@ def check_export_request(
     """ValueError for settings that do not fit together, before any work."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is invalid: use one of {', '.join(FORMATS)}")
-    if fmt == "state_dict" and not frontend:
+    if fmt in ("state_dict", "folder") and not frontend:
         raise ValueError(
-            "--no-frontend applies to torchscript and onnx exports; a state_dict "
+            f"--no-frontend applies to torchscript and onnx exports; a {fmt} "
             "export always holds the whole model"
         )
     if fmt == "onnx" and opset < DEFAULT_OPSET:
@@ -196,7 +204,9 @@ def check_export_request(
         )
     if not tolerance >= 0:
         raise ValueError(f"--tolerance must be >= 0, got {tolerance}")
-    if out.is_dir():
+    if fmt == "folder":
+        check_folder_out(out)
+    elif out.is_dir():
         raise ValueError(f"--out {out} is a folder; give a file path such as {out / 'model.pt'}")
     if fmt == "onnx":
         onnx_modules()  # fail before any work when the optional packages are missing
@@ -213,11 +223,14 @@ def export_model(
     model_name: str | None = None,
     trust: bool = False,
     adapt: Sequence[str | Path] = (),
+    report: str | Path | None = None,
 ) -> ExportSidecar:
     """Write the artefact and its sidecar; returns the sidecar. `adapt`: folders or files of
     unlabelled audio of a new source the model is adapted on first (AdaBN, as `--adapt`
     adapts for embed and evaluate); the artefact holds those statistics and the sidecar (a
-    state_dict export: the checkpoint) records the adaptation.
+    state_dict export: the checkpoint) records the adaptation. A folder's model card quotes
+    `report` (an evaluation's report.json; default: eval/report.json in the checkpoint's run
+    folder, when there).
 
     Raises ParityError (nothing written) when the reloaded artefact differs from the PyTorch
     model by more than `tolerance`; ValueError / CheckpointError / ExportError on bad input.
@@ -252,32 +265,41 @@ def export_model(
             )
             difference = parity_difference(expected, loaded, inputs)
             del loaded  # release the file (onnxruntime session, mmap) before moving it
-            if not difference <= tolerance:
-                raise ParityError(
-                    f"the exported {fmt} model differs from the PyTorch model by {difference:.3g} "
-                    f"(max abs, tolerance {tolerance:g}; inf: an output is NaN/inf or of another "
-                    f"shape); nothing was written to {out}"
-                )
-            sidecar_path(out).unlink(missing_ok=True)  # never the new model beside an old one's
-            os.replace(tmp, out)
+            check_parity(difference, tolerance, fmt, out)
+            meta = sidecar(
+                cfg,
+                ckpt,
+                checkpoint_path,
+                fmt=fmt,
+                out=out,
+                kind=kind,
+                with_logits=isinstance(module, ExportedEmbedderWithLogits),
+                opset=opset,
+                difference=difference,
+                tolerance=tolerance,
+                inputs=inputs,
+            )
+            if fmt == "folder":
+                card = model_card(cfg, ckpt, checkpoint_path, report=report)
+                finish_folder(tmp, meta, card)
+                place_folder(tmp, out)
+            else:
+                sidecar_path(out).unlink(missing_ok=True)  # never the new model beside an old one's
+                os.replace(tmp, out)
+                atomic_write_bytes(sidecar_path(out), meta.to_json().encode())
         finally:
-            tmp.unlink(missing_ok=True)
-
-        meta = sidecar(
-            cfg,
-            ckpt,
-            checkpoint_path,
-            fmt=fmt,
-            out=out,
-            kind=kind,
-            with_logits=isinstance(module, ExportedEmbedderWithLogits),
-            opset=opset,
-            difference=difference,
-            tolerance=tolerance,
-            inputs=inputs,
-        )
-        atomic_write_bytes(sidecar_path(out), meta.to_json().encode())
+            remove_tree_or_file(tmp)
     return meta
+
+
+def check_parity(difference: float, tolerance: float, fmt: str, out: Path) -> None:
+    """ParityError when the artefact's outputs differ by more than the tolerance."""
+    if not difference <= tolerance:
+        raise ParityError(
+            f"the exported {fmt} model differs from the PyTorch model by {difference:.3g} "
+            f"(max abs, tolerance {tolerance:g}; inf: an output is NaN/inf or of another "
+            f"shape); nothing was written to {out}"
+        )
 
 
 def _adapted(
@@ -337,7 +359,10 @@ def _write_and_load(
             with_logits=isinstance(module, ExportedEmbedderWithLogits),
         )
         return load_onnx(tmp)
-    write_state_dict(net, cfg, ckpt, tmp, source)
+    if fmt == "folder":
+        write_folder(net, cfg, ckpt, tmp, source)
+    else:
+        write_state_dict(net, cfg, ckpt, tmp, source)
     return load_state_dict_export(tmp, frontend)
 
 

@@ -101,6 +101,7 @@ def test_the_page_runs_as_written_with_the_installed_command(installed, tmp_path
     assert printed[3] == "(2, 64)"
     assert printed[4].startswith("[")  # the best class of each ranked clip
     assert "query" in printed[5] and "score" in printed[5]  # the search table's header
+    assert printed[-4] == "True"  # the exported folder embeds as the checkpoint did
     assert printed[-3].startswith("['ami', 'centroid_accuracy', 'eer'] ")  # Model.evaluate
     assert printed[-2] == f"report: {Path('runs/api_demo/eval/report.md')}"
     clips, layers = map(int, printed[-1].split())  # Model.adapt: clips, BatchNorm layers

@@ -23,6 +23,10 @@ SMOKE = {
         ["--smoke"],
         [r"^configuration +crops/s", r"^all on \(room pieces p=1\) ", r"^(PASS|FAIL): all on "],
     ),
+    "model_load.py": (
+        ["--smoke"],
+        [r"^tiny cnn +checkpoint +[\d.]+ ms", r"^tiny cnn +folder ", r"^PASS: every format"],
+    ),
     "embed_index.py": (
         ["--smoke"],
         [

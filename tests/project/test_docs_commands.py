@@ -105,6 +105,8 @@ SKIP = {
     "audioclf demo --out data/demo": INSTALLED,
     "audioclf train --config demo_cnn train.epochs=1 train.name=api_demo": INSTALLED,
     "audioclf evaluate --checkpoint runs/api_demo/best.pt --out runs/api_demo/eval": INSTALLED,
+    "audioclf export --checkpoint runs/api_demo/best.pt --format folder --out "
+    "runs/api_demo/export/folder": INSTALLED,
     "audioclf embed --model runs/api_demo/best.pt --index data/demo/index.xlsx "
     "--save runs/api_demo/embed/all": INSTALLED,
     "python -m audioclf.serve runs/demo_cnn/best.pt --gallery data/demo/index.xlsx --collection "
