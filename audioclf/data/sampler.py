@@ -370,8 +370,8 @@ class MixedBatchSampler:
             small_classes=small_classes,
         )
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self._shard = np.arange(rank, n_clips, world_size) if n_clips >= world_size else None
-        if self._shard is None or len(self._shard) < clips_per_batch:
+        self._shard = np.arange(rank, n_clips, world_size)
+        if n_clips // world_size < clips_per_batch:  # the smallest rank's share
             raise ValueError(
                 f"{n_clips} unlabelled clips over {world_size} rank(s) leave a rank fewer than "
                 f"the {clips_per_batch} clips a batch takes (unlabelled.share); add unlabelled "
