@@ -152,6 +152,7 @@ class UnlabelledConfig:
     cluster_every: int = 2  # epochs between pseudo-label rounds (embed the unlabelled clips, cluster, add the confident clusters to the sampler as classes), the first at the start of training; 0 = no pseudo-labels
     cluster_threshold: float = 0.3  # cosine distance at which agglomerative clustering (average linkage) stops merging clips
     min_cohesion: float = 0.7  # a cluster becomes a pseudo-class when it has at least sampler.m clips and their mean cosine to its centroid is at least this
+    max_cluster_share: float = 0.25  # ...and holds at most this share of the unlabelled clips (a cluster that swallows more is a model that cannot yet tell them apart, e.g. untrained)
 
     def __post_init__(self) -> None:
         _check(0.0 < self.share < 1.0, "unlabelled.share", self.share, "in (0, 1)")
@@ -163,6 +164,8 @@ class UnlabelledConfig:
                self.cluster_threshold, "a cosine distance in (0, 2)")
         _check(-1.0 <= self.min_cohesion <= 1.0, "unlabelled.min_cohesion", self.min_cohesion,
                "a cosine in [-1, 1]")
+        _check(0.0 < self.max_cluster_share <= 1.0, "unlabelled.max_cluster_share",
+               self.max_cluster_share, "in (0, 1]")
 
     def batch_rows(self, batch_size: int, m: int) -> tuple[int, int]:
         """(labelled rows, unlabelled clips) of a batch of `batch_size` rows: each clip gives

@@ -11,7 +11,9 @@ with the current model, sharded over the ranks and gathered on rank 0; rank 0 cl
 (scikit-learn's agglomerative clustering, cosine distance, average linkage, stopped at
 unlabelled.cluster_threshold) and keeps the confident clusters: at least sampler.m clips (a
 batch draws m distinct clips of a pseudo-class, each clip its own item) whose mean cosine to
-their centroid (the purity proxy, "cohesion") is at least unlabelled.min_cohesion. The labels
+their centroid (the purity proxy, "cohesion") is at least unlabelled.min_cohesion, and at most
+unlabelled.max_cluster_share of the clips (an untrained model puts nearly every clip in one
+tight cluster: that is no class). The labels
 reach every rank by one broadcast (inside dist.timeout_minutes) and go to the sampler and the
 loss (`apply`). Each round logs the cluster count, the kept share and the kept sizes, and
 writes them to TensorBoard (pseudo/*). The labels are checkpointed, so a resume (mid-epoch
@@ -36,11 +38,18 @@ log = logging.getLogger("audioclf")
 
 
 def cluster_pseudo_labels(
-    embeddings: np.ndarray, *, threshold: float, min_size: int, min_cohesion: float
+    embeddings: np.ndarray,
+    *,
+    threshold: float,
+    min_size: int,
+    min_cohesion: float,
+    max_share: float = 1.0,
 ) -> tuple[np.ndarray, dict]:
     """Pseudo-labels of `embeddings` [N, D] (-1: not in a kept cluster), numbered 0.. in
     order of each kept cluster's first member, and a report: clusters found, kept, the share
-    of clips kept, the kept clusters' sizes (largest first) and mean cohesion."""
+    of clips kept, the kept clusters' sizes (largest first) and mean cohesion. A cluster is
+    kept with min_size <= size <= max_share × N and a mean cosine to its centroid of at least
+    min_cohesion."""
     x = normalize(np.asarray(embeddings, dtype=np.float64))
     labels = np.full(len(x), -1, dtype=np.int64)
     report = {"clusters": 0, "kept": 0, "kept_share": 0.0, "sizes": [], "cohesion": 0.0}
@@ -53,7 +62,7 @@ def cluster_pseudo_labels(
     kept, cohesions = 0, []
     for cluster in found[np.sort(first)]:  # by first member: labels do not depend on sklearn's ids
         members = np.flatnonzero(found == cluster)
-        if len(members) < min_size:
+        if not min_size <= len(members) <= max_share * len(x):
             continue
         centroid = normalize(x[members].mean(axis=0, keepdims=True))[0]
         cohesion = float((x[members] @ centroid).mean())
@@ -118,6 +127,7 @@ class PseudoLabelRounds:
             threshold=unl.cluster_threshold,
             min_size=self.cfg.sampler.m,
             min_cohesion=unl.min_cohesion,
+            max_share=unl.max_cluster_share,
         )
         self._set(labels, epoch)
         self.rounds.append({"epoch": epoch + 1, **report})
@@ -131,13 +141,14 @@ class PseudoLabelRounds:
         sizes = report["sizes"]
         shown = ", ".join(map(str, sizes[:10])) + (" ..." if len(sizes) > 10 else "")
         log.info(
-            "pseudo-labels, epoch %d: %d clusters of %d unlabelled clips, %d kept (>= %d clips, "
-            "cohesion >= %.2f: mean %.3f), %.1f%% of the clips; sizes %s",
+            "pseudo-labels, epoch %d: %d clusters of %d unlabelled clips, %d kept (%d to %d "
+            "clips, cohesion >= %.2f: mean %.3f), %.1f%% of the clips; sizes %s",
             epoch + 1,
             report["clusters"],
             len(self.clips),
             report["kept"],
             self.cfg.sampler.m,
+            int(self.cfg.unlabelled.max_cluster_share * len(self.clips)),
             self.cfg.unlabelled.min_cohesion,
             report["cohesion"],
             100 * report["kept_share"],

@@ -46,6 +46,11 @@ def test_clustering_keeps_only_confident_clusters():
     assert report["kept"] == 4 and (labels[40:] == -1).all()
     assert report["kept_share"] == pytest.approx(40 / 46)
     assert normalized_mutual_info_score(truth, labels[:40]) > 0.99
+    # a cluster of more than max_share of the clips is no class (an untrained model's blob)
+    labels, report = cluster_pseudo_labels(
+        points, threshold=0.3, min_size=4, min_cohesion=0.7, max_share=0.2
+    )
+    assert report["clusters"] == 4 and report["kept"] == 0
     # a cohesion above what the clusters reach keeps none
     labels, report = cluster_pseudo_labels(points, threshold=0.3, min_size=4, min_cohesion=0.9999)
     assert report["kept"] == 0 and (labels == -1).all()
