@@ -86,6 +86,8 @@ def _config(tiny_demo: Path, runs: Path, new_source: Path, *extra: str) -> Confi
         "unlabelled.cluster_every=1",
         "unlabelled.cluster_threshold=0.5",
         "unlabelled.min_cohesion=0.5",
+        # the tiny model's first clusters are large: kept here, so the rounds have labels to test
+        "unlabelled.max_cluster_share=1.0",
         *extra,
     )
 
@@ -104,6 +106,7 @@ def test_a_run_with_unlabelled_audio_resumes_mid_epoch_exactly(tmp_path, tiny_de
     assert (ckpt["epoch"], ckpt["step"]) == (1, 20) and ckpt["position"] > 0  # in epoch 2
     assert ckpt["pseudo_labels"]["round_epoch"] == 1 and len(ckpt["pseudo_labels"]["rounds"]) == 2
     assert ckpt["unlabelled"]["clips"] == 48 and stopped["stopped"]
+    assert max(ckpt["pseudo_labels"]["labels"]) >= 0  # a pseudo-class was kept and saved
     resumed = _fit(_config(tiny_demo, tmp_path / "b", new_source, "checkpoint.resume=auto"))
     assert resumed["step"] == straight["step"]
     assert resumed["parameters_sha256"] == straight["parameters_sha256"]
