@@ -45,6 +45,8 @@ class ViewsLoss(nn.Module):
 class UnlabelledObjective(nn.Module):
     """Labelled terms + pseudo-classes in the triplet term + views_weight × NT-Xent of views."""
 
+    memory = None  # no cross-batch memory (Config refuses loss.memory_size with data.unlabelled)
+
     def __init__(
         self,
         labelled: WeightedLosses,
@@ -61,8 +63,6 @@ class UnlabelledObjective(nn.Module):
         self.labelled, self.views, self.views_weight = labelled, views, views_weight
         self.n_labelled, self.n_clips, self.n_classes = n_labelled, n_clips, n_classes
         self.pseudo_classes = torch.full((n_clips,), -1, dtype=torch.int64)
-
-    memory = None  # no cross-batch memory (Config refuses it with data.unlabelled)
 
     def set_epoch(self, epoch: int) -> None:
         self.labelled.set_epoch(epoch)
