@@ -112,6 +112,12 @@ def test_a_run_with_unlabelled_audio_resumes_mid_epoch_exactly(tmp_path, tiny_de
     assert resumed["parameters_sha256"] == straight["parameters_sha256"]
     final = checkpoint.load(tmp_path / "a" / "t" / "last.pt")["pseudo_labels"]
     assert checkpoint.load(tmp_path / "b" / "t" / "last.pt")["pseudo_labels"] == final
+    from audioclf.config import config_from_dict
+    from audioclf.inference.checkpoints import describe_checkpoint
+
+    best = checkpoint.load(tmp_path / "a" / "t" / "best.pt")
+    described = describe_checkpoint(best, config_from_dict(best["config"]))
+    assert described.endswith(f"trained also on 48 unlabelled clips of {new_source}")
     log = (tmp_path / "a" / "t" / "train.log").read_text()
     assert "pseudo-labels, epoch 1:" in log and "pseudo-labels, epoch 2:" in log
     assert "48 usable unlabelled clips" in log
