@@ -121,6 +121,11 @@ def test_a_run_with_unlabelled_audio_resumes_mid_epoch_exactly(tmp_path, tiny_de
     log = (tmp_path / "a" / "t" / "train.log").read_text()
     assert "pseudo-labels, epoch 1:" in log and "pseudo-labels, epoch 2:" in log
     assert "48 usable unlabelled clips" in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "a" / "t" / "tensorboard")).Reload()
+    assert {"pseudo/clusters", "pseudo/kept", "pseudo/kept_share"} <= set(events.Tags()["scalars"])
+    assert len(events.Scalars("pseudo/kept")) == 2  # one a round
 
 
 def _rank_batches(rank, world, cfg: Config) -> dict:
