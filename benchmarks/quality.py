@@ -9,6 +9,7 @@ timgm6mb-soundfont freepats`):
     .venv/bin/python benchmarks/quality.py --config configs/demo_cnn.yaml --skip-train   # re-evaluate
     .venv/bin/python benchmarks/quality.py --checkpoint runs/x/best.pt --name x       # any checkpoint
     .venv/bin/python benchmarks/quality.py --smoke   # the demo set, a tiny CNN, 1 epoch: seconds
+    .venv/bin/python benchmarks/quality.py --config configs/cpu_small.yaml --unlabelled --seed 1
 
 Each domain (--domain speech, sounds or both, the default) is its own benchmark: its own
 dataset, its own training run, its own table.
@@ -41,6 +42,13 @@ dataset, its own training run, its own table.
    --checkpoint, that one model is evaluated on every selected domain. --adapt adds a row: the
    model adapted (AdaBN, audioclf.inference.adapt) on each held-out set's own clips, without
    their labels, then evaluated on that set.
+   --unlabelled (issue 45) splits each held-out source's set in two by id (not by item; a fixed
+   draw, UNLABELLED_SPLIT_SEED): one half trains without labels (a data.unlabelled sheet beside
+   the run, RUNS/NAME.unlabelled.csv), the other half is what that column evaluates, for every
+   row (with --checkpoint or --skip-train too, so a baseline model is scored on the same half).
+   The held-out sources: speech's other engine; sounds' two unseen-bank columns. The JSON then
+   says how many clips each half holds and scores the run's last pseudo-labels against the
+   hidden labels (NMI and purity over the kept clips, the kept share, each round's report).
 4. Prints a Markdown table per domain (train time, P@1 and MAP@R per set) and writes them, with
    R-precision and set sizes, as JSON to --out (one "domains" entry per domain).
 """
@@ -104,6 +112,7 @@ class Domain:
     item_noun: str  # for the JSON's metric line
     build: Callable[[argparse.Namespace], dict[str, Path]]  # {sheet key: sheet} of what exists
     check_tools: Callable[[], None]  # raises BenchmarkError when a needed program is missing
+    held_out_sources: tuple[str, ...]  # eval sets from a source training never heard (--unlabelled)
 
 
 def check_speech_tools() -> None:
@@ -154,6 +163,7 @@ SMOKE_DOMAIN = Domain(
     "class/item",
     build_demo,
     lambda: None,
+    ("all",),
 )
 SMOKE_OVERRIDES = [
     "train.epochs=1",
@@ -181,6 +191,7 @@ DOMAINS = {
         "word/voice",
         build_speech,
         check_speech_tools,
+        ("other_engine",),
     ),
     "sounds": Domain(
         "sounds",
@@ -195,17 +206,80 @@ DOMAINS = {
         "instrument/bank",
         build_sounds,
         check_sound_tools,
+        ("known_classes_unseen_source", "unseen_classes_unseen_source"),
     ),
 }
+
+
+# --------------------------------------------------------------------------------------------
+# --unlabelled: each held-out source's clips in two halves, by id
+
+
+UNLABELLED_SPLIT_SEED = 45  # fixed: every run and checkpoint is scored on the same halves
+
+
+def split_held_out(sets: dict[str, pd.DataFrame], domain: Domain) -> tuple[dict, pd.DataFrame]:
+    """(the sets with each held-out source's set cut to its evaluated half, the other halves'
+    clips with their hidden labels). The halves are drawn by id, not by item: an item (a word
+    said by one engine's voice, an instrument in one bank) usually has clips in both."""
+    evaluated, unlabelled = dict(sets), []
+    for key in domain.held_out_sources:
+        if key not in sets:
+            continue
+        table = sets[key]
+        ids = np.sort(table["a_id"].astype(str).unique())
+        rng = np.random.default_rng(UNLABELLED_SPLIT_SEED)
+        hidden = set(rng.permutation(ids)[: len(ids) // 2].tolist())
+        into_training = table["a_id"].astype(str).isin(hidden).to_numpy()
+        evaluated[key] = table[~into_training].reset_index(drop=True)
+        unlabelled.append(table[into_training].assign(held_out_set=key))
+    if not unlabelled:
+        raise BenchmarkError(f"--unlabelled: {domain.key} has no held-out source set built")
+    return evaluated, pd.concat(unlabelled, ignore_index=True)
+
+
+def unlabelled_sheet(args, domain: Domain, unlabelled: pd.DataFrame) -> Path:
+    """The training half as a data.unlabelled sheet (path only; the labels stay here)."""
+    sheet = run_dir_of(args, domain).parent / f"{args.name}.unlabelled.csv"
+    sheet.parent.mkdir(parents=True, exist_ok=True)
+    unlabelled[["path"]].to_csv(sheet, index=False)
+    say(f"--unlabelled: {len(unlabelled)} held-out clips train without labels ({sheet})")
+    return sheet
+
+
+def pseudo_label_quality(run_dir: Path, unlabelled: pd.DataFrame) -> dict | None:
+    """The run's last pseudo-labels scored against the hidden labels: NMI and purity over the
+    kept clips, the kept share, and the rounds' reports (None without a checkpoint)."""
+    from sklearn.metrics import normalized_mutual_info_score
+
+    from audioclf import checkpoint as checkpoints
+
+    path = run_dir / "last.pt"
+    if not path.exists():
+        return None
+    state = checkpoints.load(path).get("pseudo_labels")
+    if state is None:
+        return None
+    labels = np.asarray(state["labels"])
+    truth = pd.factorize(unlabelled["a_cls"])[0]
+    kept = labels >= 0
+    quality = {"kept_share": float(kept.mean()), "rounds": state.get("rounds", [])}
+    if kept.any():
+        quality["nmi"] = float(normalized_mutual_info_score(truth[kept], labels[kept]))
+        majority = sum(np.bincount(truth[labels == k]).max() for k in np.unique(labels[kept]))
+        quality["purity"] = float(majority / kept.sum())
+    return quality
 
 
 # --------------------------------------------------------------------------------------------
 # Training
 
 
-def train(args, train_sheet: Path, run_dir: Path) -> float:
-    """Train through ./run.sh; returns the wall-clock seconds."""
+def train(args, train_sheet: Path, run_dir: Path, unlabelled: Path | None = None) -> float:
+    """Train through ./run.sh (with data.unlabelled when given); returns the wall-clock
+    seconds."""
     seed = [] if args.seed is None else [f"train.seed={args.seed}"]
+    seed += [] if unlabelled is None else [f"data.unlabelled={unlabelled}"]
     command = [
         "./run.sh",
         "--nproc",
@@ -285,11 +359,12 @@ def mfcc_features(paths: list[str]) -> np.ndarray:
     return features
 
 
-def evaluate(args, domain: Domain, sheets: dict[str, Path], checkpoint: Path) -> dict[str, dict]:
-    """{row name: {set key: metrics}} for the MFCC baseline and the trained model."""
+def evaluate(
+    args, domain: Domain, sheets: dict[str, Path], sets: dict[str, pd.DataFrame], checkpoint: Path
+) -> dict[str, dict]:
+    """{row name: {set key: metrics}} for the MFCC baseline and the trained model on `sets`."""
     from audioclf.inference import LoadedEmbedder, embed_paths
 
-    sets = {key: read_set(sheets[key]) for key in domain.eval_sets if key in sheets}
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
@@ -405,14 +480,17 @@ def check_not_trained(args, domain: Domain) -> None:
         )
 
 
-def model_for(args, domain: Domain, sheets: dict[str, Path]) -> tuple[Path, float | None]:
-    """(checkpoint to evaluate, its training seconds or None): trains unless told not to."""
+def model_for(
+    args, domain: Domain, sheets: dict[str, Path], unlabelled: Path | None = None
+) -> tuple[Path, float | None]:
+    """(checkpoint to evaluate, its training seconds or None): trains unless told not to
+    (with `unlabelled` as data.unlabelled when given)."""
     if args.checkpoint is not None:
         return args.checkpoint, previous_train_seconds(args.checkpoint.parent)
     run_dir = run_dir_of(args, domain)
     checkpoint = run_dir / "best.pt"
     if not args.skip_train:
-        return checkpoint, train(args, sheets["train"].resolve(), run_dir)
+        return checkpoint, train(args, sheets["train"].resolve(), run_dir, unlabelled)
     if not checkpoint.exists():
         raise BenchmarkError(f"--skip-train: {checkpoint} does not exist; train first")
     return checkpoint, previous_train_seconds(run_dir)
@@ -424,8 +502,14 @@ def run_domain(args, domain: Domain) -> dict:
     started = time.perf_counter()
     sheets = domain.build(args)
     say(f"dataset ready in {time.perf_counter() - started:.0f} s")
-    checkpoint, train_seconds = model_for(args, domain, sheets)
-    results = evaluate(args, domain, sheets, checkpoint)
+    sets = {key: read_set(sheets[key]) for key in domain.eval_sets if key in sheets}
+    unlabelled = sheet = None
+    if args.unlabelled:
+        sets, unlabelled = split_held_out(sets, domain)
+        if args.checkpoint is None and not args.skip_train:
+            sheet = unlabelled_sheet(args, domain, unlabelled)
+    checkpoint, train_seconds = model_for(args, domain, sheets, sheet)
+    results = evaluate(args, domain, sheets, sets, checkpoint)
     set_keys = [key for key in domain.eval_sets if key in sheets]
     trained = {name: train_seconds for name in results if name != MFCC_ROW}  # adapted: the same
     table = markdown_table(results, trained, domain.eval_sets, set_keys)
@@ -434,7 +518,11 @@ def run_domain(args, domain: Domain) -> dict:
     print()
     print(table)
     print()
+    extra = {}
+    if unlabelled is not None:
+        extra = unlabelled_record(domain, sets, unlabelled, checkpoint.parent, trained=sheet)
     return {
+        **extra,
         "checkpoint": str(checkpoint),
         "dataset": str(sheets["train"].parent),
         "set_sizes": set_sizes(domain, sheets),
@@ -450,6 +538,25 @@ def run_domain(args, domain: Domain) -> dict:
         ],
         "markdown": table,
     }
+
+
+def unlabelled_record(domain: Domain, sets: dict, unlabelled: pd.DataFrame, run_dir, trained):
+    """The JSON's --unlabelled entry: the halves' sizes, and the pseudo-labels' quality."""
+    halves = {
+        key: {
+            "evaluated_clips": len(sets[key]),
+            "unlabelled_clips": int((unlabelled["held_out_set"] == key).sum()),
+        }
+        for key in domain.held_out_sources
+        if key in sets
+    }
+    quality = pseudo_label_quality(run_dir, unlabelled) if trained is not None else None
+    if quality is not None and "nmi" in quality:
+        say(
+            f"pseudo-labels of the last round against the hidden labels: NMI {quality['nmi']:.3f}, "
+            f"purity {quality['purity']:.3f}, {100 * quality['kept_share']:.1f}% of the clips kept"
+        )
+    return {"unlabelled": {"halves": halves, "pseudo_labels": quality}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,6 +607,13 @@ def parse_args(argv):
         "--adapt",
         action="store_true",
         help="add a row: the model adapted (AdaBN) on each held-out set's own clips, no labels",
+    )
+    parser.add_argument(
+        "--unlabelled",
+        action="store_true",
+        help="split each held-out source's set in two by id: one half trains as data.unlabelled "
+        "(no labels), the other half is evaluated (also with --checkpoint / --skip-train, so a "
+        "baseline is scored on the same half)",
     )
     parser.add_argument(
         "--data",

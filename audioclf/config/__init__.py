@@ -38,6 +38,7 @@ from audioclf.config.sections import (
     OptimConfig,
     ResNetConfig,
     TrainConfig,
+    UnlabelledConfig,
     architecture,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "ResNetConfig",
     "SpecAugmentConfig",
     "TrainConfig",
+    "UnlabelledConfig",
     "architecture",
     "choices",
     "config_from_dict",

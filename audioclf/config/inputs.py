@@ -31,6 +31,7 @@ class DataConfig:
     pin_memory: bool = True  # pin host memory (only takes effect on CUDA)
     persistent_workers: bool = True  # keep workers alive between epochs
     prefetch_factor: int = 2  # batches prefetched per worker (units of pack_read_batches from a feature pack)
+    unlabelled: str = ""  # unlabelled audio of the source you deploy to, learnt from beside the labelled sheet: a folder (searched recursively) or a sheet with a path column (and optional split: empty or train rows used); the unlabelled.* keys say how; "" = none (docs/training.md, "Audio from where you deploy")
     pack_read_batches: int = 1  # training batches a worker reads from a feature pack in one go, its reads sorted by file and offset: more for slow storage (docs/data.md, "Large datasets")
 
     def __post_init__(self) -> None:

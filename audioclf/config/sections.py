@@ -145,6 +145,38 @@ class LossConfig:
 
 
 @dataclass
+class UnlabelledConfig:
+    share: float = 0.25  # with data.unlabelled: share of each batch's rows that are views of unlabelled clips (two crops of each clip); the labelled part keeps the rest, rounded down to whole classes of sampler.m
+    views_weight: float = 1.0  # weight of the NT-Xent term over those views (two crops of a clip a positive pair, the other views negatives) beside the triplet term
+    temperature: float = 0.1  # NT-Xent temperature
+    cluster_every: int = 2  # epochs between pseudo-label rounds (embed the unlabelled clips, cluster, add the confident clusters to the sampler as classes), the first at the start of training; 0 = no pseudo-labels
+    cluster_threshold: float = 0.3  # cosine distance at which agglomerative clustering (average linkage) stops merging clips
+    min_cohesion: float = 0.7  # a cluster becomes a pseudo-class when it has at least sampler.m clips and their mean cosine to its centroid is at least this
+    max_cluster_share: float = 0.25  # ...and holds at most this share of the unlabelled clips (a cluster that swallows more is a model that cannot yet tell them apart, e.g. untrained)
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.share < 1.0, "unlabelled.share", self.share, "in (0, 1)")
+        _check(self.views_weight >= 0, "unlabelled.views_weight", self.views_weight, ">= 0")
+        _check(self.temperature > 0, "unlabelled.temperature", self.temperature, "> 0")
+        _check(self.cluster_every >= 0, "unlabelled.cluster_every", self.cluster_every,
+               ">= 0 (0 = no pseudo-labels)")
+        _check(0.0 < self.cluster_threshold < 2.0, "unlabelled.cluster_threshold",
+               self.cluster_threshold, "a cosine distance in (0, 2)")
+        _check(-1.0 <= self.min_cohesion <= 1.0, "unlabelled.min_cohesion", self.min_cohesion,
+               "a cosine in [-1, 1]")
+        _check(0.0 < self.max_cluster_share <= 1.0, "unlabelled.max_cluster_share",
+               self.max_cluster_share, "in (0, 1]")
+
+    def batch_rows(self, batch_size: int, m: int) -> tuple[int, int]:
+        """(labelled rows, unlabelled clips) of a batch of `batch_size` rows: each clip gives
+        two views, the labelled rows are whole classes of `m`."""
+        clips = round(self.share * batch_size / 2)
+        labelled = batch_size - 2 * clips
+        labelled -= labelled % m
+        return labelled, (batch_size - labelled) // 2
+
+
+@dataclass
 class OptimConfig:
     name: Literal["adamw", "adam", "sgd", "fused_adam"] = "adamw"  # fused_adam needs NVIDIA apex
     lr: float = 1e-3  # reference learning rate at ref_world_size ranks
@@ -251,6 +283,7 @@ class Config:
     augment: AugmentConfig = field(default_factory=AugmentConfig)  # waveform / feature augmentation (training only)
     model: ModelConfig = field(default_factory=ModelConfig)  # embedding network and its head (the architecture)
     loss: LossConfig = field(default_factory=LossConfig)  # triplet loss, mining, the head's weight
+    unlabelled: UnlabelledConfig = field(default_factory=UnlabelledConfig)  # how data.unlabelled is learnt from: batch share, NT-Xent views, cluster pseudo-labels
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and LR schedule
     train: TrainConfig = field(default_factory=TrainConfig)  # loop, precision, seeds
     dist: DistConfig = field(default_factory=DistConfig)  # multi-process settings
@@ -261,12 +294,24 @@ class Config:
         _check(self.model.head == "none" or self.loss.ce_weight > 0, "loss.ce_weight",
                self.loss.ce_weight, f"> 0 with model.head={self.model.head} (its cross-entropy "
                "weight; e.g. 1.0), or set model.head=none")
+        if self.data.unlabelled:
+            self._check_unlabelled()
         # DataParallel's replicas copy the module's __dict__, the compiled call with it, so every
         # replica would run the original's weights (a device mismatch on 2+ GPUs).
         _check(not (self.train.compile and self.dist.strategy == "dp"), "train.compile",
                self.train.compile, "false with dist.strategy=dp (DataParallel's replicas would "
                "all run the compiled original's weights): set train.compile=false, or compile "
                "under DDP (torchrun, dist.strategy=ddp or auto)")
+
+    def _check_unlabelled(self) -> None:
+        batch, m = self.sampler.batch_size, self.sampler.m
+        labelled, clips = self.unlabelled.batch_rows(batch, m)
+        _check(labelled >= 2 * m and clips >= 1, "unlabelled.share", self.unlabelled.share,
+               f"a share of sampler.batch_size={batch} that leaves at least one unlabelled clip "
+               f"(2 views) and two labelled classes of sampler.m={m}; it gives {labelled} "
+               f"labelled rows and {clips} clips")
+        _check(self.loss.memory_size == 0, "loss.memory_size", self.loss.memory_size,
+               "0 with data.unlabelled (the cross-batch memory does not know unlabelled clips)")
 
 
 def architecture(cfg: Config) -> dict:

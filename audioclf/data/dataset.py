@@ -125,6 +125,33 @@ class AudioDataset(torch.utils.data.Dataset):
             pack=PackedFeatures.of(table, cfg.features),
         )
 
+    def with_unlabelled(self, paths: Sequence[str]) -> AudioDataset:
+        """This training set followed by unlabelled clips twice (label -1): positions
+        [N, N + U) read a clip as a pseudo-class member, [N + U, N + 2U) as a view
+        (data.sampler.MixedBatchSampler's layout). Not for feature packs."""
+        if self.pack is not None:
+            raise ValueError(
+                "data.unlabelled is not read from a feature pack yet: train from the audio or "
+                ".npy files (a sheet without pack columns)"
+            )
+        both = [*paths, *paths]
+        spans = None
+        if self.spans is not None:
+            spans = np.concatenate([self.spans, np.full((len(both), 2), np.nan)])
+        rows = None if self.rows is None else np.concatenate([self.rows, np.full(len(both), -1)])
+        return AudioDataset(
+            [*self.paths, *both],
+            np.concatenate([self.labels, np.full(len(both), -1, dtype=np.int64)]),
+            self.cfg,
+            self.clips,
+            train=self.train,
+            rows=rows,
+            skip_bad_files=self.skip_bad_files,
+            augment=self.augment,
+            skip_hint=self.skip_hint,
+            spans=spans,
+        )
+
     def __len__(self) -> int:
         return len(self.paths)
 
@@ -173,7 +200,10 @@ class AudioDataset(torch.utils.data.Dataset):
 
     def _where(self, position: int) -> str:
         """How a message names the item at `position`: its sheet row when known."""
-        return f"index row {self.rows[position]}" if self.rows is not None else f"item {position}"
+        if self.rows is None:
+            return f"item {position}"
+        row = self.rows[position]
+        return f"index row {row}" if row >= 0 else f"unlabelled clip {self.paths[position]}"
 
     def _read_packed(
         self, position: int, seed: int | None, rng, crop_samples: int | None, where: str

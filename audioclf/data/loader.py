@@ -30,7 +30,7 @@ from audioclf.data.batches import (
 )
 from audioclf.data.dataset import AudioDataset, collate_padded
 from audioclf.data.index import Index
-from audioclf.data.sampler import MPerClassSampler
+from audioclf.data.sampler import MixedBatchSampler, MPerClassSampler
 
 log = logging.getLogger("audioclf")
 
@@ -167,13 +167,13 @@ class TrainLoader:
         world_size: int,
         options: dict,
         crop_samples: Callable[[int], int] | None = None,
+        unlabelled_clips: int = 0,
     ) -> TrainLoader:
         """This rank's loader of a run: the m-per-class sampler over the train split (sampler.*,
-        the classes dealt to `world_size` ranks), with the run's loader `options`."""
-        sampler = MPerClassSampler(
-            train.codes.class_codes,
-            train.codes.item_codes,
-            batch_size=cfg.sampler.batch_size,
+        the classes dealt to `world_size` ranks), with the run's loader `options`. With
+        `unlabelled_clips` (data.unlabelled; the dataset then follows
+        AudioDataset.with_unlabelled) batches mix in views of those clips (unlabelled.share)."""
+        settings = dict(
             m=cfg.sampler.m,
             rank=rank,
             world_size=world_size,
@@ -181,6 +181,21 @@ class TrainLoader:
             split=cfg.sampler.split,
             small_classes=cfg.sampler.small_classes,
         )
+        classes, items = train.codes.class_codes, train.codes.item_codes
+        if unlabelled_clips:
+            labelled, clips = cfg.unlabelled.batch_rows(cfg.sampler.batch_size, cfg.sampler.m)
+            sampler = MixedBatchSampler(
+                classes,
+                items,
+                unlabelled_clips,
+                labelled_batch_size=labelled,
+                clips_per_batch=clips,
+                **settings,
+            )
+        else:
+            sampler = MPerClassSampler(
+                classes, items, batch_size=cfg.sampler.batch_size, **settings
+            )
         return cls(
             dataset,
             sampler,

@@ -38,7 +38,7 @@ _MUST_MATCH = ("seed", "world_size", "batch_size", "m", "split", "small_classes"
 
 # One tag per random stream. SeedSequence pads entropy with zeros, so [seed, epoch] and
 # [seed, epoch, 0] would be the same stream; non-zero tags keep the purposes apart.
-_SHARE_TAG, _RANK_TAG, _GLOBAL_TAG = 1, 2, 3
+_SHARE_TAG, _RANK_TAG, _GLOBAL_TAG, _VIEW_TAG = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -322,6 +322,133 @@ class MPerClassSampler:
         plan = self._make_plan(_check_int("epoch", state["epoch"], minimum=0))
         self._start_position = _check_position(state["position"], plan)
         self._plan = plan
+
+
+class MixedBatchSampler:
+    """Batches of labelled classes (with pseudo-classes) followed by views of unlabelled clips.
+
+    Dataset positions: [0, L) are the L labelled rows (`classes`, `items`); [L, L + U) the U
+    unlabelled clips as members of their pseudo-class (one crop, the triplet term's); and
+    [L + U, L + 2U) the same clips as views (the NT-Xent term's). A batch holds
+    `labelled_batch_size` rows drawn class -> item -> id by an `MPerClassSampler` over the
+    labelled rows plus the clips of the pseudo-classes (`set_pseudo_labels`; each clip its own
+    item, so a pseudo-class gives m distinct clips), then `clips_per_batch` clips twice each,
+    adjacent: the two views differ by their slot's crop seed (loader.SeededBatches).
+
+    The batch count is the labelled sampler's (equal on every rank). The views' clips are this
+    rank's share (every world_size-th clip) walked in permutations seeded by (seed, epoch, rank),
+    a stream of its own: with no pseudo-labels the labelled rows are exactly those of
+    `MPerClassSampler(classes, items, batch_size=labelled_batch_size, ...)`.
+    """
+
+    def __init__(
+        self,
+        classes,
+        items,
+        n_clips: int,
+        *,
+        labelled_batch_size: int,
+        clips_per_batch: int,
+        m: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        split: str = "classes",
+        small_classes: str = "replace",
+    ) -> None:
+        self.classes, self.items = _as_column("classes", classes), _as_column("items", items)
+        self.n_labelled = len(self.classes)
+        self.n_clips = _check_int("n_clips", n_clips, minimum=1)
+        self.clips_per_batch = _check_int("clips_per_batch", clips_per_batch, minimum=1)
+        self._options = dict(
+            batch_size=labelled_batch_size,
+            m=m,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            split=split,
+            small_classes=small_classes,
+        )
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self._shard = np.arange(rank, n_clips, world_size)
+        if n_clips // world_size < clips_per_batch:  # the smallest rank's share
+            raise ValueError(
+                f"{n_clips} unlabelled clips over {world_size} rank(s) leave a rank fewer than "
+                f"the {clips_per_batch} clips a batch takes (unlabelled.share); add unlabelled "
+                "audio or lower unlabelled.share"
+            )
+        self.pseudo_labels = np.full(n_clips, -1, dtype=np.int64)
+        self.labelled = MPerClassSampler(self.classes, self.items, **self._options)
+        self._positions = np.arange(self.n_labelled)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of a full batch: the labelled part and two views of every clip."""
+        return self.labelled.batch_size + 2 * self.clips_per_batch
+
+    def set_pseudo_labels(self, labels: np.ndarray) -> None:
+        """Each clip's pseudo-class (-1: none); the clips of a class join the labelled part's
+        draw as one class, each clip its own item. The current epoch starts again from its
+        first batch (call it before the epoch's iteration, or before `load_state_dict`)."""
+        labels = np.asarray(labels, dtype=np.int64)
+        if labels.shape != (self.n_clips,):
+            raise ValueError(
+                f"pseudo labels need one per clip ({self.n_clips}), got {labels.shape}"
+            )
+        epoch = self.epoch
+        kept = np.flatnonzero(labels >= 0)
+        classes, items = self.classes, self.items
+        if len(kept):  # values after every labelled one: sorting keeps the labelled codes
+            classes = np.concatenate([classes, classes.max() + 1 + labels[kept]])
+            items = np.concatenate([items, items.max() + 1 + kept])
+        self.labelled = MPerClassSampler(classes, items, **self._options)
+        self.labelled.set_epoch(epoch)
+        self.pseudo_labels = labels.copy()
+        self._positions = np.concatenate([np.arange(self.n_labelled), self.n_labelled + kept])
+
+    @property
+    def epoch(self) -> int:
+        return self.labelled.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.labelled.set_epoch(epoch)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.labelled.batches_per_epoch
+
+    def __len__(self) -> int:
+        return len(self.labelled)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.labelled.batches_per_epoch - len(self.labelled)
+        rows = np.asarray(list(self.labelled), dtype=np.int64).reshape(-1, self.labelled.batch_size)
+        views = self._epoch_views()[start:]
+        batches = np.concatenate([self._positions[rows], np.repeat(views, 2, axis=1)], axis=1)
+        return iter(batches.tolist())
+
+    def _epoch_views(self) -> np.ndarray:
+        """View positions of every batch of the epoch, shape (batches, clips_per_batch)."""
+        plan_batches, per_batch = self.batches_per_epoch, self.clips_per_batch
+        rng = _rng(self.seed, self.epoch, _VIEW_TAG, self.rank)
+        clips = _cycle_classes(rng, self._shard, plan_batches, per_batch)
+        return (self.n_labelled + self.n_clips + clips).reshape(plan_batches, per_batch)
+
+    def state_dict(self, position: int = 0) -> dict:
+        """The labelled sampler's resume point, and the unlabelled layout it belongs to."""
+        state = self.labelled.state_dict(position)
+        return {**state, "unlabelled_clips": self.n_clips, "clips_per_batch": self.clips_per_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume (after the pseudo-labels of the saved run were set: they change the draw)."""
+        saved = (state.get("unlabelled_clips"), state.get("clips_per_batch"))
+        if saved != (self.n_clips, self.clips_per_batch):
+            raise ValueError(
+                f"sampler state was saved with {saved[0]} unlabelled clips, {saved[1]} per "
+                f"batch; now {self.n_clips}, {self.clips_per_batch} (data.unlabelled, "
+                "unlabelled.share)"
+            )
+        self.labelled.load_state_dict(state)
 
 
 # --------------------------------------------------------------------------------- helpers

@@ -154,7 +154,8 @@ def weights_key(ckpt: dict[str, Any], cfg: Config) -> str:
 
 
 def describe_checkpoint(ckpt: dict[str, Any], cfg: Config) -> str:
-    """'cnn, 128-d, epoch 12, step 3400, EMA weights' — for summaries."""
+    """'cnn, 128-d, epoch 12, step 3400, EMA weights' — for summaries (and evaluate's report);
+    a run with data.unlabelled adds its clip count and source."""
     parts = [cfg.model.name, f"{cfg.model.embedding_dim}-d"]
     for key in ("epoch", "step"):
         if ckpt.get(key) is not None:
@@ -166,6 +167,11 @@ def describe_checkpoint(ckpt: dict[str, Any], cfg: Config) -> str:
         parts.append(f"mean of the{of_ema} weights of epochs {epochs[0]}-{epochs[-1]}")
     elif weights_key(ckpt, cfg) == "ema":
         parts.append(f"EMA weights (decay {cfg.train.ema_decay:g})")
+    unlabelled = ckpt.get("unlabelled")  # data.unlabelled (issue 45)
+    if isinstance(unlabelled, dict) and unlabelled.get("clips"):
+        parts.append(
+            f"trained also on {unlabelled['clips']} unlabelled clips of {unlabelled['source']}"
+        )
     return ", ".join(parts)
 
 

@@ -29,12 +29,14 @@ from tqdm import tqdm
 
 from audioclf import checkpoint, distributed
 from audioclf.config import Config, to_dict
-from audioclf.data.dataset import split_datasets
+from audioclf.data.dataset import AudioDataset, split_datasets
 from audioclf.data.index import load_index
 from audioclf.data.loader import TrainLoader, loader_options
+from audioclf.data.unlabelled import load_unlabelled
 from audioclf.fileio import atomic_copy
 from audioclf.inference import init_weights
 from audioclf.losses import build_loss, final_epochs_start
+from audioclf.losses.unlabelled import UnlabelledObjective, ViewsLoss
 from audioclf.models import build_net, count_parameters
 from audioclf.precision import BackendFlags, configure_backends, resolve_precision
 from audioclf.training import averaging
@@ -57,6 +59,7 @@ from audioclf.training.rundir import (
 )
 from audioclf.training.step import EpochResult, NonFiniteGuard, TrainStep
 from audioclf.training.trackers import check_tracker, open_tracker
+from audioclf.training.unlabelled import PseudoLabelRounds
 from audioclf.training.validation import Validator
 
 log = logging.getLogger("audioclf")
@@ -213,6 +216,7 @@ class Trainer:
             world_size=env.world_size,
             options=self.loader_options,
             crop_samples=self.final.crop_samples if self.final.changes_crop else None,
+            unlabelled_clips=len(self.unlabelled) if self.unlabelled else 0,
         )
         self.precision = resolve_precision(cfg.train, env.device)
         net = build_net(cfg, len(self.train.classes))
@@ -250,6 +254,7 @@ class Trainer:
             loader_options=self.loader_options,
             metrics=self.metrics,
         )
+        self.pseudo_labels = self._pseudo_label_rounds()
         self.checkpointer = self._checkpointer()
         self.average = averaging.LastEpochsAverage(cfg, env, self.checkpointer, self.validator)
         if ckpt is not None:
@@ -267,6 +272,12 @@ class Trainer:
         cache), its train / validation split and their datasets. Collective when distributed."""
         index = distributed.primary_first(load_index, self.cfg.data)
         self.train, self.val, self.train_set, self.val_set = split_datasets(self.cfg, index)
+        self.unlabelled = None
+        if self.cfg.data.unlabelled:  # rank 0 checks the files; every rank gets the list
+            self.unlabelled = distributed.primary_only(
+                load_unlabelled, self.cfg.data.unlabelled, self.cfg.features
+            )
+            self.train_set = self.train_set.with_unlabelled(self.unlabelled.paths)
 
     def _build_training(self, net: torch.nn.Module) -> None:
         """The wrapped model, the loss, optimizer, schedule, the step that uses them, the EMA."""
@@ -280,6 +291,15 @@ class Trainer:
             autocast_dtype=self.precision.dtype,
         )
         self.loss_fn = build_loss(cfg, items=self.train.codes.item_codes)
+        if self.unlabelled:
+            self.loss_fn = UnlabelledObjective(
+                self.loss_fn,
+                ViewsLoss(cfg.unlabelled.temperature),
+                views_weight=cfg.unlabelled.views_weight,
+                n_labelled=len(self.train),
+                n_clips=len(self.unlabelled),
+                n_classes=len(self.train.classes),
+            )
         self.optimizer = build_optimizer(param_groups(net, cfg.optim), cfg.optim, env.device)
         self.schedule = LRSchedule(
             self.optimizer, cfg.optim, base_lr(cfg.optim, env.world_size), cfg.train.epochs
@@ -305,7 +325,7 @@ class Trainer:
             guard=self.guard,
             accumulate=cfg.train.accumulate,
             max_grad_norm=cfg.optim.max_grad_norm,
-            batch_size=cfg.sampler.batch_size,
+            batch_size=self.train_loader.sampler.batch_size,
             placeholder=self.train_set.placeholder(),
         )
         self.ema = averaging.build_ema(cfg, self.model)
@@ -331,6 +351,10 @@ class Trainer:
             "optimizer": OptimizerState(self.optimizer),
             "lr_schedule": self.schedule,
             "scaler": checkpoint.ScalerState(self.precision.scaler),
+        }
+        if self.pseudo_labels is not None:  # before "sampler": the labels change its draw
+            states["pseudo_labels"] = self.pseudo_labels
+        states |= {
             "sampler": self.train_loader,  # the sampler's state at the loader's position
             "rng": checkpoint.RankRNG(env.rank, env.world_size, env.device),
         }
@@ -342,7 +366,7 @@ class Trainer:
         return checkpoint.Checkpointer(
             saver,
             states=states,
-            optional=("ema", "loss_memory"),
+            optional=("ema", "loss_memory", "pseudo_labels"),
             flat=[self.state, saver],
             meta=lambda: {
                 "config": to_dict(cfg),
@@ -350,9 +374,42 @@ class Trainer:
                 "position": loader.position,
                 "world_size": env.world_size,
                 "versions": checkpoint.library_versions(),
+                **self._unlabelled_record(),
             },
             primary=env.is_primary,
         )
+
+    def _pseudo_label_rounds(self) -> PseudoLabelRounds | None:
+        """The pseudo-label rounds over data.unlabelled (None without it)."""
+        if not self.unlabelled:
+            return None
+        cfg, sampler = self.cfg, self.train_loader.sampler
+        clips = AudioDataset(
+            self.unlabelled.paths,
+            np.zeros(len(self.unlabelled), dtype=np.int64),
+            cfg.features,
+            cfg.clips,
+            train=False,
+        )
+
+        def apply(labels: np.ndarray) -> None:
+            sampler.set_pseudo_labels(labels)
+            self.loss_fn.set_pseudo_labels(labels)
+
+        return PseudoLabelRounds(
+            cfg,
+            clips,
+            apply=apply,
+            metrics=self.metrics,
+            device=self.env.device,
+            loader_options=self.loader_options,
+        )
+
+    def _unlabelled_record(self) -> dict:
+        """What the checkpoint and the summary say of data.unlabelled (nothing without it)."""
+        if not self.unlabelled:
+            return {}
+        return {"unlabelled": {"source": self.unlabelled.source, "clips": len(self.unlabelled)}}
 
     # ----------------------------------------------------------------------------- set-up
 
@@ -365,6 +422,19 @@ class Trainer:
             len(val) if val else 0,
             self.train_loader.sampler.batches_per_epoch,
         )
+        if self.unlabelled:
+            labelled, clips = self.cfg.unlabelled.batch_rows(
+                self.cfg.sampler.batch_size, self.cfg.sampler.m
+            )
+            log.info(
+                "data.unlabelled=%s: %d usable unlabelled clips; a batch holds %d labelled rows "
+                "and 2 views of %d clips (unlabelled.share=%g)",
+                self.unlabelled.source,
+                len(self.unlabelled),
+                labelled,
+                clips,
+                self.cfg.unlabelled.share,
+            )
 
     def _prepare_run_dir(self) -> None:
         """The run folder (rank 0 writes it and holds its lock), then logging into it."""
@@ -474,6 +544,8 @@ class Trainer:
         )
 
     def _start_epoch(self, epoch: int) -> None:
+        if self.pseudo_labels is not None:  # before the sampler's epoch: it may change its draw
+            self.pseudo_labels.start_epoch(epoch, self.model, self.state.step)
         self.train_loader.set_epoch(epoch)
         self.loss_fn.set_epoch(epoch)
         self.step.start_epoch(self.train_set.placeholder(self.final.crop_samples(epoch)))
@@ -623,6 +695,7 @@ class Trainer:
             "stop_signal": self.stop.signal if stopped else None,
             "world_size": self.env.world_size,
             "average": state.averaged or None,  # checkpoint.average_last: avg.pt's epochs, metrics
+            **self._unlabelled_record(),
         }
         if self.hooks.on_end is not None:
             self.hooks.on_end(self, summary)

@@ -130,3 +130,25 @@ def test_smallest_mode_prints_its_table_and_verdict(script):
     assert done.returncode == 0, shown
     missing = [line for line in lines if not re.search(line, done.stdout, re.M)]
     assert not missing, f"{missing} not in the output:\n{shown}"
+
+
+def test_quality_smoke_with_unlabelled_audio():
+    """quality.py --unlabelled (issue 45): the held-out set's halves, training with
+    data.unlabelled, and the pseudo-labels scored against the hidden labels."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "quality.py"), "--smoke", "--unlabelled"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    shown = f"{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, shown
+    for line in (
+        r"^quality: --unlabelled: 36 held-out clips train without labels",
+        r"data\.unlabelled=\S+unlabelled\.csv: 36 usable unlabelled clips",
+        r"^\| quality_demo_cnn \| [\d.]+ min \| ",
+        r"^quality: wrote ",
+    ):
+        assert re.search(line, done.stdout, re.M), f"{line} not in the output:\n{shown}"

@@ -53,6 +53,8 @@ OVERRIDES = [
     (r"-m audioclf\.data\.demo\b", SMALL_DEMO),
     (r"configs/(demo_cnn|cpu_small)\.yaml", [*ONE_EPOCH, "model.embedding_dim=16", *TINY["cnn"]]),
     (r"configs/demo_conformer\.yaml", [*ONE_EPOCH, "model.embedding_dim=16", *TINY["conformer"]]),
+    # batches of 4 hold no views beside 2 classes of 2: 4 labelled rows and 2 views of 1 clip
+    (r"data\.unlabelled=", ["sampler.batch_size=6", "unlabelled.share=0.34"]),
 ]
 TRAINS = re.compile(r"(run\.sh|-m audioclf\.train)\b.*\.yaml")  # must match an OVERRIDES row
 

@@ -168,9 +168,16 @@ def _check_filled(
                 f"column {name!r} ({role}) is empty in {int(empty.sum())} {rows_text(rows[empty])}"
             )
     if empty_parts:
+        unlabelled = "class" in required.values() and any("(class)" in p for p in empty_parts)
+        hint = (
+            "; rows without a class are unlabelled audio: list them in their own sheet or folder "
+            "and pass it as data.unlabelled"
+            if unlabelled
+            else ""
+        )
         raise IndexValidationError(
             f"index file {source} has empty cells: {'; '.join(empty_parts)}. "
-            "Fill them in or delete those rows"
+            f"Fill them in or delete those rows{hint}"
         )
 
 

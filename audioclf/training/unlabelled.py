@@ -1,0 +1,193 @@
+"""Cluster pseudo-labels of the unlabelled clips (data.unlabelled), round after round.
+
+    labels, report = cluster_pseudo_labels(embeddings, threshold=0.3, min_size=4,
+                                           min_cohesion=0.7)
+    rounds = PseudoLabelRounds(cfg, clips_dataset, apply=..., metrics=...)
+    rounds.start_epoch(epoch, model)     # every rank: a round when one is due
+    rounds.state_dict() / load_state_dict(state)   # the checkpoint's "pseudo_labels"
+
+A round (at the start of epoch 1, then every unlabelled.cluster_every epochs) embeds the clips
+with the current model, sharded over the ranks and gathered on rank 0; rank 0 clusters them
+(scikit-learn's agglomerative clustering, cosine distance, average linkage, stopped at
+unlabelled.cluster_threshold) and keeps the confident clusters: at least sampler.m clips (a
+batch draws m distinct clips of a pseudo-class, each clip its own item) whose mean cosine to
+their centroid (the purity proxy, "cohesion") is at least unlabelled.min_cohesion, and at most
+unlabelled.max_cluster_share of the clips (an untrained model puts nearly every clip in one
+tight cluster: that is no class). The labels
+reach every rank by one broadcast (inside dist.timeout_minutes) and go to the sampler and the
+loss (`apply`). Each round logs the cluster count, the kept share and the kept sizes, and
+writes them to TensorBoard (pseudo/*). The labels are checkpointed, so a resume (mid-epoch
+too) continues with the labels of the round it was in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from sklearn.cluster import AgglomerativeClustering
+from sklearn.preprocessing import normalize
+
+from audioclf import distributed
+from audioclf.config import Config
+from audioclf.inference.extract import embed_dataset
+
+log = logging.getLogger("audioclf")
+
+
+def cluster_pseudo_labels(
+    embeddings: np.ndarray,
+    *,
+    threshold: float,
+    min_size: int,
+    min_cohesion: float,
+    max_share: float = 1.0,
+) -> tuple[np.ndarray, dict]:
+    """Pseudo-labels of `embeddings` [N, D] (-1: not in a kept cluster), numbered 0.. in
+    order of each kept cluster's first member, and a report: clusters found, kept, the share
+    of clips kept, the kept clusters' sizes (largest first) and mean cohesion. A cluster is
+    kept with min_size <= size <= max_share × N and a mean cosine to its centroid of at least
+    min_cohesion."""
+    x = normalize(np.asarray(embeddings, dtype=np.float64))
+    labels = np.full(len(x), -1, dtype=np.int64)
+    report = {"clusters": 0, "kept": 0, "kept_share": 0.0, "sizes": [], "cohesion": 0.0}
+    if len(x) < 2:
+        return labels, report
+    found = AgglomerativeClustering(
+        n_clusters=None, metric="cosine", linkage="average", distance_threshold=threshold
+    ).fit_predict(x)
+    _, first, counts = np.unique(found, return_index=True, return_counts=True)
+    kept, cohesions = 0, []
+    for cluster in found[np.sort(first)]:  # by first member: labels do not depend on sklearn's ids
+        members = np.flatnonzero(found == cluster)
+        if not min_size <= len(members) <= max_share * len(x):
+            continue
+        centroid = normalize(x[members].mean(axis=0, keepdims=True))[0]
+        cohesion = float((x[members] @ centroid).mean())
+        if cohesion >= min_cohesion:
+            labels[members] = kept
+            kept += 1
+            cohesions.append(cohesion)
+    sizes = sorted(np.bincount(labels[labels >= 0]).tolist(), reverse=True) if kept else []
+    report.update(
+        clusters=len(counts),
+        kept=kept,
+        kept_share=float((labels >= 0).mean()),
+        sizes=sizes,
+        cohesion=float(np.mean(cohesions)) if cohesions else 0.0,
+    )
+    return labels, report
+
+
+class PseudoLabelRounds:
+    """The pseudo-labels of a run and when they were made; checkpointed (state_dict)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        clips: torch.utils.data.Dataset,
+        *,
+        apply: Callable[[np.ndarray], None],
+        metrics,
+        device: torch.device,
+        loader_options: dict,
+    ):
+        self.cfg, self.clips, self.apply = cfg, clips, apply
+        self.metrics, self.device, self.loader_options = metrics, device, loader_options
+        self.labels = np.full(len(clips), -1, dtype=np.int64)
+        self.round_epoch = -1  # the epoch whose start made the labels; -1: none yet
+        self.rounds: list[dict] = []  # each round's report
+
+    def due(self, epoch: int) -> bool:
+        every = self.cfg.unlabelled.cluster_every
+        return every > 0 and epoch % every == 0 and epoch != self.round_epoch
+
+    def start_epoch(self, epoch: int, model: torch.nn.Module, step: int) -> None:
+        """A round when one is due at this epoch's start (collective: every rank calls it)."""
+        if not self.due(epoch):
+            return
+        rank, world = distributed.get_rank(), distributed.get_world_size()
+        shard = list(range(rank, len(self.clips), world))
+        embeddings, _, positions = embed_dataset(
+            model,
+            self.clips,
+            batch_size=self.cfg.eval.batch_size,
+            device=self.device,
+            positions=shard,
+            loader_options=self.loader_options,
+        )
+        gathered = distributed.gather_to_primary((embeddings, positions))
+        unl = self.cfg.unlabelled
+        labels, report = distributed.primary_only(
+            _cluster_gathered,
+            gathered,
+            len(self.clips),
+            threshold=unl.cluster_threshold,
+            min_size=self.cfg.sampler.m,
+            min_cohesion=unl.min_cohesion,
+            max_share=unl.max_cluster_share,
+        )
+        self._set(labels, epoch)
+        self.rounds.append({"epoch": epoch + 1, **report})
+        self._log(epoch, step, report)
+
+    def _set(self, labels: np.ndarray, epoch: int) -> None:
+        self.labels, self.round_epoch = np.asarray(labels, dtype=np.int64), epoch
+        self.apply(self.labels)
+
+    def _log(self, epoch: int, step: int, report: dict) -> None:
+        sizes = report["sizes"]
+        shown = ", ".join(map(str, sizes[:10])) + (" ..." if len(sizes) > 10 else "")
+        log.info(
+            "pseudo-labels, epoch %d: %d clusters of %d unlabelled clips, %d kept (%d to %d "
+            "clips, cohesion >= %.2f: mean %.3f), %.1f%% of the clips; sizes %s",
+            epoch + 1,
+            report["clusters"],
+            len(self.clips),
+            report["kept"],
+            self.cfg.sampler.m,
+            int(self.cfg.unlabelled.max_cluster_share * len(self.clips)),
+            self.cfg.unlabelled.min_cohesion,
+            report["cohesion"],
+            100 * report["kept_share"],
+            shown or "-",
+        )
+        for key in ("clusters", "kept", "kept_share", "cohesion"):
+            self.metrics.scalar(f"pseudo/{key}", report[key], step)
+        if sizes:
+            self.metrics.scalar("pseudo/largest", sizes[0], step)
+
+    def state_dict(self) -> dict:
+        return {
+            "labels": self.labels.tolist(),
+            "round_epoch": self.round_epoch,
+            "rounds": self.rounds,
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """The saved labels, applied (before the sampler's state: they change its draw)."""
+        if state is None:  # a checkpoint of a run without data.unlabelled
+            return
+        labels = np.asarray(state["labels"], dtype=np.int64)
+        if labels.shape != self.labels.shape:
+            raise ValueError(
+                f"the checkpoint's pseudo-labels cover {len(labels)} unlabelled clips, "
+                f"data.unlabelled has {len(self.labels)}; resume with the same data.unlabelled"
+            )
+        self.rounds = list(state.get("rounds", []))
+        self._set(labels, int(state["round_epoch"]))
+
+
+def _cluster_gathered(gathered: list, n_clips: int, **options) -> tuple[np.ndarray, dict]:
+    """Rank 0: the ranks' (embeddings, positions) put in clip order, then clustered."""
+    embeddings = np.concatenate([e for e, _ in gathered if len(e)])
+    positions = np.concatenate([p for _, p in gathered])
+    if len(positions) != n_clips:
+        raise RuntimeError(
+            f"pseudo-labels: {len(positions)} of {n_clips} unlabelled clips were embedded"
+        )
+    ordered = np.empty_like(embeddings)
+    ordered[positions] = embeddings
+    return cluster_pseudo_labels(ordered, **options)

@@ -1,0 +1,209 @@
+"""Training with unlabelled audio (data.unlabelled): the clustering step, the NT-Xent objective,
+exact resume with pseudo-labels, and two gloo ranks (mixed batches, the labels' broadcast)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import normalized_mutual_info_score
+
+from audioclf import checkpoint
+from audioclf.config import Config
+from audioclf.data.demo import generate_demo
+from audioclf.training.unlabelled import cluster_pseudo_labels
+from tests.helpers import run_in_group, tiny_config
+from tests.train_hooks import digest_hooks, stop_at
+
+
+def _planted(classes: int, per_class: int, dim: int = 32, noise: float = 0.15, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(classes, dim))
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    truth = np.repeat(np.arange(classes), per_class)
+    points = centres[truth] + noise * rng.normal(size=(len(truth), dim)) / np.sqrt(dim)
+    return points, truth
+
+
+def test_clustering_recovers_planted_classes():
+    points, truth = _planted(classes=8, per_class=12)
+    labels, report = cluster_pseudo_labels(points, threshold=0.3, min_size=4, min_cohesion=0.7)
+    kept = labels >= 0
+    assert report["kept"] == 8 and report["kept_share"] == 1.0
+    assert normalized_mutual_info_score(truth[kept], labels[kept]) > 0.99
+    purity = sum(np.bincount(truth[labels == k]).max() for k in range(report["kept"])) / kept.sum()
+    assert purity == 1.0 and report["sizes"] == [12] * 8
+
+
+def test_clustering_keeps_only_confident_clusters():
+    points, truth = _planted(classes=4, per_class=10)
+    scattered = np.random.default_rng(1).normal(size=(6, 32))  # six loners: no cluster of m
+    labels, report = cluster_pseudo_labels(
+        np.concatenate([points, scattered]), threshold=0.3, min_size=4, min_cohesion=0.7
+    )
+    assert report["kept"] == 4 and (labels[40:] == -1).all()
+    assert report["kept_share"] == pytest.approx(40 / 46)
+    assert normalized_mutual_info_score(truth, labels[:40]) > 0.99
+    # a cluster of more than max_share of the clips is no class (an untrained model's blob)
+    labels, report = cluster_pseudo_labels(
+        points, threshold=0.3, min_size=4, min_cohesion=0.7, max_share=0.2
+    )
+    assert report["clusters"] == 4 and report["kept"] == 0
+    # a cohesion above what the clusters reach keeps none
+    labels, report = cluster_pseudo_labels(points, threshold=0.3, min_size=4, min_cohesion=0.9999)
+    assert report["kept"] == 0 and (labels == -1).all()
+
+
+def test_two_views_of_a_clip_pull_together():
+    from audioclf.losses.unlabelled import ViewsLoss
+
+    loss = ViewsLoss(temperature=0.1)
+    clips = torch.tensor([0, 0, 1, 1, 2, 2])
+    same = torch.nn.functional.normalize(torch.eye(3).repeat_interleave(2, 0), dim=1)
+    mixed = same[[0, 2, 1, 4, 3, 5]]  # each clip's views apart
+    assert loss(same, clips) < loss(mixed, clips)
+    empty = torch.zeros(0, 3, requires_grad=True)
+    assert loss(empty, torch.zeros(0, dtype=torch.int64)).item() == 0.0
+
+
+@pytest.fixture(scope="module")
+def new_source(tmp_path_factory) -> Path:
+    """Unlabelled audio of another source: 6 classes x 2 items x 4 ids of generated audio."""
+    index = generate_demo(tmp_path_factory.mktemp("new"), classes=6, items=2, ids=4, seed=1)
+    return index.parent / "wav"
+
+
+def _config(tiny_demo: Path, runs: Path, new_source: Path, *extra: str) -> Config:
+    return tiny_config(
+        tiny_demo,
+        runs,
+        "cnn",
+        f"data.unlabelled={new_source}",
+        "sampler.batch_size=12",
+        "unlabelled.share=0.35",
+        "unlabelled.cluster_every=1",
+        "unlabelled.cluster_threshold=0.5",
+        "unlabelled.min_cohesion=0.5",
+        # the tiny model's first clusters are large: kept here, so the rounds have labels to test
+        "unlabelled.max_cluster_share=1.0",
+        *extra,
+    )
+
+
+def _fit(cfg: Config, hooks=None) -> dict:
+    from audioclf.training.trainer import fit
+
+    return fit(cfg, hooks=hooks or digest_hooks())
+
+
+def test_a_run_with_unlabelled_audio_resumes_mid_epoch_exactly(tmp_path, tiny_demo, new_source):
+    straight = _fit(_config(tiny_demo, tmp_path / "a", new_source))
+    assert straight["unlabelled"] == {"source": str(new_source), "clips": 48}
+    stopped = _fit(_config(tiny_demo, tmp_path / "b", new_source), hooks=stop_at(20))
+    ckpt = checkpoint.load(tmp_path / "b" / "t" / "last.pt")
+    assert (ckpt["epoch"], ckpt["step"]) == (1, 20) and ckpt["position"] > 0  # in epoch 2
+    assert ckpt["pseudo_labels"]["round_epoch"] == 1 and len(ckpt["pseudo_labels"]["rounds"]) == 2
+    assert ckpt["unlabelled"]["clips"] == 48 and stopped["stopped"]
+    assert max(ckpt["pseudo_labels"]["labels"]) >= 0  # a pseudo-class was kept and saved
+    resumed = _fit(_config(tiny_demo, tmp_path / "b", new_source, "checkpoint.resume=auto"))
+    assert resumed["step"] == straight["step"]
+    assert resumed["parameters_sha256"] == straight["parameters_sha256"]
+    final = checkpoint.load(tmp_path / "a" / "t" / "last.pt")["pseudo_labels"]
+    assert checkpoint.load(tmp_path / "b" / "t" / "last.pt")["pseudo_labels"] == final
+    from audioclf.config import config_from_dict
+    from audioclf.inference.checkpoints import describe_checkpoint
+
+    best = checkpoint.load(tmp_path / "a" / "t" / "best.pt")
+    described = describe_checkpoint(best, config_from_dict(best["config"]))
+    assert described.endswith(f"trained also on 48 unlabelled clips of {new_source}")
+    log = (tmp_path / "a" / "t" / "train.log").read_text()
+    assert "pseudo-labels, epoch 1:" in log and "pseudo-labels, epoch 2:" in log
+    assert "48 usable unlabelled clips" in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "a" / "t" / "tensorboard")).Reload()
+    assert {"pseudo/clusters", "pseudo/kept", "pseudo/kept_share"} <= set(events.Tags()["scalars"])
+    assert len(events.Scalars("pseudo/kept")) == 2  # one a round
+
+
+def _rank_batches(rank, world, cfg: Config) -> dict:
+    """A 2-rank run that records every batch's positions and the pseudo-labels it saw."""
+    from audioclf.training.trainer import TrainHooks, fit
+
+    seen = {"batches": [], "labels": []}
+
+    def on_step(trainer) -> None:
+        sampler = trainer.train_loader.sampler
+        seen["labels"].append(sampler.pseudo_labels.tolist())
+
+    hooks = TrainHooks(on_step=on_step, on_end=lambda t, s: seen.update(summary=s))
+    from audioclf.training import step as step_module
+
+    # the positions of every batch this rank trains on, as the step receives them (this
+    # spawned rank's own copy of the class: nothing else sees the wrapper)
+
+    original = step_module.TrainStep._inputs
+
+    def inputs(self, batch):
+        seen["batches"].append(batch[3].tolist())
+        return original(self, batch)
+
+    step_module.TrainStep._inputs = inputs
+    try:
+        fit(cfg, hooks=hooks)
+    finally:
+        step_module.TrainStep._inputs = original
+    return {**seen, "step": seen["summary"]["step"]}
+
+
+@pytest.mark.slow
+def test_two_ranks_mix_batches_and_share_the_pseudo_labels(tmp_path, tiny_demo, new_source):
+    cfg = _config(tiny_demo, tmp_path / "runs", new_source, "eval.every=0")
+    r0, r1 = run_in_group(_rank_batches, tmp_path, cfg, timeout=300)
+    assert r0["step"] == r1["step"] == len(r0["batches"]) == len(r1["batches"]) > 0
+    assert r0["labels"] == r1["labels"]  # the broadcast labels, step by step
+    assert max(max(labels) for labels in r0["labels"]) >= 0  # some pseudo-class was kept
+    from tests.helpers import run_datasets
+
+    train, _, _ = run_datasets(cfg)
+    n, clips = len(train), 48
+    classes = train.codes.class_codes
+    for rank in (r0, r1):
+        for batch, labels in zip(rank["batches"], rank["labels"]):
+            labelled, views = batch[:8], batch[8:]
+            assert len(batch) == 12 and views[0::2] == views[1::2]
+            assert all(p >= n + clips for p in views)
+            keys = [classes[p] if p < n else 1000 + labels[p - n] for p in labelled]
+            assert all(count == 2 for count in np.unique(keys, return_counts=True)[1])
+    views = [{p for b in rank["batches"] for p in b[8:]} for rank in (r0, r1)]
+    assert not views[0] & views[1]  # each rank draws views from its own share of the clips
+
+
+def _rank_fit(rank, world, cfg: Config, stop_step: int) -> dict:
+    from audioclf.training.trainer import fit
+
+    return fit(cfg, hooks=stop_at(stop_step) if stop_step else digest_hooks())
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_mid_epoch_with_the_same_pseudo_labels(tmp_path, tiny_demo, new_source):
+    def cfg(runs: str, *extra: str) -> Config:
+        return _config(tiny_demo, tmp_path / runs, new_source, "eval.every=0", *extra)
+
+    results = [tmp_path / name for name in ("straight", "stopped", "resumed")]
+    for folder in results:
+        folder.mkdir()
+    straight = run_in_group(_rank_fit, results[0], cfg("a"), 0, timeout=300)
+    stopped = run_in_group(_rank_fit, results[1], cfg("b"), 14, timeout=300)
+    assert all(s["stopped"] for s in stopped)
+    ckpt = checkpoint.load(tmp_path / "b" / "t" / "last.pt")
+    assert ckpt["epoch"] == 1 and ckpt["position"] > 0 and ckpt["world_size"] == 2
+    resumed = run_in_group(
+        _rank_fit, results[2], cfg("b", "checkpoint.resume=auto"), 0, timeout=300
+    )
+    digests = {r["parameters_sha256"] for r in (*straight, *resumed)}
+    assert len(digests) == 1 and resumed[0]["step"] == straight[0]["step"]
+    final = checkpoint.load(tmp_path / "a" / "t" / "last.pt")["pseudo_labels"]
+    assert checkpoint.load(tmp_path / "b" / "t" / "last.pt")["pseudo_labels"] == final
