@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,3 +125,43 @@ def test_max_restarts_brings_a_group_that_lost_a_rank_back_from_last_pt(tmp_path
     log = (run_dir / "train.log").read_text()
     assert "resumed from" in log, log[-3000:]
     assert checkpoint.load(run_dir / "last.pt")["epoch"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("torchrun_env", "parent", "code"),
+    [
+        ({"TORCHELASTIC_RUN_ID": "x"}, "0", 1),
+        ({"TORCHELASTIC_RUN_ID": "x"}, "None", 0),
+        ({}, "0", 0),
+    ],
+)
+def test_a_rank_whose_agent_is_gone_before_the_death_signal_exits(torchrun_env, parent, code):
+    # Under torchrun the parent read first thing is the agent: another parent by the time the
+    # signal is set means the agent died in between, and nobody would kill this rank. Pid 0 is
+    # nobody's parent. Outside a launch nothing is set.
+    env = {k: v for k, v in child_env().items() if not k.startswith("TORCHELASTIC")}
+    done = subprocess.run(
+        [sys.executable, "-c", "from audioclf.distributed.launch import die_with_launcher; "
+         f"die_with_launcher({parent})"],
+        cwd=ROOT, env={**env, **torchrun_env}, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == code
+
+
+@pytest.mark.parametrize(
+    ("rank", "local_rank", "says"), [(0, 0, True), (1, 0, True), (1, 1, False)]
+)
+def test_a_rank_lost_without_a_word_is_said_on_every_nodes_console(rank, local_rank, says):
+    # Rank 0 says it, and so does the first rank of every other node (its console may be the only
+    # one read there); a peer's own reason is said by that peer.
+    from audioclf.distributed import DistEnv, PeerFailure
+    from audioclf.errors import AlreadyReported
+    from audioclf.training.rundir import reported
+
+    env = DistEnv(rank=rank, local_rank=local_rank, world_size=4, strategy="ddp")
+    vanished = PeerFailure("stopped because another rank stopped without a word", reported=False)
+    shown = reported(vanished, env, setting_up=False, stopping=False)
+    assert (shown is vanished) is says and (says or isinstance(shown, AlreadyReported))
+    said = PeerFailure("stopped because rank 3 failed: bad file", reported=True)
+    assert isinstance(reported(said, env, setting_up=False, stopping=False), AlreadyReported)
