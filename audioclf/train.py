@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
 
     Imports come inside: a Ctrl-C while torch loads (seconds) is one line and 130, not a
     KeyboardInterrupt traceback; a rank of --nproc-per-node says nothing (the launcher does)."""
+    parent_at_start = os.getppid()  # a launcher's rank dies with it: see die_with_launcher
     args = parse_args(argv)
     if args.nproc is not None:
         EarlyStop.install()
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
         from audioclf.distributed.launch import die_with_launcher  # noqa: PLC0415 - see above
         from audioclf.errors import run_cli  # noqa: PLC0415
 
-        die_with_launcher()
+        die_with_launcher(parent_at_start)
         return run_cli(PROG, lambda: run(args, hooks))
     except KeyboardInterrupt:  # before the trainer's own handler (which stops at a step)
         if "AUDIOCLF_LAUNCHER_PID" not in os.environ:

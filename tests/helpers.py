@@ -361,6 +361,36 @@ def cli_args(config: Config) -> list[str]:
     return [o for o in out if not o.endswith("=")]
 
 
+def torchrun_command(
+    module_args: list[str], *, nproc: int = 2, nnodes: int = 1, endpoint: str = "", extra=()
+) -> list[str]:
+    """`torchrun` as one node of `nnodes` over the c10d rendezvous at `endpoint` (host:port; a
+    free loopback port when empty) runs `module_args` (e.g. ["-m", "audioclf.train", ...]) on
+    `nproc` ranks; `extra` are more torchrun options (--max-restarts=1)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={endpoint or f'127.0.0.1:{free_port()}'}",
+        "--rdzv_id=audioclf-test",
+        *extra,
+        *module_args,
+    ]
+
+
+def rank_of(pid: int) -> int | None:
+    """The RANK a launcher gave process `pid` (from its environment in /proc); None when gone."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+    return int(found[0]) if found else None
+
+
 def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
     """Run a launcher in its own session; on timeout kill the whole group (no orphan workers)."""
     proc = subprocess.Popen(

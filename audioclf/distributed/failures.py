@@ -3,6 +3,8 @@ lose it mid-collective name it (instead of a bare "connection closed")."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import torch.distributed as dist
@@ -50,10 +52,9 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_GONE)
 
 
-def peer_failure(exc: BaseException, wait_seconds: float = 3.0) -> PeerFailure:
-    """What to say when a collective failed because of a peer: the lowest rank that announced
-    its reason within `wait_seconds`, else that a rank stopped without a word."""
-    deadline = time.monotonic() + wait_seconds
+def _announced(deadline: float) -> dict[int, str]:
+    """The reasons the other ranks left in the store (announce_failure) by `deadline`, by rank:
+    the first poll that finds any."""
     reports: dict[int, str] = {}
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -66,12 +67,34 @@ def peer_failure(exc: BaseException, wait_seconds: float = 3.0) -> PeerFailure:
                 time.sleep(0.2)
     except Exception:  # noqa: BLE001 - the store went down with the failing peer
         pass
+    return reports
+
+
+def _store_answers(seconds: float = 1.0) -> bool:
+    """Whether the rendezvous store still takes connections at MASTER_ADDR:MASTER_PORT (where
+    torchrun's agent, or rank 0, serves it), asked by a bare connect: a read from a store that
+    went down with a killed agent prints c10d's warning and 25 lines of C++ frames."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not address or not port.isdigit():
+        return True  # not known here: the store's own call says
+    try:
+        socket.create_connection((address, int(port)), timeout=seconds).close()
+    except OSError:
+        return False
+    return True
+
+
+def peer_failure(exc: BaseException, wait_seconds: float = 3.0) -> PeerFailure:
+    """What to say when a collective failed because of a peer: the lowest rank that announced
+    its reason within `wait_seconds`, else that a rank stopped without a word."""
+    # A store that went down with the agent (or rank 0) that hosted it holds no reasons.
+    reports = _announced(time.monotonic() + wait_seconds) if _store_answers() else {}
     if reports:
         rank, reason = min(reports.items())
         return PeerFailure(f"stopped because rank {rank} failed: {reason}", reported=True)
     detail = " ".join(str(exc).split())[:200]
     return PeerFailure(
-        "stopped because another rank stopped without a word (killed? out of "
-        f"memory? torchrun's summary names it): {detail}",
+        "stopped because another rank stopped without a word (killed? out of memory? its "
+        f"node's agent killed? torchrun's summary on its node names it): {detail}",
         reported=False,
     )

@@ -179,20 +179,39 @@ class LaunchStopped(Exception):
         self.signal_name = signal_name
 
 
-def die_with_launcher() -> None:
-    """In a rank started by `launch_ranks`: be killed (SIGKILL) when the launcher dies, however
-    it dies (kill -9, a closed terminal, an OOM killer), so no rank trains on alone holding the
-    run lock (the kernel releases it with the process; last.pt stays the last one written,
-    whole). Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op. Nothing outside a launch."""
-    launcher = os.environ.get(LAUNCHER_PID, "")
-    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+def die_with_launcher(parent_at_start: int | None = None) -> None:
+    """In a rank started by torch's elastic agent (plain torchrun, on every node of a multi-node
+    run, or `launch_ranks`): be killed (SIGKILL) when that agent dies, however it dies (kill -9,
+    a closed terminal, an OOM killer, a scheduler), so no rank trains on alone, orphaned, holding
+    the run lock (the kernel releases it with the process; last.pt stays the last one written,
+    whole). The ranks of the other nodes then lose it mid-collective and stop with one line
+    (distributed.failures). SIGKILL, not SIGTERM: a stop vote would end the survivors with
+    exit 0, and their agents would then wait 300 s at torch's exit barrier for the dead one.
+
+    `parent_at_start` is os.getppid() read first thing, before the seconds of imports: an agent
+    that died before the prctl leaves this rank another parent, and it exits at once. Under
+    `launch_ranks` the launcher's pid is known (LAUNCHER_PID). Linux only (prctl
+    PR_SET_PDEATHSIG); elsewhere a no-op. Nothing outside a launch (plain python, srun)."""
+    launcher = _launcher_pid(parent_at_start)
+    if launcher is None or not sys.platform.startswith("linux"):
         return
     import ctypes  # noqa: PLC0415 - only ranks of a launch need it
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != int(launcher):  # it died before the prctl: nobody would kill us
+    if os.getppid() != launcher:  # it died before the prctl: nobody would kill us
         os._exit(1)
+
+
+def _launcher_pid(parent_at_start: int | None) -> int | None:
+    """The pid of the agent that started this rank, or None outside a launch: launch_ranks
+    names itself; torchrun (TORCHELASTIC_RUN_ID) starts its ranks itself, as its children."""
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    if launcher.isdigit():
+        return int(launcher)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return os.getppid() if parent_at_start is None else parent_at_start
 
 
 class _Interrupts:

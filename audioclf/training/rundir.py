@@ -189,9 +189,10 @@ def reported(
     """Log a rank's failure once and decide what its console shows.
 
     The rank that failed says why (and leaves its reason for the others, whose train.log lines
-    name it); the ranks that lost it say nothing more, unless it vanished without a word (rank
-    0 then says so). Set-up errors are the same on every rank (same config, same sheet): rank 0
-    alone prints them.
+    name it); the ranks that lost it say nothing more, unless it vanished without a word (killed,
+    or its node's agent was): rank 0 then says so, and so does the first rank of every other
+    node (LOCAL_RANK 0), whose console may be the only one its user reads. Set-up errors are the
+    same on every rank (same config, same sheet): rank 0 alone prints them.
     """
     if distributed.is_peer_failure(exc):
         exc = distributed.peer_failure(exc)
@@ -201,5 +202,6 @@ def reported(
     if stopping:
         log.error("last.pt was not updated by the stop request: %s", one_line(exc))
     peer = isinstance(exc, distributed.PeerFailure)
-    quiet = (peer and exc.reported) or (not env.is_primary and (setting_up or peer))
+    speaks_for_node = env.is_primary or env.local_rank == 0
+    quiet = (peer and (exc.reported or not speaks_for_node)) or (setting_up and not env.is_primary)
     return AlreadyReported() if quiet else exc

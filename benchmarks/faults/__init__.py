@@ -42,6 +42,13 @@ out); a cohort of three copies of one clip (the raw EER / minDCF kept, the reaso
 report.json); a run folder, PREFIX.npy, the sheet, a wav and a folder of two checkpoints handed
 to evaluate / embed / export as the model.
 
+The last cases (agents.py, issue 42) are torch's agents under plain torchrun: two torchrun
+"nodes" on this machine over c10d, then kill -9 of node 1's agent (node 1 holding rank 0, then
+rank 1), of node 0's agent (the rendezvous store's host) and of node 1's rank (the killed
+agent's rank gone within 10 s, the other node one error line and its torchrun done within
+60 s); and `torchrun --max-restarts 1` with checkpoint.resume=auto losing rank 1 after its first
+checkpoint (resumed by itself, to the last epoch).
+
 One line per case:
 
     case | exit code | the message line the user saw | checkpoint intact | data lost
@@ -67,6 +74,6 @@ back to monkeypatched ENOSPC / EROFS errors inside the run or tool, and say so).
 
 The package, each file readable whole: harness.py (rows, commands run as a user runs them,
 their checks, the building blocks of the cases), training.py (cases 1-14: faults in a training
-run), safe_defaults.py (15-19), outputs.py (20-23), misuse.py (24-29), injection.py (the worker that injects a
+run), safe_defaults.py (15-19), outputs.py (20-23), misuse.py (24-29), agents.py (the last), injection.py (the worker that injects a
 fault inside a run or a tool) and __main__.py (the case table and the summary).
 """
