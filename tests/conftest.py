@@ -45,6 +45,18 @@ def pytest_addoption(parser) -> None:
     )
 
 
+@pytest.fixture(scope="session")
+def browser():
+    """A headless Playwright Browser over the system's Chromium for the page tests; skipped,
+    with the one reason, where Playwright or chromium is missing."""
+    from tests.helpers import browser_missing, chromium
+
+    if (reason := browser_missing()) is not None:
+        pytest.skip(reason)
+    with chromium() as opened:
+        yield opened
+
+
 @pytest.fixture
 def screenshots(request, tmp_path) -> Path:
     """Where a browser test saves its screenshots (--screenshots DIR, else its tmp_path)."""

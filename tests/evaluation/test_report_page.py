@@ -12,17 +12,9 @@ import pandas as pd
 import pytest
 
 from audioclf.evaluate import main as evaluate_main
-from tests.helpers import browser_missing, chromium, offline_page, tiny_config
+from tests.helpers import offline_page, tiny_config
 
 pytestmark = pytest.mark.slow  # trains one short epoch, evaluates, starts a browser
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if (reason := browser_missing()) is not None:
-        pytest.skip(reason)
-    with chromium() as opened:
-        yield opened
 
 
 def test_every_validation_clip_is_a_point_whose_hover_names_it(

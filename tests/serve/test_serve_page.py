@@ -12,19 +12,11 @@ import audioclf
 from audioclf.embedding.index import embed_sheet
 from audioclf.serve.app import build_app
 from audioclf.serve.service import ServeOptions, Service
-from tests.helpers import browser_missing, chromium, make_checkpoint, offline_page, serving
+from tests.helpers import make_checkpoint, offline_page, serving
 
 pytestmark = pytest.mark.slow
 
 ROWS = "(rows) => rows.map((tr) => [...tr.children].map((td) => td.textContent))"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if (reason := browser_missing()) is not None:
-        pytest.skip(reason)
-    with chromium() as opened:
-        yield opened
 
 
 def test_the_page_works_offline_and_shows_a_clips_classes_and_neighbours(
