@@ -173,16 +173,16 @@ class Server:
 class Connection:
     """One keep-alive HTTP/1.1 connection posting bodies to a path."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader, self.writer = reader, writer
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str):
+        self.reader, self.writer, self.host = reader, writer, host
 
     @classmethod
     async def open(cls, host: str, port: int) -> Connection:
-        return cls(*await asyncio.open_connection(host, port))
+        return cls(*await asyncio.open_connection(host, port), f"{host}:{port}")
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         head = (
-            f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: audio/wav\r\n"
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: audio/wav\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         )
         self.writer.write(head.encode() + body)

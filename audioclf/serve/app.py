@@ -15,7 +15,8 @@ Audio is the request body (any format soundfile reads) or the file parts of a
 multipart/form-data request, several clips at once. Errors are one line of JSON, {"error": ...}:
 400 audio that cannot be decoded (naming the part), 404 no gallery / collection loaded, 413 a
 body over --max-request-mb, a clip over --max-clip-seconds or more clips than --max-clips, 503
-the queue is full (at once, with Retry-After). Nothing from a request is used as a file path:
+the queue is full (at once, with Retry-After), 421 a Host header that is not one of the server's
+names (ServeOptions.answers_to). Nothing from a request is used as a file path:
 clips are decoded from memory, and /clips/N serves the collection's own rows by number.
 """
 
@@ -37,7 +38,7 @@ from starlette.routing import Route
 from audioclf.data.readers import AudioReadError
 from audioclf.errors import one_line
 from audioclf.serve.batcher import Overloaded
-from audioclf.serve.service import OverLimit, Service
+from audioclf.serve.service import LOOPBACK_NAMES, OverLimit, Service
 
 PATHS = ("/", "/embed", "/rank", "/search", "/health", "/metrics")  # metered by path
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,8 +48,18 @@ def error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
+def misdirected(host: str | None) -> str:
+    """The one line a request for another name gets (421)."""
+    given = "no Host header" if host is None else f"the Host {host!r}"
+    return (
+        f"{given} is not a name of this server ({', '.join(LOOPBACK_NAMES)}, the address it "
+        "listens on); start it with --allow-host NAME to answer to NAME too (docs/serving.md)"
+    )
+
+
 class Guard:
-    """ASGI middleware: a body over --max-request-mb is refused with 413 (by its Content-Length
+    """ASGI middleware: a request for another Host than this server's names is refused with
+    421 (ServeOptions.answers_to), a body over --max-request-mb with 413 (by its Content-Length
     before a byte is read, else as soon as the bytes received pass it), and every answer is
     counted and timed in the service's stats by path."""
 
@@ -81,9 +92,14 @@ class Guard:
                 status[0] = message["status"]
             await send(message)
 
-        length = dict(scope["headers"]).get(b"content-length", b"0")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        host = headers.get(b"host")
+        host = None if host is None else host.decode("latin-1")
         try:
-            if length.isdigit() and int(length) > self.max_bytes:
+            if not self.service.options.answers_to(host, scope.get("server")):
+                await error(421, misdirected(host))(scope, receive, recorded_send)
+            elif length.isdigit() and int(length) > self.max_bytes:
                 await error(413, self.too_large())(scope, receive, recorded_send)
             else:
                 await self.app(scope, counted_receive, recorded_send)

@@ -207,6 +207,54 @@ def test_nothing_from_a_request_is_used_as_a_path(served):
         assert http_request("GET", served["url"] + f"/clips/{row}")[0] == 404
 
 
+def test_a_request_for_another_host_name_is_refused_with_one_line(served):
+    # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 asked /health and
+    # /clips/0 with its own Host, and got the model's path and the collection's audio (issue 42)
+    url = served["url"]
+    port = url.rsplit(":", 1)[1]
+    for path in ("/health", "/clips/0"):
+        for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example"):
+            status, _, body = http_request("GET", url + path, headers={"Host": host})
+            message = json.loads(body)["error"]
+            assert status == 421 and f"the Host {host!r} is not a name of this server" in message
+            assert "--allow-host NAME" in message and "\n" not in message
+        for host in ("127.0.0.1", f"127.0.0.1:{port}", "localhost", f"LocalHost:{port}", "[::1]"):
+            assert http_request("GET", url + path, headers={"Host": host})[0] == 200, host
+    status, answer = post(url + "/embed", served["files"][:1])  # http.client's own Host
+    assert status == 200 and answer["clips"]
+
+
+def test_allowed_host_names_are_the_loopback_the_address_listened_on_and_allow_host():
+    options = ServeOptions(allow_host=("audio.example.org", "10.0.0.9:8443"))
+    options.check()
+    listened = ("192.168.1.20", 8000)
+    for host in ("localhost:8000", "[::1]:8000", "192.168.1.20", "192.168.1.20:8000",
+                 "Audio.Example.org", "audio.example.org:443", "10.0.0.9"):  # fmt: skip
+        assert options.answers_to(host, listened), host
+    for host in (None, "", "example.org", "192.168.1.21:8000", "audio.example.org.evil", "::1"):
+        assert not options.answers_to(host, listened), host
+    assert ServeOptions().answers_to("[fe80::1]:8000", ("fe80::1", 8000, 0, 0))
+    assert parse_args(["m.pt", "--allow-host", "a.org", "--allow-host", "b.org"]).allow_host == [
+        "a.org",
+        "b.org",
+    ]
+    with pytest.raises(ValueError, match=re.escape("--allow-host (allow_host) takes a host")):
+        ServeOptions(allow_host=("http://a.org/",)).check()
+
+
+def test_a_missing_gallery_sheet_names_the_flag(served, tmp_path, capsys):
+    # its one line said "set data.index to your sheet" (a training key), not --gallery
+    missing = tmp_path / "missing.xlsx"
+    assert serve_main([str(served["model_path"]), "--gallery", str(missing), "--port", "0"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"audioclf serve: error: --gallery {missing} does not exist")
+    assert "data.index" not in error and "\n" not in error
+    for sheet, problem in ((missing, "does not exist"), (tmp_path / "a.txt", "is not an index")):
+        with pytest.raises(ValueError, match=re.escape(f"--gallery {sheet} {problem}")) as raised:
+            Service.open(served["model_path"], gallery=sheet)
+        assert "gallery= in Python" in str(raised.value)
+
+
 def test_rank_and_search_say_what_the_server_was_not_given(tmp_path, served):
     service = Service(served["model"], ServeOptions())
     with serving(build_app(service)) as url:
