@@ -41,6 +41,8 @@ from audioclf.serve.batcher import Overloaded
 from audioclf.serve.service import LOOPBACK_NAMES, OverLimit, Service
 
 PATHS = ("/", "/embed", "/rank", "/search", "/health", "/metrics")  # metered by path
+QUEUED = ("/embed", "/rank", "/search")  # what queues clips for the model: 503 when full
+RETRY = {"Retry-After": "1"}
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -59,13 +61,24 @@ def misdirected(host: str | None) -> str:
 
 class Guard:
     """ASGI middleware: a request for another Host than this server's names is refused with
-    421 (ServeOptions.answers_to), a body over --max-request-mb with 413 (by its Content-Length
+    421 (ServeOptions.answers_to), one for the model while the queue is full with 503, a body
+    over --max-request-mb with 413 (by its Content-Length
     before a byte is read, else as soon as the bytes received pass it), and every answer is
     counted and timed in the service's stats by path."""
 
     def __init__(self, app, service: Service) -> None:
         self.app, self.service = app, service
         self.max_bytes = service.options.max_request_bytes
+
+    def overloaded(self) -> str:
+        """Why a request for the model is refused now ("" when the queue has room): checked
+        here, before the router and before a byte of the body, so a refusal costs the event
+        loop as little as it can while other requests keep it and the CPUs busy."""
+        try:
+            self.service.batcher.check_room()
+        except Overloaded as exc:
+            return one_line(exc)
+        return ""
 
     def too_large(self) -> str:
         return (
@@ -99,6 +112,8 @@ class Guard:
         try:
             if not self.service.options.answers_to(host, scope.get("server")):
                 await error(421, misdirected(host))(scope, receive, recorded_send)
+            elif scope["path"] in QUEUED and (full := self.overloaded()):
+                await error(503, full, **RETRY)(scope, receive, recorded_send)
             elif length.isdigit() and int(length) > self.max_bytes:
                 await error(413, self.too_large())(scope, receive, recorded_send)
             else:
@@ -159,8 +174,7 @@ async def embedded(request: Request) -> tuple[list[str], object]:
     """The request's clips decoded, batched with other requests' and embedded: (names,
     embeddings [n, D])."""
     service: Service = request.app.state.service
-    service.batcher.check_room()  # a full server refuses before reading the body
-    clips = await clips_of(request, service)
+    clips = await clips_of(request, service)  # a full server was refused by the Guard
     with service.batcher.reserve(len(clips)) as slot:
         waves = await in_workers(
             service, lambda: [service.decode(data, where) for _, where, data in clips]
@@ -225,8 +239,7 @@ async def clip(request: Request):
 
 async def user_error(request: Request, exc: Exception):
     status = {OverLimit: 413, Overloaded: 503}.get(type(exc), 400)
-    headers = {"Retry-After": "1"} if status == 503 else {}
-    return error(status, one_line(exc), **headers)
+    return error(status, one_line(exc), **(RETRY if status == 503 else {}))
 
 
 async def http_error(request: Request, exc: HTTPException):

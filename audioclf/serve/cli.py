@@ -71,7 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     try:
         from audioclf.serve.app import build_app  # noqa: PLC0415 - the optional [serve] extra
-        from audioclf.serve.server import listen, run  # noqa: PLC0415 - the same
+        from audioclf.serve.server import (  # noqa: PLC0415 - the same
+            bound_malloc_arenas,
+            listen,
+            run,
+        )
     except ImportError as exc:
         raise UsageError(
             f"audioclf serve needs the [serve] extra ({exc.name} is missing): "
@@ -86,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    bound_malloc_arenas()  # before the model and the threads allocate
     sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
     service = Service.open(
         args.model,
