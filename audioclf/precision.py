@@ -10,9 +10,10 @@ fp16 with loss scaling on older GPUs, fp32 on a CPU (CPU_BF16_COST; benchmarks/R
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -133,17 +134,50 @@ def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
     BackendFlags(cfg.tf32, cfg.tf32, cfg.cudnn_benchmark and not cfg.deterministic).apply()
 
 
+class _ExactHolders:
+    """The threads inside exact_arithmetic, counted under a lock: the first in saves the flags
+    and sets EXACT and the eager stance, the last out puts them back. A save and restore per
+    thread let a leaving thread turn TF32 back on under another's batch (a server's batcher
+    and search threads: issue 42)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.saved = EXACT
+        self.stance = ExitStack()
+
+    def enter(self) -> None:
+        with self.lock:
+            if not self.count:
+                self.saved = BackendFlags.current()
+                self.stance.enter_context(torch.compiler.set_stance("force_eager"))
+                EXACT.apply()
+            self.count += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.count -= 1
+            if not self.count:
+                self.stance.close()
+                self.saved.apply()
+
+
+_exact_holders = _ExactHolders()
+
+
 @contextmanager
 def exact_arithmetic() -> Iterator[None]:
     """Inside: fp32 matmuls and convolutions without TF32, no cuDNN autotuning, and compiled
     modules run eagerly (train.compile); the previous settings after. Embedding extraction runs
     so (validation, evaluate, embed): its clips vary in length, so autotuning would re-tune and
     a compiled model recompile per batch, and validation's metrics (which pick best.pt) then
-    equal evaluate's. Mixed precision still applies where asked for."""
-    saved = BackendFlags.current()
-    EXACT.apply()
+    equal evaluate's. Mixed precision still applies where asked for.
+
+    The flags are process-wide: threads may enter and leave in any order (a server's batcher
+    and its search threads), and the settings found by the first to enter come back when the
+    last leaves."""
+    _exact_holders.enter()
     try:
-        with torch.compiler.set_stance("force_eager"):
-            yield
+        yield
     finally:
-        saved.apply()
+        _exact_holders.leave()

@@ -242,7 +242,9 @@ def unlabelled_sheet(args, domain: Domain, unlabelled: pd.DataFrame) -> Path:
     """The training half as a data.unlabelled sheet (path only; the labels stay here)."""
     sheet = run_dir_of(args, domain).parent / f"{args.name}.unlabelled.csv"
     sheet.parent.mkdir(parents=True, exist_ok=True)
-    unlabelled[["path"]].to_csv(sheet, index=False)
+    # absolute: data.unlabelled reads a sheet's relative paths against the sheet's own folder
+    paths = unlabelled["path"].map(lambda path: str(Path(path).resolve()))
+    paths.to_frame("path").to_csv(sheet, index=False)
     say(f"--unlabelled: {len(unlabelled)} held-out clips train without labels ({sheet})")
     return sheet
 

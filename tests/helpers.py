@@ -24,6 +24,7 @@ import time
 import traceback
 import urllib.parse
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -619,6 +620,26 @@ def doc_commands(document: str) -> list[str]:
             if words:
                 commands.append(shlex.join(words))
     return commands
+
+
+def answers_in_threads(call, inputs: list, threads: int = 4, rounds: int = 10) -> list[list]:
+    """`call(x)` for every x of `inputs`, `rounds` times over in each of `threads` threads
+    started together (each thread from another offset, so different inputs run at once):
+    per thread, its answers in `inputs`' order, round after round. Compare them with the
+    serial `[call(x) for x in inputs] * rounds` to find what threads share unsafely."""
+    start = threading.Barrier(threads)
+
+    def one(offset: int) -> list:
+        order = [(offset + i) % len(inputs) for i in range(len(inputs))]
+        start.wait()
+        answers = []
+        for _ in range(rounds):
+            found = {i: call(inputs[i]) for i in order}
+            answers += [found[i] for i in range(len(inputs))]
+        return answers
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(threads)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ A faster or approximate searcher is one more class with the same `search` (Neigh
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import numpy as np
@@ -43,8 +44,9 @@ class NeighbourIndex(Protocol):
 
 class ExactSearch:
     """Exact cosine top-k over float [N, D] rows on `device` (default cpu), `chunk_size`
-    queries at a time (default: SIMILARITY_BUDGET entries, 64-2048 queries) into one reused
-    [chunk_size, N] buffer and own-group mask: memory O(chunk_size * N), never Q x N."""
+    queries at a time (default: SIMILARITY_BUDGET entries, 64-2048 queries) into a reused
+    [chunk_size, N] buffer and own-group mask: memory O(chunk_size * N), never Q x N. Safe
+    under concurrent callers (a server's threads): each thread has buffers of its own."""
 
     def __init__(self, embeddings: Any, *, chunk_size: int | None = None, device=None):
         rows = _as_tensor(embeddings)
@@ -54,19 +56,20 @@ class ExactSearch:
         self.block = min(
             self.size, chunk_size or max(64, min(2048, SIMILARITY_BUDGET // self.size))
         )
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._per_thread = _ThreadBuffers()
 
     def _buffers_for(self, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The similarity and own-group buffers, made on first use and reused after: a fresh
-        [block, N] tensor per block spends more time in page faults than in the product at
-        N = 100k."""
-        rows = min(self.block, queries)
-        if self._buffers is None or len(self._buffers[0]) < rows:
-            self._buffers = (
+        """This thread's similarity and own-group buffers, made on first use and reused after:
+        a fresh [block, N] tensor per block spends more time in page faults than in the product
+        at N = 100k. One pair per thread: two threads writing one buffer got each other's
+        neighbours (issue 42)."""
+        rows, held = min(self.block, queries), self._per_thread.buffers
+        if held is None or len(held[0]) < rows:
+            held = self._per_thread.buffers = (
                 torch.empty(rows, self.size, device=self.device),
                 torch.empty(rows, self.size, dtype=torch.bool, device=self.device),
             )
-        return self._buffers
+        return held
 
     def search(
         self, queries: Any, k: int, *, query_groups: Any = None, index_groups: Any = None
@@ -94,6 +97,12 @@ class ExactSearch:
         if grouped:
             ids.masked_fill_(scores == -torch.inf, -1)
         return scores.cpu().numpy(), ids.cpu().numpy()
+
+
+class _ThreadBuffers(threading.local):
+    """An ExactSearch's buffers as each thread sees them (none until it first searches)."""
+
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _as_tensor(array: Any) -> torch.Tensor:

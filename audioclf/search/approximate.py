@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -155,6 +156,7 @@ class FaissIndex(SearchIndex):
         super().__init__(faiss_index.d, faiss_index.ntotal, params, source)
         self.method = method
         self._index = faiss_index
+        self._knob = threading.Lock()
         self.set_search_params()
 
     @classmethod
@@ -212,10 +214,15 @@ class FaissIndex(SearchIndex):
             )
 
     def _search_chunk(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.method == "hnsw":
+        if self.method != "hnsw":
+            return self._index.search(queries, k)
+        # efSearch is the faiss index's own knob, set per call: under the lock, or a server's
+        # thread asking k=1 searches with another's k=64 (faiss's per-call SearchParameters
+        # are lost when faiss.contrib.torch_utils, which pytorch-metric-learning imports,
+        # has replaced Index.search)
+        with self._knob:
             self._index.hnsw.efSearch = max(self.params["ef_search"], k)
-        scores, ids = self._index.search(queries, k)
-        return scores, ids
+            return self._index.search(queries, k)
 
     def _write_data(self, handle: IO[bytes]) -> None:
         faiss = import_faiss(self.method)

@@ -15,7 +15,8 @@ Audio is the request body (any format soundfile reads) or the file parts of a
 multipart/form-data request, several clips at once. Errors are one line of JSON, {"error": ...}:
 400 audio that cannot be decoded (naming the part), 404 no gallery / collection loaded, 413 a
 body over --max-request-mb, a clip over --max-clip-seconds or more clips than --max-clips, 503
-the queue is full (at once, with Retry-After). Nothing from a request is used as a file path:
+the queue is full (at once, with Retry-After), 421 a Host header that is not one of the server's
+names (ServeOptions.answers_to). Nothing from a request is used as a file path:
 clips are decoded from memory, and /clips/N serves the collection's own rows by number.
 """
 
@@ -38,23 +39,46 @@ from starlette.routing import Route
 from audioclf.data.readers import AudioReadError
 from audioclf.errors import one_line
 from audioclf.serve.batcher import Overloaded
-from audioclf.serve.service import OverLimit, Service
+from audioclf.serve.service import LOOPBACK_NAMES, OverLimit, Service
 
 PATHS = ("/", "/embed", "/rank", "/search", "/health", "/metrics")  # metered by path
+QUEUED = ("/embed", "/rank", "/search")  # what queues clips for the model: 503 when full
+RETRY = {"Retry-After": "1"}
 
 
 def error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
+def misdirected(host: str | None) -> str:
+    """The one line a request for another name gets (421)."""
+    given = "no Host header" if host is None else f"the Host {host!r}"
+    return (
+        f"{given} is not a name of this server ({', '.join(LOOPBACK_NAMES)}, the address it "
+        "listens on); start it with --allow-host NAME to answer to NAME too (docs/serving.md)"
+    )
+
+
 class Guard:
-    """ASGI middleware: a body over --max-request-mb is refused with 413 (by its Content-Length
+    """ASGI middleware: a request for another Host than this server's names is refused with
+    421 (ServeOptions.answers_to), one for the model while the queue is full with 503, a body
+    over --max-request-mb with 413 (by its Content-Length
     before a byte is read, else as soon as the bytes received pass it), and every answer is
     counted and timed in the service's stats by path."""
 
     def __init__(self, app, service: Service) -> None:
         self.app, self.service = app, service
         self.max_bytes = service.options.max_request_bytes
+
+    def overloaded(self) -> str:
+        """Why a request for the model is refused now ("" when the queue has room): checked
+        here, before the router and before a byte of the body, so a refusal costs the event
+        loop as little as it can while other requests keep it and the CPUs busy."""
+        try:
+            self.service.batcher.check_room()
+        except Overloaded as exc:
+            return one_line(exc)
+        return ""
 
     def too_large(self) -> str:
         return (
@@ -81,9 +105,16 @@ class Guard:
                 status[0] = message["status"]
             await send(message)
 
-        length = dict(scope["headers"]).get(b"content-length", b"0")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        host = headers.get(b"host")
+        host = None if host is None else host.decode("latin-1")
         try:
-            if length.isdigit() and int(length) > self.max_bytes:
+            if not self.service.options.answers_to(host, scope.get("server")):
+                await error(421, misdirected(host))(scope, receive, recorded_send)
+            elif scope["path"] in QUEUED and (full := self.overloaded()):
+                await error(503, full, **RETRY)(scope, receive, recorded_send)
+            elif length.isdigit() and int(length) > self.max_bytes:
                 await error(413, self.too_large())(scope, receive, recorded_send)
             else:
                 await self.app(scope, counted_receive, recorded_send)
@@ -143,8 +174,7 @@ async def embedded(request: Request) -> tuple[list[str], object]:
     """The request's clips decoded, batched with other requests' and embedded: (names,
     embeddings [n, D])."""
     service: Service = request.app.state.service
-    service.batcher.check_room()  # a full server refuses before reading the body
-    clips = await clips_of(request, service)
+    clips = await clips_of(request, service)  # a full server was refused by the Guard
     with service.batcher.reserve(len(clips)) as slot:
         waves = await in_workers(
             service, lambda: [service.decode(data, where) for _, where, data in clips]
@@ -211,8 +241,7 @@ async def clip(request: Request):
 
 async def user_error(request: Request, exc: Exception):
     status = {OverLimit: 413, Overloaded: 503}.get(type(exc), 400)
-    headers = {"Retry-After": "1"} if status == 503 else {}
-    return error(status, one_line(exc), **headers)
+    return error(status, one_line(exc), **(RETRY if status == 503 else {}))
 
 
 async def http_error(request: Request, exc: HTTPException):

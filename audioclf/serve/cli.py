@@ -13,8 +13,11 @@ Clips from concurrent requests are embedded together: a batch of up to --max-bat
 when that many wait or --max-wait-ms after the oldest came. Limits: --max-request-mb (413),
 --max-clip-seconds (413), --max-clips per request (413), --max-queue clips waiting (503 at once).
 It listens on 127.0.0.1 only unless --host says otherwise (docs/serving.md: a reverse proxy for
-other machines). SIGTERM or Ctrl-C: no new connections, the requests in flight answered, exit 0.
-Needs the [serve] extra: pip install "audioclf[serve]" (starlette, uvicorn, python-multipart, prometheus_client).
+other machines), and answers only requests for its own names (the Host header: 127.0.0.1,
+localhost, [::1], the address it listens on, --allow-host NAME; others get 421). SIGTERM or
+Ctrl-C: no new connections, the requests in flight answered, exit 0.
+Needs the [serve] extra: pip install "audioclf[serve]" (starlette, uvicorn, python-multipart,
+prometheus_client).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from audioclf.metrics import SCORE_NORMS
 
 PROG = "audioclf serve"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ALLOW = (
+    "answer requests whose Host header names NAME too (repeatable); always answered: "
+    "127.0.0.1, localhost, [::1] and the address it listens on; others get 421"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_trust_flag(parser)
     for field in fields(ServeOptions):
         flag = "--" + field.name.replace("_", "-")
+        if field.type.startswith("tuple"):  # allow_host: repeatable
+            parser.add_argument(flag, action="append", default=[], metavar="NAME", help=ALLOW)
+            continue
         kind = float if field.type == "float" else int
         parser.add_argument(flag, type=kind, default=field.default, help=f"default {field.default}")
     parser.add_argument("--log-level", default="warning", help="uvicorn's (default warning)")
@@ -62,7 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     try:
         from audioclf.serve.app import build_app  # noqa: PLC0415 - the optional [serve] extra
-        from audioclf.serve.server import listen, run  # noqa: PLC0415 - the same
+        from audioclf.serve.server import (  # noqa: PLC0415 - the same
+            bound_malloc_arenas,
+            listen,
+            run,
+        )
     except ImportError as exc:
         raise UsageError(
             f"audioclf serve needs the [serve] extra ({exc.name} is missing): "
@@ -70,12 +84,14 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     from audioclf.serve.service import ServeOptions, Service  # noqa: PLC0415 - after the check
 
-    options = ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
+    given = {f.name: getattr(args, f.name) for f in fields(ServeOptions)}
+    options = ServeOptions(**{**given, "allow_host": tuple(args.allow_host)})
     options.check()
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    bound_malloc_arenas()  # before the model and the threads allocate
     sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
     service = Service.open(
         args.model,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ import soundfile
 import torch
 
 from audioclf.api import Model, load
+from audioclf.data.index.table import SUPPORTED_FORMATS
 from audioclf.data.readers import AudioReadError, load_audio
 from audioclf.embedding.gallery import class_scores, load_gallery, top_classes
 from audioclf.inference.extract import check_finite
@@ -62,11 +64,21 @@ class ServeOptions:
     max_clip_seconds: float = 60.0  # one clip's duration; longer: 413
     top: int = 5  # classes per clip in /rank (?top=N)
     k: int = 10  # neighbours per clip in /search (?k=N)
+    # Host names answered besides LOOPBACK_NAMES and the address listened on; others: 421
+    allow_host: tuple[str, ...] = ()
 
     def check(self) -> None:
         """ValueError naming the flag of the first knob out of range."""
         lowest = {"max_batch": 1, "max_queue": 1, "max_clips": 1, "top": 1, "k": 1}
+        for name in self.allow_host:
+            if not isinstance(name, str) or not HOST_NAME.fullmatch(name):
+                raise ValueError(
+                    f"--allow-host (allow_host) takes a host name or address as a browser "
+                    f"sends it in the Host header (example.org, 10.0.0.5, [fe80::1]), got {name!r}"
+                )
         for name, value in asdict(self).items():
+            if name == "allow_host":
+                continue
             flag = f"--{name.replace('_', '-')}"
             if name in lowest and value < lowest[name]:
                 raise ValueError(f"{flag} must be >= {lowest[name]}, got {value}")
@@ -83,6 +95,34 @@ class ServeOptions:
     @property
     def max_request_bytes(self) -> int:
         return int(self.max_request_mb * 1024 * 1024)
+
+    def answers_to(self, host: str | None, server: tuple | None) -> bool:
+        """Whether a request with this Host header (None: none sent), come to the `server`
+        address (ASGI's scope["server"]: the address it was listened for on), is for this
+        server: a loopback name, that address, or an --allow-host name, with any port. A page
+        of another site whose name resolves to this machine (DNS rebinding) sends its own name."""
+        if host is None:
+            return False
+        allowed = {*LOOPBACK_NAMES, *(host_name(name) for name in self.allow_host)}
+        if server:
+            address = str(server[0]).lower()
+            allowed.add(f"[{address}]" if ":" in address else address)
+        return host_name(host) in allowed
+
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+# A Host header's name: letters, digits, dots and dashes, or an IPv6 address in brackets, and an
+# optional :port
+HOST_NAME = re.compile(r"([a-z0-9.-]+|\[[0-9a-f:.]+\])(:\d+)?", re.IGNORECASE)
+
+
+def host_name(host: str) -> str:
+    """A Host header's name in lower case, without its port: "[::1]:8000" -> "[::1]"."""
+    host = host.strip().lower()
+    name, colon, port = host.rpartition(":")
+    if colon and port.isdigit() and not name.endswith(":"):  # not a bare IPv6 address
+        return name
+    return host
 
 
 @dataclass
@@ -123,6 +163,21 @@ class Searched:
                 hit["norm_score"] = record["norm_score"]
             found[at].append({**hit, "row": row, "clip": f"/clips/{row}"})
         return found
+
+
+def check_gallery(sheet: Path) -> None:
+    """ValueError naming --gallery (Service.open's gallery=) when `sheet` is no index sheet
+    file: the sheet reader's own message names data.index, a training key."""
+    if sheet.suffix.lower() not in SUPPORTED_FORMATS.split(", "):
+        problem = f"is not an index sheet ({SUPPORTED_FORMATS})"
+    elif not sheet.is_file():
+        problem = "does not exist"
+    else:
+        return
+    raise ValueError(
+        f"--gallery {sheet} {problem}: give --gallery (gallery= in Python) the index sheet of "
+        "labelled clips /rank ranks against, e.g. data/demo/index.xlsx"
+    )
 
 
 class Service:
@@ -166,6 +221,8 @@ class Service:
         not fit, before the server listens."""
         options = options or ServeOptions()
         options.check()
+        if gallery is not None:
+            check_gallery(Path(gallery))
         if cohort is not None and collection is None:
             raise ValueError("--cohort normalises --collection's scores: give --collection too")
         service = cls(load(model, device=device, trust=trust), options)

@@ -13,6 +13,7 @@ import torch
 from audioclf.metrics import relevance, retrieval_metrics
 from audioclf.search import ExactIndex, build, load, neighbour_recall, sampled_neighbour_recall
 from audioclf.search.approximate import PQ_MIN_ROWS
+from tests.helpers import answers_in_threads
 
 APPROXIMATE = ("ivf", "hnsw", "ivfpq")
 
@@ -98,6 +99,19 @@ def test_exclusion_of_a_group_that_fills_the_index_leaves_padding():
     assert sorted(ids[0, :2]) == [8, 9] and list(ids[0, 2:]) == [-1, -1, -1]
 
 
+def test_exact_searches_in_four_threads_each_get_their_own_neighbours():
+    # serve's worker threads search one collection at once: four threads over 20k rows got
+    # other queries' neighbours, written into one shared similarity buffer (issue 42)
+    rows, _ = clustered(20_000, dim=32)
+    index = ExactIndex(rows)
+    queries = [clustered(8, dim=32, seed=seed)[0] for seed in range(1, 9)]
+    serial = [index.search(q, 10) for q in queries]
+    for answers in answers_in_threads(lambda q: index.search(q, 10), queries):
+        for (scores, ids), (want_scores, want_ids) in zip(answers, serial * 10, strict=True):
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_allclose(scores, want_scores, atol=1e-6)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_exact_index_on_cuda_matches_cpu():
@@ -151,6 +165,19 @@ def test_approximate_exclusion_never_returns_the_own_group(faiss_installed, meth
     )
     assert np.all(ids >= 0)
     assert not np.any(groups[ids] == groups[:300, None])
+
+
+def test_hnsw_searches_in_four_threads_get_the_serial_answers(faiss_installed):
+    # efSearch (raised to k) is written onto the one faiss index per call: a thread asking
+    # k=64 changed what a thread asking k=1 searched with
+    rows, _ = clustered(2000, dim=32, noise=1.0)
+    index = build(rows, "hnsw", ef_search=16, progress=False)
+    asks = [(clustered(32, 32, noise=1.0, seed=s)[0], k) for s, k in enumerate((1, 64, 5, 32))]
+    serial = [index.search(q, k) for q, k in asks]
+    for answers in answers_in_threads(lambda ask: index.search(*ask), asks):
+        for (scores, ids), (want_scores, want_ids) in zip(answers, serial * 10, strict=True):
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_allclose(scores, want_scores, atol=1e-6)
 
 
 def test_search_params_are_checked_per_method(faiss_installed):

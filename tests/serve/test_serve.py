@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from socket import IPPROTO_TCP, TCP_NODELAY
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -27,12 +28,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import audioclf
 from audioclf.embedding.index import embed_sheet
-from audioclf.serve.app import build_app
+from audioclf.serve.app import Guard, build_app
 from audioclf.serve.batcher import MicroBatcher, Overloaded
 from audioclf.serve.cli import main as serve_main
 from audioclf.serve.cli import parse_args
 from audioclf.serve.server import listen
 from audioclf.serve.service import ServeOptions, Service
+from audioclf.serve.stats import Stats
 from tests.helpers import (
     ROOT,
     child_env,
@@ -219,6 +221,54 @@ def test_nothing_from_a_request_is_used_as_a_path(served):
         assert http_request("GET", served["url"] + f"/clips/{row}")[0] == 404
 
 
+def test_a_request_for_another_host_name_is_refused_with_one_line(served):
+    # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 asked /health and
+    # /clips/0 with its own Host, and got the model's path and the collection's audio (issue 42)
+    url = served["url"]
+    port = url.rsplit(":", 1)[1]
+    for path in ("/health", "/clips/0"):
+        for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example"):
+            status, _, body = http_request("GET", url + path, headers={"Host": host})
+            message = json.loads(body)["error"]
+            assert status == 421 and f"the Host {host!r} is not a name of this server" in message
+            assert "--allow-host NAME" in message and "\n" not in message
+        for host in ("127.0.0.1", f"127.0.0.1:{port}", "localhost", f"LocalHost:{port}", "[::1]"):
+            assert http_request("GET", url + path, headers={"Host": host})[0] == 200, host
+    status, answer = post(url + "/embed", served["files"][:1])  # http.client's own Host
+    assert status == 200 and answer["clips"]
+
+
+def test_allowed_host_names_are_the_loopback_the_address_listened_on_and_allow_host():
+    options = ServeOptions(allow_host=("audio.example.org", "10.0.0.9:8443"))
+    options.check()
+    listened = ("192.168.1.20", 8000)
+    for host in ("localhost:8000", "[::1]:8000", "192.168.1.20", "192.168.1.20:8000",
+                 "Audio.Example.org", "audio.example.org:443", "10.0.0.9"):  # fmt: skip
+        assert options.answers_to(host, listened), host
+    for host in (None, "", "example.org", "192.168.1.21:8000", "audio.example.org.evil", "::1"):
+        assert not options.answers_to(host, listened), host
+    assert ServeOptions().answers_to("[fe80::1]:8000", ("fe80::1", 8000, 0, 0))
+    assert parse_args(["m.pt", "--allow-host", "a.org", "--allow-host", "b.org"]).allow_host == [
+        "a.org",
+        "b.org",
+    ]
+    with pytest.raises(ValueError, match=re.escape("--allow-host (allow_host) takes a host")):
+        ServeOptions(allow_host=("http://a.org/",)).check()
+
+
+def test_a_missing_gallery_sheet_names_the_flag(served, tmp_path, capsys):
+    # its one line said "set data.index to your sheet" (a training key), not --gallery
+    missing = tmp_path / "missing.xlsx"
+    assert serve_main([str(served["model_path"]), "--gallery", str(missing), "--port", "0"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"audioclf serve: error: --gallery {missing} does not exist")
+    assert "data.index" not in error and "\n" not in error
+    for sheet, problem in ((missing, "does not exist"), (tmp_path / "a.txt", "is not an index")):
+        with pytest.raises(ValueError, match=re.escape(f"--gallery {sheet} {problem}")) as raised:
+            Service.open(served["model_path"], gallery=sheet)
+        assert "gallery= in Python" in str(raised.value)
+
+
 def test_rank_and_search_say_what_the_server_was_not_given(tmp_path, served):
     service = Service(served["model"], ServeOptions())
     with serving(build_app(service)) as url:
@@ -284,6 +334,75 @@ def test_a_full_queue_answers_503_at_once_and_the_admitted_requests_still_comple
         gate.set()
         assert [f.result(60)[0] for f in admitted] == [200, 200]
         assert metric(url, "audioclf_rejected_requests_total") == 1
+
+
+def test_a_full_queue_is_refused_before_the_router_and_the_body():
+    # beside CPU-bound jobs a 503 took 174-192 ms (issue 42): the refusal went through
+    # Starlette's router and handler; the Guard now answers it from the batcher's count
+    stats = Stats()
+    batcher = MicroBatcher(
+        recording_embed([]), max_batch=1, max_wait_ms=0, max_queue=1, stats=stats
+    )
+    service = SimpleNamespace(options=ServeOptions(max_queue=1, max_clips=1), stats=stats)
+    service.batcher = batcher
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def receive():
+        reached.append("body read")
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/embed", "server": ("127.0.0.1", 80),
+             "headers": [(b"host", b"127.0.0.1"), (b"content-length", b"100")]}  # fmt: skip
+    with batcher.reserve(1):  # the queue is full
+        asyncio.run(Guard(app, service)(scope, receive, send))
+    assert reached == [] and sent[0]["status"] == 503
+    assert (b"retry-after", b"1") in sent[0]["headers"]
+    assert b"the queue is full (1 of 1 clips waiting)" in sent[1]["body"]
+    assert service.stats.total("audioclf_rejected_requests_total") == 1
+    asyncio.run(Guard(app, service)(scope, receive, send))  # room again: on to the app
+    assert reached == ["/embed"]
+
+
+@pytest.mark.slow  # a child process
+def test_the_command_bounds_malloc_arenas_so_threads_do_not_grow_memory():
+    # each thread that allocated kept a glibc arena (and its high-water mark): +28-64 MB over
+    # 10k requests at the default settings (issue 42); the command sets two at start
+    script = """if True:
+        import ctypes, re, sys, tempfile, threading
+        from audioclf.serve.server import bound_malloc_arenas
+        print(bound_malloc_arenas() if sys.argv[1] == "bound" else "-")
+        start = threading.Barrier(16)
+        def churn():
+            start.wait()
+            for _ in range(2000):
+                del [bytearray(1000) for _ in range(50)][:]
+        threads = [threading.Thread(target=churn) for _ in range(16)]
+        for thread in threads: thread.start()
+        for thread in threads: thread.join()
+        libc = ctypes.CDLL(None)
+        libc.fopen.restype = ctypes.c_void_p
+        path = tempfile.mktemp()
+        out = ctypes.c_void_p(libc.fopen(path.encode(), b"w"))
+        libc.malloc_info(0, out)
+        libc.fclose(out)
+        print(len(re.findall("<heap nr=", open(path).read())))
+    """
+    env = {k: v for k, v in child_env().items() if k != "MALLOC_ARENA_MAX"}
+    arenas = {}
+    for mode in ("free", "bound"):
+        out = subprocess.run([sys.executable, "-c", script, mode], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+        arenas[mode] = out.stdout.split()
+    if arenas["bound"][0] == "False":
+        pytest.skip("not glibc: no malloc arenas to bound")
+    assert int(arenas["free"][1]) > 2 >= int(arenas["bound"][1]), arenas
+    assert "bound_malloc_arenas()" in (ROOT / "audioclf/serve/cli.py").read_text()
 
 
 # ---------------------------------------------------------------------------------------------

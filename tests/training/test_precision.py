@@ -1,12 +1,29 @@
 """Precision decided once: fp32 / bf16 / fp16, the apex alias, GPU capabilities, backends."""
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from torch import nn
 
 from audioclf.config import TrainConfig
-from audioclf.precision import BackendFlags, configure_backends, resolve_precision
-from tests.helpers import ROOT, fit, mixed_precision_steps, tiny_config, train_resume_export
+from audioclf.precision import (
+    EXACT,
+    BackendFlags,
+    configure_backends,
+    exact_arithmetic,
+    resolve_precision,
+)
+from tests.helpers import (
+    ROOT,
+    answers_in_threads,
+    fit,
+    mixed_precision_steps,
+    tiny_config,
+    train_resume_export,
+)
 
 CPU = torch.device("cpu")
 
@@ -226,3 +243,59 @@ def test_an_fp16_checkpoint_resumes_in_fp32_and_exports(tmp_path, tiny_demo):
     run = train_resume_export(tiny_demo, tmp_path, "cpu", "fp16")
     assert run["fused"] and run["steps"] == 2 * run["first_steps"]
     assert max(run["parity"].values()) <= 1e-4
+
+
+TF32_ON = BackendFlags(True, True, True)  # what a training's configure_backends leaves on
+
+
+def test_a_thread_leaving_exact_arithmetic_keeps_it_for_a_thread_still_inside():
+    # serve's batcher and search threads enter and leave at will: each thread saved and
+    # restored the process-wide flags, so the first to leave turned TF32 back on under the
+    # other's batch (issue 42; issue 43 item 7). On a CPU the flags are plain attributes.
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with exact_arithmetic():
+            first_in.set()
+            assert second_in.wait(30)
+        first_out.set()
+
+    def second() -> BackendFlags:
+        assert first_in.wait(30)
+        with exact_arithmetic():
+            second_in.set()
+            assert first_out.wait(30)
+            return BackendFlags.current()
+
+    saved = BackendFlags.current()
+    try:
+        TF32_ON.apply()
+        with ThreadPoolExecutor(2) as pool:
+            left, inside = pool.submit(first), pool.submit(second)
+            left.result(60)
+            seen_inside = inside.result(60)
+        after = BackendFlags.current()
+    finally:
+        saved.apply()
+    assert seen_inside == EXACT
+    assert after == TF32_ON  # put back when the last thread left
+
+
+def test_four_threads_in_exact_arithmetic_all_see_exact_flags():
+    def flags_inside(pause: float) -> BackendFlags:
+        with exact_arithmetic():
+            time.sleep(pause)
+            return BackendFlags.current()
+
+    saved = BackendFlags.current()
+    try:
+        TF32_ON.apply()
+        pauses = [0.0, 0.001, 0.002, 0.003]
+        serial = [flags_inside(p) for p in pauses]
+        answers = answers_in_threads(flags_inside, pauses)
+        after = BackendFlags.current()
+    finally:
+        saved.apply()
+    assert serial == [EXACT] * len(pauses)
+    assert all(thread == serial * 10 for thread in answers)
+    assert after == TF32_ON
