@@ -266,6 +266,21 @@ def test_audio_of_unknown_length_is_embedded_and_limited_by_its_real_length(
     ), answer
 
 
+def test_a_collection_embedded_adapted_served_with_the_unadapted_model_is_a_warning(
+    served, tmp_path, caplog
+):
+    adapted = audioclf.load(served["model_path"], device="cpu")
+    adapted.adapt(served["files"][:4])
+    prefix = tmp_path / "adapted"
+    embed_sheet(adapted.loaded, served["sheet"], prefix, num_workers=0, progress=False)
+    with caplog.at_level("WARNING", logger="audioclf"):
+        Service.open(served["model_path"], collection=prefix).close()
+    warned = [
+        r.getMessage() for r in caplog.records if "BatchNorm statistics differ" in r.getMessage()
+    ]
+    assert len(warned) == 1 and f"{prefix} was embedded by" in warned[0], caplog.text
+
+
 def test_a_full_queue_answers_503_at_once_and_the_admitted_requests_still_complete(
     served, monkeypatch
 ):
