@@ -38,10 +38,10 @@ import numpy as np
 import pandas as pd
 
 from audioclf.config import FeaturesConfig
-from audioclf.data.index.table import PACK_COLUMNS
+from audioclf.data.index.table import PACK_COLUMNS, PACK_MANIFEST
 from audioclf.data.readers import FeatureFileError, pad_window, seeded_or_centred
 
-MANIFEST = "pack.json"
+MANIFEST = PACK_MANIFEST
 ROWS = "rows.npy"
 INDEX = "index.parquet"
 FORMAT = "audioclf-pack"

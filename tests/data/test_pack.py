@@ -472,3 +472,13 @@ def test_a_source_rewritten_between_a_stopped_pack_and_its_rerun_is_named(tmp_pa
     np.save(first, np.load(first)[:-1])  # packed already, now shorter
     with pytest.raises(ValueError, match=f"changed since they were packed .first: {first}"):
         pack(sheet, tmp_path / "pack")
+
+
+def test_a_cut_short_pack_index_names_it_and_prepare_pack(tmp_path):
+    summary = pack(npy_sheet(tmp_path, classes=3), tmp_path / "pack")
+    os.truncate(summary.index_path, summary.index_path.stat().st_size // 2)
+    with pytest.raises(ValueError) as caught:
+        packed_dataset(summary.index_path)
+    message = str(caught.value)
+    assert f"index file {summary.index_path} could not be read as .parquet" in message
+    assert message.endswith("pack again with python -m audioclf.prepare --pack into a new folder")
