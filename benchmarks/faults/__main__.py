@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import benchmarks.faults
-from benchmarks.faults import misuse, outputs, safe_defaults, training
+from benchmarks.faults import misuse, outputs, packs, safe_defaults, training
 from benchmarks.faults.harness import (
     CONSOLE_LOGS,
     Row,
@@ -23,7 +23,7 @@ from benchmarks.faults.harness import (
     unmount,
 )
 
-CASES = [*training.CASES, *safe_defaults.CASES, *outputs.CASES, *misuse.CASES]
+CASES = [*training.CASES, *safe_defaults.CASES, *outputs.CASES, *misuse.CASES, *packs.CASES]
 SMOKE = "kill-mid-write,too-few-classes"  # --smoke: the worker and the process harness, quickly
 
 
