@@ -13,7 +13,8 @@
 #   ./run.sh setup                               only create/refresh .venv
 #
 # Demo stages: 1 = generate data, 2 = train (2 processes, gloo on CPU / nccl on GPU),
-# 3 = offline evaluation, 4 = export, 5 = rank a recording left out of the gallery.
+# 3 = offline evaluation, 4 = export, 5 = rank a recording left out of the gallery. A stage that
+# is not 1..5 (or a --stop-stage before --stage) is one line on stderr and exit 2.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -62,15 +63,31 @@ print(cfg.name, Path(cfg.runs_dir) / cfg.name, sep="\t")
 PYEOF
 }
 
+stage_number() {
+    # stage_number FLAG VALUE: VALUE when it is a demo stage (1..5), else one line and exit 2.
+    [[ "$2" =~ ^[1-5]$ ]] || die "demo: $1 takes a stage number from 1 to 5, got '$2'"
+    echo "$2"
+}
+
 cmd_demo() {
+    # The arguments are checked before anything is set up or run.
     local stage=1 stop_stage=5
     while [[ $# -gt 0 ]]; do
         case "$1" in
-            --stage) stage="$2"; shift 2 ;;
-            --stop-stage|--stop_stage) stop_stage="$2"; shift 2 ;;
-            *) die "demo: unknown option $1 (use --stage N, --stop-stage N)" ;;
+            --stage|--stop-stage|--stop_stage)
+                [[ $# -ge 2 ]] || die "demo: $1 needs a stage number from 1 to 5"
+                if [[ "$1" == --stage ]]; then
+                    stage="$(stage_number "$1" "$2")" || exit 2
+                else
+                    stop_stage="$(stage_number "$1" "$2")" || exit 2
+                fi
+                shift 2 ;;
+            *) die "demo: unknown option $1 (use --stage N, --stop-stage N; N from 1 to 5)" ;;
         esac
     done
+    [[ $stop_stage -ge $stage ]] \
+        || die "demo: --stop-stage $stop_stage is before --stage $stage: nothing would run"
+    setup_venv
     local run_dir="runs/demo_cnn"
     if [[ $stage -le 1 && $stop_stage -ge 1 ]]; then
         echo "== stage 1: demo dataset"
@@ -226,7 +243,7 @@ main() {
     case "$1" in
         -h|--help|help) usage ;;
         setup) setup_venv ;;
-        demo) shift; setup_venv; cmd_demo "$@" ;;
+        demo) shift; cmd_demo "$@" ;;
         test) shift; setup_venv; cmd_lint; exec "$PY" -m pytest -n auto --maxprocesses 4 --durations=20 "$@" ;;
         stop) shift; cmd_stop "$@" ;;
         *) setup_venv; cmd_train "$@" ;;

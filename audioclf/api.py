@@ -18,6 +18,7 @@ refactors of the package (docs/api.md).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +64,9 @@ class Model:
         the checkpoint's BatchNorm statistics become the new source's for everything that
         follows (embed, rank, search, evaluate, whose report records it); returns the record
         of what was done, kept as `adaptation`. Adapting again starts from the new audio
-        alone. Checkpoints only: an export is a ValueError."""
+        alone. Checkpoints only: an export is a ValueError, as are no inputs or an empty path."""
         inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
-        self.loaded = adapt(self.loaded, inputs)
+        self.loaded = adapt(self.loaded, inputs, flag="Model.adapt(inputs)")
         return self.loaded.adaptation
 
     @property
@@ -163,9 +164,15 @@ class Model:
         item, id and path, as `audioclf search query` prints them. With `cohort` (another
         collection's PREFIX, e.g. the training set's) a norm_score column too: each score
         normalised against it by `score_norm` (by default "asnorm", over each side's `cohort_top`
-        highest cohort scores: 300 or a fifth of a smaller cohort; "snorm" over all)."""
+        highest cohort scores: 300 or a fifth of a smaller cohort; "snorm" over all). A
+        UserWarning when the collection was embedded by another model file or with other
+        BatchNorm statistics (an --adapt this model lacks, or the other way round); a
+        ValueError when this model cannot have made it (another dimension or features)."""
         opened = collections.Collection.open(collection)
         index = collections.open_index(opened, method, device=self.loaded.device)
+        warning = collections.check_model(index, self.loaded, opened)
+        if warning:  # another model or another adaptation made the collection
+            warnings.warn(warning.removeprefix("warning: "), UserWarning, stacklevel=2)
         norm = search_queries.ScoreNorm.from_options(cohort, score_norm, cohort_top, index=index)
         queries = search_queries.audio_queries(
             self.loaded, list(inputs), batch_size=batch_size, progress=False

@@ -102,10 +102,19 @@ def write_failure_message(path: Path, reason: str, kept: str | None = None) -> s
         free = f"free space on {folder} unknown"
     if kept is None:
         kept = "the previous file is unchanged" if path.exists() else "nothing was written"
-    return (
-        f"cannot write {path}: {reason} ({free}); {kept}. Free some space there, or write "
-        "to another folder"
-    )
+    return f"cannot write {path}: {reason} ({free}); {kept}. {_write_fix(reason, folder)}"
+
+
+def _write_fix(reason: str, folder: Path) -> str:
+    """The fix for a failed write, by its cause (`reason`: the OSError's strerror, which every
+    caller passes): a read-only or forbidden folder is not fixed by freeing space."""
+    if os.strerror(errno.EROFS) in reason:
+        return f"{folder} is on a read-only file system: remount it writable, or write to another folder"
+    if os.strerror(errno.EACCES) in reason or os.strerror(errno.EPERM) in reason:
+        return (
+            f"{folder} is not writable by you: change its permissions, or write to another folder"
+        )
+    return "Free some space there, or write to another folder"
 
 
 def remove_stale_temps(folder: str | Path) -> list[Path]:

@@ -32,7 +32,10 @@ from audioclf.inference.exporting import export_model  # noqa: E402
 from audioclf.models import build_net  # noqa: E402
 
 MODELS = {  # name -> the config sections that build it
-    "cnn w32 d4": {"features": {"sample_rate": 16000}, "model": {"name": "cnn", "embedding_dim": 64}},
+    "cnn w32 d4": {
+        "features": {"sample_rate": 16000},
+        "model": {"name": "cnn", "embedding_dim": 64},
+    },
     "ecapa C=512": {
         "features": {"sample_rate": 16000, "n_mels": 80},
         "model": {"name": "ecapa", "embedding_dim": 192, "ecapa": {"channels": 512}},

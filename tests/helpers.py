@@ -27,7 +27,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import soundfile
 import torch
 import torch.multiprocessing as mp
 from torch import nn
@@ -814,3 +816,20 @@ def is_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def write_unknown_length_audio(path: Path, wave: np.ndarray, rate: int) -> Path:
+    """`wave` written as a pipe's encoder leaves it: a .flac whose STREAMINFO says 0 samples
+    (unknown) and no MD5, or a .wav whose RIFF and data sizes are 0xFFFFFFFF."""
+    soundfile.write(path, wave, rate)
+    data = bytearray(path.read_bytes())
+    if path.suffix == ".flac":
+        assert data[:4] == b"fLaC" and data[4] & 0x7F == 0  # STREAMINFO, the first block
+        fields = int.from_bytes(data[18:26], "big") & ~((1 << 36) - 1)  # total samples: 0
+        data[18:26] = fields.to_bytes(8, "big")
+        data[26:42] = bytes(16)  # MD5 unknown
+    else:
+        assert data[:4] == b"RIFF" and data[36:40] == b"data"
+        data[4:8] = data[40:44] = b"\xff\xff\xff\xff"
+    path.write_bytes(bytes(data))
+    return path

@@ -48,35 +48,51 @@ class FeatureFileError(ValueError):
 # Reading audio and precomputed features
 
 
+class AudioTooLong(AudioReadError):
+    """Audio longer than the caller's `max_seconds` (load_audio); the message names it."""
+
+
+# libsndfile's frame count of a stream whose header leaves its length open (a FLAC whose
+# STREAMINFO says 0 samples, as pipe encoders write it): SF_COUNT_MAX, 2**63 - 1. Any count this
+# large is no real file's.
+UNKNOWN_FRAMES = 1 << 62
+BLOCK_FRAMES = 1 << 16  # frames per read of such a stream
+
+
 def load_audio(
     source: str | Path | BinaryIO,
     sample_rate: int,
     span: tuple[float, float] | None = None,
     *,
     name: str | None = None,
+    max_seconds: float | None = None,
 ) -> Tensor:
     """Read an audio file (any AUDIO_SUFFIXES format), mix down to mono, resample: float32 [samples].
 
     `source` is a path, or an open binary file holding a whole audio file (an upload's bytes in
     io.BytesIO), which messages call `name` ("file <path>" by default). `span` (start, end) in
     seconds reads only those frames (a segment of a longer recording; an end past the file's
-    end stops there). A file whose samples are not all finite (float wavs can hold NaN / inf) or
-    a wav cut short behind an intact header raises AudioReadError naming it: both would
-    otherwise go on silently.
+    end stops there). A file whose header leaves its length unknown (FLAC or WAV written to a
+    pipe) is read to its real end. `max_seconds` bounds what is read: AudioTooLong when the
+    audio is longer (by its header when that tells, else once that much has been decoded). A
+    file whose samples are not all finite (float wavs can hold NaN / inf) or a wav cut short
+    behind an intact header raises AudioReadError naming it: both would otherwise go on
+    silently.
     """
     is_path = isinstance(source, (str, Path))
     what = name or f"file {source}"
     try:
-        if span is None:
-            target = str(source) if is_path else source
-            data, file_rate = soundfile.read(target, dtype="float32", always_2d=True)
-        else:
-            data, file_rate = _read_span(source, *span)
+        target = str(source) if is_path else source
+        with soundfile.SoundFile(target) as handle:
+            data = _read(handle, span, max_seconds, what)
+            file_rate = handle.samplerate
         if not is_path:
             _check_wav_length(source)
         elif str(source).lower().endswith(".wav"):
             with open(source, "rb") as handle:
                 _check_wav_length(handle)
+    except AudioTooLong:
+        raise
     except (RuntimeError, OSError, ValueError, TypeError, EOFError) as exc:
         # libsndfile names a file object by its repr: `name` says which it is
         reason = str(exc) if is_path else re.sub(r"^Error opening <[^>]*>: ", "", str(exc))
@@ -92,19 +108,79 @@ def load_audio(
     return wave.contiguous()
 
 
-def _read_span(source: str | Path | BinaryIO, start: float, end: float) -> tuple[np.ndarray, int]:
-    """(frames [start, end) seconds as float32 [frames, channels], the file's rate), read by a
-    seek and one read of those frames; ValueError when the span starts at or past the end."""
-    with soundfile.SoundFile(str(source) if isinstance(source, (str, Path)) else source) as handle:
-        rate, frames = handle.samplerate, handle.frames
-        first, stop = round(start * rate), min(round(end * rate), frames)
+def audio_seconds(path: str | Path) -> float:
+    """The length of an audio file in seconds: its header's, or, when the header leaves it
+    unknown, what decoding it to its end finds."""
+    with soundfile.SoundFile(str(path)) as handle:
+        if handle.frames < UNKNOWN_FRAMES:
+            return handle.frames / handle.samplerate
+        frames, block = 0, np.empty((BLOCK_FRAMES, handle.channels), np.float32)
+        while (got := _read_block(handle, block)) > 0:
+            frames += got
+        return frames / handle.samplerate
+
+
+def _read(
+    handle: soundfile.SoundFile, span: tuple[float, float] | None, max_seconds, what: str
+) -> np.ndarray:
+    """The frames of `span` (None: all) as float32 [frames, channels], at most `max_seconds`
+    of them (AudioTooLong past it); ValueError when the span starts at or past the end."""
+    rate, header = handle.samplerate, handle.frames
+    known = header < UNKNOWN_FRAMES
+    first = 0 if span is None else round(span[0] * rate)
+    stop = header if span is None else round(span[1] * rate)
+    if known:
+        stop = min(stop, header)
         if first >= stop:
             raise ValueError(
-                f"the segment {start:g}-{end:g} s starts at or past the end of the file "
-                f"({frames / rate:g} s): fix the row's start/end"
+                f"the segment {span[0]:g}-{span[1]:g} s starts at or past the end of the file "
+                f"({header / rate:g} s): fix the row's start/end"
             )
-        handle.seek(first)
-        return handle.read(stop - first, dtype="float32", always_2d=True), rate
+        if first:
+            handle.seek(first)
+    limit = None if max_seconds is None else int(max_seconds * rate)
+    if known and limit is not None and stop - first > limit:
+        raise AudioTooLong(f"the audio {what} is {(stop - first) / rate:.1f} s long")
+    if known:  # one read of what the header promises
+        return handle.read(stop - first, dtype="float32", always_2d=True)
+    data = _read_to_end(handle, first, None if span is None else stop - first, limit)
+    if limit is not None and len(data) > limit:
+        raise AudioTooLong(f"the audio {what} is more than {max_seconds:g} s long")
+    if span is not None and len(data) == 0:
+        raise ValueError(
+            f"the segment {span[0]:g}-{span[1]:g} s starts at or past the end of the file: fix "
+            "the row's start/end"
+        )
+    return data
+
+
+def _read_to_end(handle: soundfile.SoundFile, skip: int, count: int | None, limit) -> np.ndarray:
+    """A stream of unknown length, read in blocks: `skip` frames passed over, then up to
+    `count` frames (None: to its end), stopping once more than `limit` frames are read."""
+    blocks, block = [], np.empty((BLOCK_FRAMES, handle.channels), np.float32)
+    kept = 0
+    while count is None or kept < count:
+        got = _read_block(handle, block)
+        if got == 0:
+            break
+        part = block[min(skip, got) : got]
+        skip -= min(skip, got)
+        part = part if count is None else part[: count - kept]
+        blocks.append(part.copy())
+        kept += len(part)
+        if limit is not None and kept > limit:
+            break
+    if not blocks:
+        return np.zeros((0, handle.channels), np.float32)
+    return np.concatenate(blocks)
+
+
+def _read_block(handle: soundfile.SoundFile, block: np.ndarray) -> int:
+    """Frames read into `block` from where the stream is. libsndfile's own call: soundfile's
+    read() seeks to update its position after each read, which fails at the end of a FLAC
+    stream of unknown length (the final frames would be lost)."""
+    pointer = soundfile._ffi.cast("float *", block.ctypes.data)  # noqa: SLF001 - see above
+    return int(soundfile._snd.sf_readf_float(handle._file, pointer, len(block)))  # noqa: SLF001
 
 
 def _check_wav_length(handle: BinaryIO) -> None:

@@ -35,10 +35,14 @@ ADAPT_HELP = (
 )
 
 
-def adapt(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedder:
+def adapt(
+    model: LoadedEmbedder, sources: Sequence[str | Path], *, flag: str = "--adapt"
+) -> LoadedEmbedder:
     """A copy of `model` (a checkpoint) whose BatchNorm statistics are those of the audio in
     `sources` (AdaBN), its `adaptation` the record of what was done. ValueError for an export,
-    for no audio found, and naming a file that cannot be read."""
+    for no sources or an empty path among them (`flag`: how the caller's user passed them), for
+    no audio found, and naming a file that cannot be read."""
+    check_sources(sources, flag)
     if model.network is None:
         raise ValueError(
             f"--adapt needs an audioclf checkpoint, not {model.description} ({model.path}): "
@@ -53,6 +57,16 @@ def adapt(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedde
         "statistics": statistics_digest(adapted.network),
     }
     return _described(adapted, model, record)
+
+
+def check_sources(sources: Sequence[str | Path], flag: str = "--adapt") -> None:
+    """ValueError for no sources, or an empty path among them (Path("") is the working
+    folder: adapting on whatever audio lies there would be silent)."""
+    fix = "pass the files or folders of unlabelled audio of the new source"
+    if not sources:
+        raise ValueError(f"{flag} got no files or folders; {fix}")
+    if any(not str(source).strip() for source in sources):
+        raise ValueError(f"{flag} got an empty path (''); {fix}")
 
 
 def adapt_across_ranks(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedder:

@@ -16,6 +16,11 @@ goes on from the next row. Until the end DIR has no index.parquet, so nothing ca
 half pack; pack.json and then index.parquet are the last files written. A run with another
 sheet (or the same sheet changed since) or other settings into an unfinished or finished pack
 is refused, as is a second packer on the same folder (a lock).
+
+Each packed row records its source file's size and mtime (rows.npy): a run into a pack (finished
+or not) some of whose sources changed since they were packed is refused with one line naming the
+first such file, instead of keeping the old frames. A full disk or a read-only folder is one line
+naming the file (fileio.write_failure_message); the rows packed so far are kept for the rerun.
 """
 
 from __future__ import annotations
@@ -45,19 +50,28 @@ from audioclf.data.pack import (
     FORMAT,
     INDEX,
     MANIFEST,
+    ROW_FIELDS,
     ROWS,
     VERSION,
+    checksum,
     data_file_name,
     feature_settings,
+    manifest_checksum,
+    read_manifest,
+    read_rows,
 )
 from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError, load_audio
-from audioclf.fileio import atomic_write_bytes
+from audioclf.fileio import DiskWriteError, atomic_write_bytes, file_stamp, write_failure_message
 from audioclf.outputs import FolderLock, write_skipped
 from audioclf.precompute.run import path_suffixes
 from audioclf.spectrogram import log_mel
 
 PROGRESS = ".pack-progress.json"
-RECORDS = ".pack-rows.bin"  # int64 (position, file, offset, frames) per packed row, appended
+# int64 per packed row, appended: rows.npy's row (file, offset, frames, sheet position, source
+# bytes, source mtime_ns)
+RECORDS = ".pack-rows.bin"
+RECORD_BYTES = ROW_FIELDS * 8
+KEPT = "the rows packed so far are kept: run the same command again to continue"
 SKIPPED = "skipped.csv"
 CHUNK_ROWS = 32  # rows per worker task; the progress is made durable after each
 DEFAULT_FILE_BYTES = 64 << 30  # a data file is started anew past this size
@@ -133,14 +147,14 @@ def pack_features(
     key = _pack_key(index.source, cfg, dtype)
     summary = PackSummary(rows=len(order))
     with _pack_lock(out_dir):
-        state = _start(out_dir, key, index.source)
+        state = _start(out_dir, key, index)
         if state is None:
             summary.already_complete = True
             return _finished(summary, out_dir, start)
         summary.resumed_at = state.rows_done
         with _DataWriter(out_dir, state, file_bytes) as writer:
             for chunk in _samples(index, order, state, cfg, dtype, workers, progress):
-                for position, sample, reason in chunk:
+                for position, sample, reason, stamp in chunk:
                     if position in not_readable:
                         state.skipped[position] = not_readable[position]
                     elif sample is None:
@@ -148,7 +162,7 @@ def pack_features(
                             raise _unreadable(index, position, reason)
                         state.skipped[position] = reason
                     else:
-                        writer.append(position, sample)
+                        writer.append(position, sample, stamp)
                 state.rows_done += len(chunk)
                 writer.commit()
                 if on_chunk is not None:
@@ -208,7 +222,8 @@ def _pack_key(source: Path, cfg: Config, dtype: str) -> str:
 def _pack_lock(out_dir: Path) -> FolderLock:
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with _disk_errors(out_dir, "nothing was written"):
+        out_dir.mkdir(parents=True, exist_ok=True)
     return FolderLock(
         out_dir / ".pack.lock",
         what=f"--out {out_dir}",
@@ -217,43 +232,97 @@ def _pack_lock(out_dir: Path) -> FolderLock:
     )
 
 
-def _start(out_dir: Path, key: str, source: Path) -> _Progress | None:
+def _start(out_dir: Path, key: str, index: Index) -> _Progress | None:
     """The progress to continue (a fresh one for an empty folder); None when the pack with this
-    key is complete. Raises for a folder holding anything else."""
+    key is complete. Raises for a folder holding anything else, or a pack some of whose source
+    files changed since they were packed."""
     manifest, progress = out_dir / MANIFEST, out_dir / PROGRESS
-    other = f"choose another --out, or delete {out_dir} to pack it anew"
     if manifest.is_file() and not progress.is_file():
-        try:
-            earlier = json.loads(manifest.read_text())
-        except ValueError:
-            earlier = {}
-        if earlier.get("source", {}).get("key") == key and (out_dir / INDEX).is_file():
-            return None
-        raise ValueError(
-            f"--out {out_dir} holds a feature pack of another sheet or settings (or of {source} "
-            f"before it changed); {other}"
-        )
-    if progress.is_file():
-        try:
-            saved = json.loads(progress.read_text())
-            state = _Progress(
-                saved["key"],
-                saved["rows_done"],
-                saved["files"],
-                saved["records"],
-                {int(p): r for p, r in saved["skipped"].items()},
+        if _complete_pack_key(out_dir) != key or not (out_dir / INDEX).is_file():
+            raise ValueError(
+                f"--out {out_dir} holds a feature pack of another sheet or settings (or of "
+                f"{index.source} before it changed); {OTHER_OUT.format(out_dir=out_dir)}"
             )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{progress} is damaged ({exc}); {other}") from None
+        _check_sources_unchanged(index, out_dir, np.load(out_dir / ROWS, allow_pickle=False))
+        return None
+    if progress.is_file():
+        state = _read_progress(progress, out_dir)
         if state.key != key:
             raise ValueError(
                 f"--out {out_dir} holds an unfinished pack of another sheet or settings (or of "
-                f"{source} before it changed); {other}"
+                f"{index.source} before it changed); {OTHER_OUT.format(out_dir=out_dir)}"
             )
+        done = np.fromfile(out_dir / RECORDS, dtype="<i8", count=state.records * ROW_FIELDS)
+        _check_sources_unchanged(index, out_dir, done.reshape(-1, ROW_FIELDS))
         return state
     if any(not p.name.startswith(".") for p in out_dir.iterdir()):
-        raise ValueError(f"--out {out_dir} is not empty and holds no pack; {other}")
+        raise ValueError(
+            f"--out {out_dir} is not empty and holds no pack; {OTHER_OUT.format(out_dir=out_dir)}"
+        )
     return _Progress(key)
+
+
+OTHER_OUT = "choose another --out, or delete {out_dir} to pack it anew"
+
+
+def _complete_pack_key(out_dir: Path) -> str | None:
+    """The key of the complete pack in `out_dir` (checked: read_manifest and read_rows); a
+    pack of an older audioclf is refused, one that cannot be read has none."""
+    try:
+        earlier = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    version = earlier.get("version") if isinstance(earlier, dict) else None
+    if isinstance(version, int) and version < VERSION:
+        raise ValueError(
+            f"--out {out_dir} holds a feature pack made by an older audioclf (format version "
+            f"{version}); {OTHER_OUT.format(out_dir=out_dir)}"
+        )
+    read_rows(out_dir, read_manifest(out_dir))  # damaged: one line naming the file
+    return earlier.get("source", {}).get("key")
+
+
+def _read_progress(progress: Path, out_dir: Path) -> _Progress:
+    try:
+        saved = json.loads(progress.read_text())
+        return _Progress(
+            saved["key"],
+            saved["rows_done"],
+            saved["files"],
+            saved["records"],
+            {int(p): r for p, r in saved["skipped"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{progress} is damaged ({exc}); {OTHER_OUT.format(out_dir=out_dir)}"
+        ) from None
+
+
+def _check_sources_unchanged(index: Index, out_dir: Path, records: np.ndarray) -> None:
+    """ValueError naming the first packed source file whose size or mtime differs from when it
+    was packed (`records`: rows.npy's rows); a source gone since is not a change (the pack
+    holds its frames)."""
+    paths = index.table["path"].to_numpy()
+    seen: dict[str, bool] = {}
+    changed = []
+    for position, size, mtime in records[:, 3:].tolist():
+        path = str(paths[position])
+        if path not in seen:
+            try:
+                now = file_stamp(Path(path))
+                seen[path] = (now["bytes"], now["mtime_ns"]) != (size, mtime)
+            except OSError:
+                seen[path] = False
+            if seen[path]:
+                changed.append(position)
+    if changed:
+        row = int(index.table["row"].iat[changed[0]])
+        raise ValueError(
+            f"--out {out_dir} holds frames of {len(changed)} source file(s) that changed since "
+            f"they were packed (first: {paths[changed[0]]}, row {row} of {index.source}): the "
+            f"pack would keep the old frames; delete {out_dir} (or choose another --out) and run "
+            "prepare --pack again"
+        )
 
 
 def _unreadable(index: Index, position: int, reason: str) -> AudioReadError:
@@ -277,12 +346,19 @@ class _Reader:
     layout: str  # clips.npy_layout of .npy sources
     dtype: str
 
-    def sample(self, path: str, span) -> tuple[np.ndarray | None, str]:
-        """(frames [T, bins] in the pack's dtype, "") or (None, why it cannot be packed)."""
+    def sample(self, path: str, span) -> tuple[np.ndarray | None, str, tuple[int, int] | None]:
+        """(frames [T, bins] in the pack's dtype, "", the source's (bytes, mtime_ns) before it
+        was read) or (None, why it cannot be packed, None)."""
         try:
+            stamp = file_stamp(Path(path))
             frames = self._float_frames(path, span)
         except (AudioReadError, OSError, ValueError, EOFError) as exc:
-            return None, str(exc)
+            return None, str(exc), None
+        packed, reason = self._checked(path, frames)
+        return packed, reason, None if packed is None else (stamp["bytes"], stamp["mtime_ns"])
+
+    def _checked(self, path: str, frames: np.ndarray) -> tuple[np.ndarray | None, str]:
+        """(the frames in the pack's dtype, "") or (None, why they cannot be packed)."""
         bins = self.features.n_mels
         if frames.ndim != 2 or frames.shape[1] != bins or frames.shape[0] == 0:
             return None, (
@@ -318,7 +394,7 @@ def _init_worker(reader: _Reader) -> None:
     _WORKER["reader"] = reader
 
 
-def _read_chunk(tasks: list[tuple[int, str, object]]) -> list[tuple[int, object, str]]:
+def _read_chunk(tasks: list[tuple[int, str, object]]) -> list[tuple[int, object, str, object]]:
     reader = _WORKER["reader"]
     return [(position, *reader.sample(path, span)) for position, path, span in tasks]
 
@@ -326,7 +402,8 @@ def _read_chunk(tasks: list[tuple[int, str, object]]) -> list[tuple[int, object,
 def _samples(
     index: Index, order: np.ndarray, state: _Progress, cfg: Config, dtype, workers, progress
 ) -> Iterator[list[tuple[int, object, str]]]:
-    """Chunks of (position, frames or None, reason) in pack order, from state.rows_done on."""
+    """Chunks of (position, frames or None, reason, source stamp) in pack order, from
+    state.rows_done on."""
     table = index.table
     paths = table["path"].to_numpy()
     spans = table[list(SPAN_COLUMNS)].to_numpy(np.float64) if "start" in table else None
@@ -368,35 +445,63 @@ def _samples(
 # The data files
 
 
+@contextlib.contextmanager
+def _disk_errors(path: Path, kept: str = KEPT) -> Iterator[None]:
+    """An OSError of a write under `path` (a full disk, a read-only folder) as the one line every
+    writer gives (fileio.write_failure_message): the file or folder, why, and the fix."""
+    try:
+        yield
+    except DiskWriteError:
+        raise
+    except OSError as exc:
+        raise DiskWriteError(
+            exc.errno, write_failure_message(Path(exc.filename or path), exc.strerror, kept)
+        ) from exc
+
+
 class _DataWriter:
-    """Appends samples to the data files and makes the progress durable (`commit`)."""
+    """Appends samples to the data files and makes the progress durable (`commit`); an OSError
+    (a full disk) is one line naming the file (_disk_errors)."""
 
     def __init__(self, out_dir: Path, state: _Progress, file_bytes: int):
         self.out_dir, self.state, self.file_bytes = out_dir, state, file_bytes
         if not state.files:
             state.files.append(0)
-        _cut_back(out_dir, state)
-        self.handle = open(out_dir / data_file_name(len(state.files) - 1), "r+b")
-        self.handle.seek(state.files[-1])
-        self.records = open(out_dir / RECORDS, "r+b")
-        self.records.seek(state.records * 32)
+        with _disk_errors(out_dir):
+            _cut_back(out_dir, state)
+            self.handle = open(self._data_path(), "r+b")
+            self.handle.seek(state.files[-1])
+            self.records = open(out_dir / RECORDS, "r+b")
+            self.records.seek(state.records * RECORD_BYTES)
 
-    def append(self, position: int, frames: np.ndarray) -> None:
+    def _data_path(self) -> Path:
+        return self.out_dir / data_file_name(len(self.state.files) - 1)
+
+    def append(self, position: int, frames: np.ndarray, stamp: tuple[int, int]) -> None:
+        """One sample's frames, read from a source of `stamp` (bytes, mtime_ns)."""
         data = memoryview(frames).cast("B")
-        if self.state.files[-1] and self.state.files[-1] + len(data) > self.file_bytes:
-            self._sync()
-            self.handle.close()
-            self.state.files.append(0)
-            self.handle = open(self.out_dir / data_file_name(len(self.state.files) - 1), "w+b")
-        record = (position, len(self.state.files) - 1, self.state.files[-1], frames.shape[0])
-        self.handle.write(data)
-        self.records.write(np.asarray(record, dtype="<i8").tobytes())
+        with _disk_errors(self._data_path()):
+            if self.state.files[-1] and self.state.files[-1] + len(data) > self.file_bytes:
+                self._sync()
+                self.handle.close()
+                self.state.files.append(0)
+                self.handle = open(self._data_path(), "w+b")
+            record = (
+                len(self.state.files) - 1,
+                self.state.files[-1],
+                frames.shape[0],
+                position,
+                *stamp,
+            )
+            self.handle.write(data)
+            self.records.write(np.asarray(record, dtype="<i8").tobytes())
         self.state.files[-1] += len(data)
         self.state.records += 1
 
     def commit(self) -> None:
         """The data and the records on disk, then the progress that names them."""
-        self._sync()
+        with _disk_errors(self._data_path()):
+            self._sync()
         state = self.state
         saved = dataclasses.asdict(state)
         saved["skipped"] = {str(p): r for p, r in state.skipped.items()}
@@ -411,8 +516,11 @@ class _DataWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.handle.close()
-        self.records.close()
+        for handle in (self.handle, self.records):
+            try:
+                handle.close()
+            except OSError:  # a full disk cannot flush: the error being raised is the one to tell
+                pass
 
 
 def _cut_back(out_dir: Path, state: _Progress) -> None:
@@ -426,15 +534,16 @@ def _cut_back(out_dir: Path, state: _Progress) -> None:
         if int(path.stem.split("-")[1]) >= len(state.files):
             path.unlink()
     with open(out_dir / RECORDS, "ab") as handle:
-        handle.truncate(state.records * 32)
+        handle.truncate(state.records * RECORD_BYTES)
     for stale in (MANIFEST, INDEX, ROWS):
         (out_dir / stale).unlink(missing_ok=True)
 
 
 def _write_pack(index: Index, data, cfg: Config, dtype: str, out_dir: Path, state: _Progress):
     """rows.npy, pack.json and, last, index.parquet; then the progress files go."""
-    records = np.fromfile(out_dir / RECORDS, dtype="<i8").reshape(-1, 4)
-    atomic_write_bytes(out_dir / ROWS, _npy_bytes(records[:, 1:]), sync=True)
+    records = np.fromfile(out_dir / RECORDS, dtype="<i8").reshape(-1, ROW_FIELDS)
+    rows = _npy_bytes(records)
+    atomic_write_bytes(out_dir / ROWS, rows, sync=True)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -443,19 +552,21 @@ def _write_pack(index: Index, data, cfg: Config, dtype: str, out_dir: Path, stat
         "layout": "frames_bins",
         "features": feature_settings(cfg.features) if cfg.features.kind == "audio" else None,
         "rows": len(records),
-        "frames": int(records[:, 3].sum()),
+        "frames": int(records[:, 2].sum()),
         "files": [{"name": data_file_name(i), "bytes": size} for i, size in enumerate(state.files)],
         "source": {"sheet": str(index.source), "kind": cfg.features.kind, "key": state.key},
+        "rows_checksum": checksum(rows),
     }
+    manifest["checksum"] = manifest_checksum(manifest)
     atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     raw = read_table(index.source, data)
     table = index.table
-    positions = records[:, 0]
+    positions = records[:, 3]
     out = raw.iloc[table["row"].to_numpy()[positions] - FIRST_DATA_ROW].reset_index(drop=True)
     out = out.drop(columns=[c for c in out.columns if c.strip().lower() in SPAN_COLUMNS])
-    out[data.path_column] = [data_file_name(int(f)) for f in records[:, 1]]
-    out[PACK_COLUMNS[0]] = records[:, 2]
-    out[PACK_COLUMNS[1]] = records[:, 3]
+    out[data.path_column] = [data_file_name(int(f)) for f in records[:, 0]]
+    out[PACK_COLUMNS[0]] = records[:, 1]
+    out[PACK_COLUMNS[1]] = records[:, 2]
     buffer = io.BytesIO()
     out.to_parquet(buffer, index=False)
     atomic_write_bytes(out_dir / INDEX, buffer.getvalue(), sync=True)

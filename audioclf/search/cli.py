@@ -119,13 +119,16 @@ def run_build(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     collection = Collection.open(args.prefix)
     record = None
-    if args.model is not None:
+    if args.model is not None:  # the table's own record stays the one the index keeps
         model = load_embedder(args.model, torch.device("cpu"), trust=args.trust_checkpoint)
-        record = record_for(model, collection)
+        record, warning = record_for(model, collection)
+        if warning:
+            print(f"{PROG}: {warning}", file=sys.stderr)
     params = {name: getattr(args, name) for name in BUILD_PARAMS}
     index = build_saved(
         collection, args.method, model=record, progress=not args.quiet, seed=args.seed, **params
     )
+    record = index.info.get("model")
     made_by = f"; embeddings of {record['path']}" if record else ""
     print(f"saved {index.describe()}{made_by} in {time.perf_counter() - start:.1f} s")
     return 0

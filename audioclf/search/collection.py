@@ -194,41 +194,52 @@ def open_index(
     return index
 
 
-def record_for(model: LoadedEmbedder, collection: Collection) -> dict[str, Any]:
-    """model_record of `model`, given as the one that made the collection's embeddings; a
-    ValueError first when it makes embeddings of another dimension than the collection holds."""
-    record = model_record(model)
-    dim = record["dim"]
-    if dim is not None and dim != collection.dim:
-        raise ValueError(
-            f"--model {model.path} makes {dim}-d embeddings but {collection.npy} holds "
-            f"{collection.dim}-d ones: it did not make them; pass the model that did"
-        )
-    return record
+def made_by(collection: Collection, index: SearchIndex | None = None) -> dict[str, Any] | None:
+    """The one record of the model that made the collection's embeddings, which every check
+    reads (search query, Model.search, serve, search build --model): embed --index's, written
+    into PREFIX.parquet with the embeddings; for a table without one (an older audioclf's), the
+    record a `search build --model` gave the index; None when neither is known."""
+    if collection.made_by:
+        return collection.made_by
+    return None if index is None else index.info.get("model")
+
+
+def record_for(model: LoadedEmbedder, collection: Collection) -> tuple[dict[str, Any], str | None]:
+    """(the record a `search build --model` index keeps, a warning line or None): the
+    collection's own record (made_by) when it has one, `model` checked against it as a query
+    model is; else model_record of `model`, given as the one that made the embeddings. A
+    ValueError when it makes embeddings of another dimension or from other features."""
+    warning = _check_against(model, collection.dim, made_by(collection), collection)
+    return collection.made_by or model_record(model), warning
 
 
 def check_model(index: SearchIndex, model: LoadedEmbedder, collection: Collection) -> str | None:
     """ValueError when `model` cannot make embeddings comparable with the index's (another
-    dimension or other features than the recorded model's); a warning line when the recorded
-    model's BatchNorm statistics differ (another --adapt, or none) or it is another file (e.g.
-    the checkpoint of this export: fine if so); else None."""
-    recorded = index.info.get("model")
-    made_by = f" (made by {recorded['path']}, {recorded['description']})" if recorded else ""
+    dimension or other features than the recorded model's: made_by); a warning line when the
+    recorded model's BatchNorm statistics differ (another --adapt, or none) or it is another
+    file (e.g. the checkpoint of this export: fine if so); else None."""
+    return _check_against(model, index.dim, made_by(collection, index), collection)
+
+
+def _check_against(
+    model: LoadedEmbedder, dim: int, recorded: dict[str, Any] | None, collection: Collection
+) -> str | None:
+    """check_model against `recorded` (made_by) and embeddings of dimension `dim`."""
+    made = f" (made by {recorded['path']}, {recorded['description']})" if recorded else ""
     mine = model_record(model)
-    dim = mine["dim"]
-    if dim is not None and dim != index.dim:
+    if mine["dim"] is not None and mine["dim"] != dim:
         raise ValueError(
-            f"--model {model.path} ({model.description}) makes {dim}-d embeddings but the index "
-            f"{index.describe()} holds {index.dim}-d ones{made_by}; query with the model that "
-            f"embedded {collection.prefix}"
+            f"--model {model.path} ({model.description}) makes {mine['dim']}-d embeddings but "
+            f"{collection.npy} holds {dim}-d ones{made}; pass the model that embedded "
+            f"{collection.prefix}"
         )
     if not recorded:
         return None
     if mine["features"] != recorded["features"] or mine["input_kind"] != recorded["input_kind"]:
         raise ValueError(
-            f"--model {model.path} reads audio with other features than the model that made the "
-            f"index {index.path}{made_by}; query with that model, or rebuild the index from "
-            "embeddings of this one"
+            f"--model {model.path} reads audio with other features than the model that embedded "
+            f"{collection.prefix}{made}; pass that model, or embed the collection again with "
+            "this one"
         )
     if _statistics(mine.get("adaptation")) != _statistics(recorded.get("adaptation")):
         return (
@@ -242,8 +253,8 @@ def check_model(index: SearchIndex, model: LoadedEmbedder, collection: Collectio
         recorded[key] for key in ("path", "bytes", "mtime_ns")
     ]:
         return (
-            f"warning: the index {index.path} was built from embeddings of {recorded['path']} "
-            f"({recorded['description']}), not of --model {model.path}: the neighbours mean "
+            f"warning: {collection.prefix} was embedded by {recorded['path']} "
+            f"({recorded['description']}), not by --model {model.path}: the neighbours mean "
             "something only if both are the same trained model (e.g. a checkpoint and its export)"
         )
     return None

@@ -30,12 +30,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import soundfile
 import torch
 
 from audioclf.api import Model, load
 from audioclf.data.index.table import SUPPORTED_FORMATS
-from audioclf.data.readers import AudioReadError, load_audio
+from audioclf.data.readers import AudioReadError, AudioTooLong, load_audio
 from audioclf.embedding.gallery import class_scores, load_gallery, top_classes
 from audioclf.inference.extract import check_finite
 from audioclf.search import collection as collections
@@ -270,18 +269,16 @@ class Service:
         read for Model.embed); `name` says where they came from ("in part 2 (a.wav)"):
         AudioReadError naming it when they are no audio, OverLimit past --max-clip-seconds."""
         limit = self.options.max_clip_seconds
-        try:
-            info = soundfile.info(io.BytesIO(data))
-        except (RuntimeError, ValueError, TypeError, EOFError, OSError):
-            info = None  # load_audio below says what is wrong with it
-        if info is not None and info.samplerate > 0 and info.frames / info.samplerate > limit:
-            raise OverLimit(
-                f"the audio {name} is {info.frames / info.samplerate:.1f} s long; this server takes "
-                f"clips of at most {limit:g} s (--max-clip-seconds)"
-            )
         if not data:
             raise AudioReadError(f"no audio {name}: send the bytes of an audio file")
-        wave = load_audio(io.BytesIO(data), self.model.sample_rate, name=name)
+        try:  # the limit by the header when it tells, else by what is read (a pipe's FLAC)
+            wave = load_audio(
+                io.BytesIO(data), self.model.sample_rate, name=name, max_seconds=limit
+            )
+        except AudioTooLong as exc:
+            raise OverLimit(
+                f"{exc}; this server takes clips of at most {limit:g} s (--max-clip-seconds)"
+            ) from None
         return self.model.prepare_waveform(wave, self.model.sample_rate)
 
     def rank(self, embeddings: np.ndarray, top: int) -> list[list[tuple[str, float]]]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import benchmarks.faults
-from benchmarks.faults import agents, misuse, outputs, safe_defaults, serving, training
+from benchmarks.faults import agents, misuse, outputs, packs, safe_defaults, serving, training
 from benchmarks.faults.harness import (
     CONSOLE_LOGS,
     Row,
@@ -29,6 +29,7 @@ CASES = [
     *outputs.CASES,
     *misuse.CASES,
     *serving.CASES,
+    *packs.CASES,
     *agents.CASES,
 ]
 SMOKE = "kill-mid-write,too-few-classes"  # --smoke: the worker and the process harness, quickly

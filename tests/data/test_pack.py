@@ -398,3 +398,87 @@ def test_the_data_scale_benchmark_runs_at_its_smallest_size(tmp_path):
         assert row in out, out
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == 8, out
+
+
+# ------------------------------------------------------------------------------ packs that cannot lie
+
+
+def test_an_edited_pack_json_is_refused_when_the_pack_is_opened(tmp_path):
+    summary = pack(npy_sheet(tmp_path, classes=3), tmp_path / "pack")
+    manifest = tmp_path / "pack" / "pack.json"
+    edited = json.loads(manifest.read_text()) | {"dtype": "float32"}  # the values read as garbage
+    manifest.write_text(json.dumps(edited, indent=2))
+    with pytest.raises(PackError) as caught:
+        packed_dataset(summary.index_path)
+    message = str(caught.value)
+    assert f"{manifest} does not match its checksum" in message, message
+    assert "python -m audioclf.prepare --pack" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("damage", ["cut short", "edited"])
+def test_a_damaged_rows_npy_is_one_line_naming_it(tmp_path, damage):
+    summary = pack(npy_sheet(tmp_path, classes=3), tmp_path / "pack")
+    rows = tmp_path / "pack" / "rows.npy"
+    if damage == "cut short":
+        os.truncate(rows, rows.stat().st_size - 100)
+    else:
+        table = np.load(rows)
+        table[0, 2] += 1  # one sample's frame count
+        np.save(rows, table)
+    with pytest.raises(PackError) as caught:
+        packed_dataset(summary.index_path)
+    message = str(caught.value)
+    assert f"{rows} does not match the checksum in pack.json (cut short or edited" in message
+    assert "python -m audioclf.prepare --pack" in message
+
+
+def test_a_pack_of_an_older_audioclf_is_refused_on_read_and_by_prepare(tmp_path):
+    sheet = npy_sheet(tmp_path, classes=3)
+    summary = pack(sheet, tmp_path / "pack")
+    manifest = tmp_path / "pack" / "pack.json"
+    old = json.loads(manifest.read_text()) | {"version": 1}
+    del old["checksum"], old["rows_checksum"]
+    manifest.write_text(json.dumps(old))
+    with pytest.raises(PackError, match=r"made by an older audioclf \(format version 1; .*--pack"):
+        packed_dataset(summary.index_path)
+    with pytest.raises(ValueError, match=r"pack made by an older audioclf .*delete .*pack"):
+        pack(sheet, tmp_path / "pack")
+
+
+def test_a_source_rewritten_after_packing_is_named_by_the_next_prepare(tmp_path):
+    sheet = npy_sheet(tmp_path, classes=3)
+    pack(sheet, tmp_path / "pack")
+    source = Path(pd.read_csv(sheet)["path"].iloc[4])
+    np.save(source, np.zeros_like(np.load(source)))  # the same shape: the same size
+    with pytest.raises(ValueError) as caught:
+        pack(sheet, tmp_path / "pack")
+    message = str(caught.value)
+    assert (
+        f"1 source file(s) that changed since they were packed (first: {source}, row 6" in message
+    )
+    assert "delete" in message and "prepare --pack again" in message
+
+
+def test_a_source_rewritten_between_a_stopped_pack_and_its_rerun_is_named(tmp_path):
+    sheet = npy_sheet(tmp_path, classes=3)
+
+    def stop(rows_done):
+        raise KeyboardInterrupt  # after the first durable chunk
+
+    with pytest.raises(KeyboardInterrupt):
+        pack(sheet, tmp_path / "pack", on_chunk=stop)
+    assert (tmp_path / "pack" / ".pack-progress.json").is_file()
+    first = pd.read_csv(sheet).sort_values(["a_cls", "a_item", "a_id"])["path"].iloc[0]
+    np.save(first, np.load(first)[:-1])  # packed already, now shorter
+    with pytest.raises(ValueError, match=f"changed since they were packed .first: {first}"):
+        pack(sheet, tmp_path / "pack")
+
+
+def test_a_cut_short_pack_index_names_it_and_prepare_pack(tmp_path):
+    summary = pack(npy_sheet(tmp_path, classes=3), tmp_path / "pack")
+    os.truncate(summary.index_path, summary.index_path.stat().st_size // 2)
+    with pytest.raises(ValueError) as caught:
+        packed_dataset(summary.index_path)
+    message = str(caught.value)
+    assert f"index file {summary.index_path} could not be read as .parquet" in message
+    assert message.endswith("pack again with python -m audioclf.prepare --pack into a new folder")

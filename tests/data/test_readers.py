@@ -12,12 +12,14 @@ from hypothesis import strategies as st
 from audioclf.data import readers
 from audioclf.data.readers import (
     AudioReadError,
+    AudioTooLong,
     FeatureFileError,
     crop_or_pad,
     load_audio,
     read_npy_crop,
     window_starts,
 )
+from tests.helpers import write_unknown_length_audio
 
 # ---------------------------------------------------------------------------------------------
 # load_audio
@@ -255,3 +257,25 @@ def test_load_audio_reads_the_bytes_of_a_file_as_the_file(tmp_path):
     cut = (tmp_path / "full.wav").read_bytes()[:2000]
     with pytest.raises(AudioReadError, match=r"^cannot read audio the body: .*truncated"):
         load_audio(io.BytesIO(cut), 16000, name="the body")
+
+
+@pytest.mark.parametrize("suffix", [".flac", ".wav"])
+def test_audio_of_unknown_length_is_read_to_its_end_and_limited_by_what_is_read(tmp_path, suffix):
+    wave = np.random.default_rng(2).uniform(-0.5, 0.5, 3 * 16000 + 123).astype(np.float32)
+    known = tmp_path / f"known{suffix}"
+    soundfile.write(known, wave, 16000)
+    path = write_unknown_length_audio(tmp_path / f"piped{suffix}", wave, 16000)
+    whole = load_audio(known, 16000)
+    assert len(whole) == len(wave)
+    assert torch.equal(load_audio(path, 16000), whole)  # to the last frame
+    assert torch.equal(load_audio(io.BytesIO(path.read_bytes()), 16000, name="x"), whole)
+    assert torch.equal(load_audio(path, 16000, (1.0, 2.5)), whole[16000:40000])
+    assert torch.equal(load_audio(path, 16000, (2.5, 9.0)), whole[40000:])
+    assert torch.equal(load_audio(path, 16000, max_seconds=4), whole)
+    assert readers.audio_seconds(path) == pytest.approx(len(wave) / 16000)
+    with pytest.raises(
+        AudioTooLong, match=r"^the audio in part 1 \(p\) is (more than 2 s|3.0 s) long$"
+    ):
+        load_audio(io.BytesIO(path.read_bytes()), 16000, name="in part 1 (p)", max_seconds=2)
+    with pytest.raises(AudioReadError, match="segment 4-5 s starts at or past the end"):
+        load_audio(path, 16000, (4.0, 5.0))

@@ -46,6 +46,25 @@ def test_missing_config_is_one_clear_line():
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--stage", "x"], "--stage takes a stage number from 1 to 5, got 'x'"),
+        (["--stop-stage", "two"], "--stop-stage takes a stage number from 1 to 5, got 'two'"),
+        (["--stage"], "--stage needs a stage number from 1 to 5"),
+        (["--stage", "9"], "--stage takes a stage number from 1 to 5, got '9'"),
+        (
+            ["--stage", "3", "--stop-stage", "2"],
+            "--stop-stage 2 is before --stage 3: nothing would run",
+        ),
+    ],
+)
+def test_a_bad_demo_stage_is_one_line_and_exit_2(args, said):
+    out = run_sh("demo", *args, timeout=30)  # refused before the venv is set up or a stage runs
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stderr.strip() == f"run.sh: demo: {said}" and "stage" not in out.stdout, out
+
+
 def test_background_run_and_stop(tmp_path, tiny_demo):
     runs = tmp_path / "runs"
     cfg = tiny_config(tiny_demo, runs, "cnn", "train.epochs=500", "eval.every=0", "train.name=bg")

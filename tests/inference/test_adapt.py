@@ -164,3 +164,23 @@ def test_an_export_cannot_be_adapted_one_line(tmp_path, capsys):
         match="--adapt needs an audioclf checkpoint.*the checkpoint it was exported from",
     ):
         audioclf.load(out).adapt(tmp_path / "new_source")
+
+
+@pytest.mark.parametrize(
+    ("inputs", "said"),
+    [
+        ("", "got an empty path ('')"),
+        ([], "got no files or folders"),
+        (["a/", ""], "got an empty path ('')"),
+    ],
+)
+def test_model_adapt_with_no_input_is_one_line_with_no_blank(tmp_path, monkeypatch, inputs, said):
+    write_wavs(tmp_path / "cwd", new_source_clips(2))  # audio where '' would silently point
+    monkeypatch.chdir(tmp_path / "cwd")
+    model = audioclf.load(make_checkpoint(tmp_path / "best.pt", "cnn"))
+    with pytest.raises(ValueError) as caught:
+        model.adapt(inputs)
+    message = str(caught.value)
+    assert message.startswith(f"Model.adapt(inputs) {said}") and "\n" not in message, message
+    assert message.endswith("pass the files or folders of unlabelled audio of the new source")
+    assert "  " not in message and " ;" not in message and model.adaptation is None

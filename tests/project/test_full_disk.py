@@ -8,6 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from audioclf.fileio import DiskWriteError
@@ -85,3 +87,56 @@ def test_every_writer_on_a_full_disk_names_its_folder(tool, full_disk, tiny_demo
     _, err = capsys.readouterr()
     assert code == 2, err
     _says_full(err, folder)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """An empty 256 KiB tmpfs (root only; skipped elsewhere)."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _pack_args(tmp_path: Path, out: Path) -> list[str]:
+    """prepare --pack of 20 .npy sources, 320 kB of fp16 frames: more than a small tmpfs holds."""
+    rows = []
+    for number in range(20):
+        path = tmp_path / f"c{number % 4}_{number}.npy"
+        np.save(path, np.ones((500, 16), np.float32))
+        rows.append({"a_cls": f"c{number % 4}", "a_item": f"i{number}", "a_id": path.stem,
+                     "path": str(path)})  # fmt: skip
+    sheet = tmp_path / "sources.csv"
+    pd.DataFrame(rows).to_csv(sheet, index=False)
+    return ["--index", str(sheet), "--out", str(out), "--pack", "--quiet", "--workers", "1",
+            "features.kind=npy", "features.n_mels=16"]  # fmt: skip
+
+
+def test_prepare_pack_on_a_full_disk_names_the_file(small_tmpfs, tmp_path, capsys):
+    from audioclf.prepare import main  # noqa: PLC0415
+
+    assert main(_pack_args(tmp_path, small_tmpfs / "pack")) == 2
+    _, err = capsys.readouterr()
+    _says_full(err, small_tmpfs / "pack")
+
+
+def test_a_read_only_folder_says_read_only_not_free_some_space(small_tmpfs, tmp_path, capsys):
+    from audioclf.prepare import main  # noqa: PLC0415
+
+    (small_tmpfs / "pack").mkdir()
+    remounted = subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True)
+    if remounted.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {remounted.stderr.decode().strip()}")
+    assert main(_pack_args(tmp_path, small_tmpfs / "pack")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"cannot write {small_tmpfs / 'pack'}/" in lines[0] and "Read-only" in lines[0]
+    assert "is on a read-only file system: remount it writable, or write to another" in lines[0]
+    assert "Free some space" not in lines[0]

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -223,7 +224,7 @@ def test_a_query_model_of_another_file_is_a_warning(embedded, tmp_path, capsys):
         "--device", "cpu",
     )  # fmt: skip
     assert code == 0 and "query " in out
-    assert err.count("\n") == 1 and "warning: the index" in err and str(other) in err
+    assert err.count("\n") == 1 and "was embedded by" in err and f"not by --model {other}" in err
 
 
 def test_an_adapted_collection_says_so_and_an_unadapted_query_model_is_a_warning(
@@ -406,3 +407,55 @@ def test_help_runs_as_a_module():
     )
     assert result.returncode == 0, result.stderr
     assert "--exclude-same-item" in result.stdout and "build PREFIX" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def adapted(embedded, tmp_path_factory) -> dict:
+    """A BatchNorm model, and the sheet embedded by it adapted on the queries (embed --adapt)."""
+    root = tmp_path_factory.mktemp("adapted")
+    model = make_checkpoint(root / "cnn.pt")
+    prefix = root / "adapted"
+    argv = ["--model", model, "--index", embedded["root"] / "sheet.csv", "--save", prefix]
+    more = ["--adapt", embedded["queries"], "--quiet", "--num-workers", "0"]
+    assert embed_main([str(arg) for arg in argv + more]) == 0
+    return {"model": model, "prefix": prefix, "queries": embedded["queries"]}
+
+
+def copy_collection(prefix: Path, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for suffix in (".npy", ".parquet"):
+        shutil.copy(f"{prefix}{suffix}", folder / f"c{suffix}")
+    return folder / "c"
+
+
+ADAPTED_WARNING = "their BatchNorm statistics differ (--adapt)"
+
+
+@pytest.mark.parametrize("build", ["none", "without --model", "with --model"])
+def test_every_cli_path_warns_of_an_unadapted_query_model(adapted, tmp_path, capsys, build):
+    prefix = copy_collection(adapted["prefix"], tmp_path)  # straight from embed --adapt
+    if build != "none":
+        more = ["--model", adapted["model"]] if build == "with --model" else []
+        code, out, err = run_cli(capsys, "build", prefix, "--quiet", *more)
+        assert code == 0, err
+        warned = more and err.count("\n") == 1 and ADAPTED_WARNING in err
+        assert warned or (not more and err == ""), err  # build --model M: M is checked too
+        assert load(f"{prefix}.exact.json").info["model"] == Collection.open(prefix).made_by
+    code, out, err = run_cli(
+        capsys, "query", prefix, adapted["queries"], "--model", adapted["model"], "--quiet",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0 and "query " in out
+    assert err.count("\n") == 1 and ADAPTED_WARNING in err, err
+
+
+def test_model_search_warns_of_an_unadapted_model_and_not_of_the_adapted_one(adapted):
+    import audioclf
+
+    model = audioclf.load(adapted["model"], device="cpu")
+    with pytest.warns(UserWarning, match=r"was embedded by .* their BatchNorm statistics differ"):
+        model.search([adapted["queries"]], adapted["prefix"], k=2)
+    model.adapt([adapted["queries"]])  # the same statistics as the collection's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(model.search([adapted["queries"]], adapted["prefix"], k=2)) == 6

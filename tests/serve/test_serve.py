@@ -43,6 +43,7 @@ from tests.helpers import (
     make_checkpoint,
     multipart,
     serving,
+    write_unknown_length_audio,
 )
 
 
@@ -302,6 +303,44 @@ def test_limits_answer_413_before_the_model(served, tmp_path):
         status, _, body = http_request("POST", url + "/rank?top=0", short)
         assert status in (400, 404)
     assert service.stats.total("audioclf_clips_total") == 0  # none reached the model
+
+
+@pytest.mark.parametrize("suffix", [".flac", ".wav"])
+def test_audio_of_unknown_length_is_embedded_and_limited_by_its_real_length(
+    served, tmp_path, suffix
+):
+    wave = np.random.default_rng(3).uniform(-0.3, 0.3, 2 * 16000).astype(np.float32)
+    soundfile.write(tmp_path / f"known{suffix}", wave, 16000)
+    piped = write_unknown_length_audio(tmp_path / f"piped{suffix}", wave, 16000)
+    _, expected = served["model"].embed([tmp_path / f"known{suffix}"])
+    _, embedded = served["model"].embed([piped])  # Model.embed reads it whole
+    np.testing.assert_allclose(embedded, expected, atol=1e-6)
+    status, answer = post(served["url"] + "/embed", [piped])
+    assert status == 200, answer
+    np.testing.assert_allclose(answer["clips"][0]["embedding"], expected[0], atol=2e-5)
+    service = Service(served["model"], ServeOptions(max_clip_seconds=1.5))
+    with serving(build_app(service)) as url:
+        status, answer = post(url + "/embed", [piped])
+    assert status == 413 and re.fullmatch(
+        rf"the audio in part 1 \(piped{suffix}\) is (more than 1.5 s|2.0 s) long; this server "
+        r"takes clips of at most 1.5 s \(--max-clip-seconds\)",
+        answer["error"],
+    ), answer
+
+
+def test_a_collection_embedded_adapted_served_with_the_unadapted_model_is_a_warning(
+    served, tmp_path, caplog
+):
+    adapted = audioclf.load(served["model_path"], device="cpu")
+    adapted.adapt(served["files"][:4])
+    prefix = tmp_path / "adapted"
+    embed_sheet(adapted.loaded, served["sheet"], prefix, num_workers=0, progress=False)
+    with caplog.at_level("WARNING", logger="audioclf"):
+        Service.open(served["model_path"], collection=prefix).close()
+    warned = [
+        r.getMessage() for r in caplog.records if "BatchNorm statistics differ" in r.getMessage()
+    ]
+    assert len(warned) == 1 and f"{prefix} was embedded by" in warned[0], caplog.text
 
 
 def test_a_full_queue_answers_503_at_once_and_the_admitted_requests_still_complete(

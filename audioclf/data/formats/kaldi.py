@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import soundfile
-
 from audioclf.data.formats.commands import CommandSources
 from audioclf.data.formats.records import (
     Entry,
@@ -18,7 +16,7 @@ from audioclf.data.formats.records import (
     seconds,
     text_lines,
 )
-from audioclf.data.readers import AUDIO_SUFFIXES
+from audioclf.data.readers import AUDIO_SUFFIXES, audio_seconds
 
 
 def read_kaldi(
@@ -113,12 +111,11 @@ def _segments(path: Path, wavs: dict) -> list[Entry]:
 
 def _duration(audio: str, where: str) -> float:
     try:
-        info = soundfile.info(audio)
+        return audio_seconds(audio)
     except (RuntimeError, OSError) as exc:
         raise FormatError(
             f"{where}: end -1 needs the length of {audio}, unreadable: {exc}"
         ) from None
-    return info.frames / info.samplerate
 
 
 def read_wespeaker(

@@ -27,6 +27,7 @@ from audioclf.data.index.header import (
 )
 from audioclf.data.index.table import (
     HEADER_ATTR,
+    PACK_MANIFEST,
     SUPPORTED_FORMATS,
     IndexValidationError,
     SheetHeader,
@@ -73,9 +74,12 @@ def read_table(path: str | Path, cfg: DataConfig) -> pd.DataFrame:
     except IndexValidationError:
         raise
     except Exception as exc:  # every parser has its own error types; all mean "unreadable"
+        fix = f"save it as one of {SUPPORTED_FORMATS} (csv as UTF-8)"
+        if (path.parent / PACK_MANIFEST).is_file():  # a feature pack's own index, damaged
+            fix = "it is a feature pack's index, cut short or edited: pack again with python -m "
+            fix += "audioclf.prepare --pack into a new folder"
         raise IndexValidationError(
-            f"index file {path} could not be read as {suffix} ({type(exc).__name__}: {exc}); "
-            f"save it as one of {SUPPORTED_FORMATS} (csv as UTF-8)"
+            f"index file {path} could not be read as {suffix} ({type(exc).__name__}: {exc}); {fix}"
         ) from None
     return _named(parsed, path, cfg)
 

@@ -20,6 +20,7 @@ TABLE_COLUMNS = ("cls", "item", "id", "path", "row", "split")
 SPAN_COLUMNS = ("start", "end")
 # a feature pack's index (audioclf.data.pack): each row's byte offset and frames in its data file
 PACK_COLUMNS = ("pack_offset", "pack_frames")
+PACK_MANIFEST = "pack.json"  # beside a pack's index: a damaged index's fix is to pack again
 SPLITS = ("train", "val", "test")
 SUPPORTED_FORMATS = ".xlsx, .xlsm, .csv, .parquet"
 # read_table's row at position p is sheet row p + FIRST_DATA_ROW (Excel's row, a csv's line), also

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import soundfile
 
 from audioclf.config import DataConfig
 from audioclf.data.index.header import fold, header_hint
@@ -30,6 +29,7 @@ from audioclf.data.index.table import (
     sheet_header,
     table_codes,
 )
+from audioclf.data.readers import audio_seconds
 
 log = logging.getLogger("audioclf")
 
@@ -268,7 +268,7 @@ def _pack_values(
 
 def check_spans(table: pd.DataFrame) -> list[tuple[int, str]]:
     """(position, what is wrong) of the segment rows whose end lies past their audio file's end,
-    by soundfile.info's frame count (files it cannot tell about are left to the reader)."""
+    by readers.audio_seconds (files it cannot tell about are left to the reader)."""
     if "end" not in table.columns:
         return []
     segments = np.flatnonzero(np.isfinite(table["end"].to_numpy(np.float64)))
@@ -278,8 +278,7 @@ def check_spans(table: pd.DataFrame) -> list[tuple[int, str]]:
         path, end = table["path"].iat[position], float(table["end"].iat[position])
         if path not in seconds:
             try:
-                info = soundfile.info(path)
-                seconds[path] = info.frames / info.samplerate if info.frames > 0 else None
+                seconds[path] = audio_seconds(path) or None
             except (RuntimeError, OSError, ValueError):  # not audio (.npy) or unreadable
                 seconds[path] = None
         length = seconds[path]
