@@ -9,6 +9,7 @@ import base64
 import contextlib
 import datetime
 import http.client
+import importlib.util
 import json
 import math
 import os
@@ -62,6 +63,16 @@ TINY_MODELS = {
         },
     },
 }
+
+
+def script_module(path: Path):
+    """A benchmarks/ script imported as a module (its main() not run), once per process."""
+    name = f"benchmarks_{path.stem}"
+    if name not in sys.modules:  # registered first: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def make_checkpoint(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import math
 import re
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, child_env, run_group
+from tests.helpers import ROOT, child_env, run_group, script_module
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -38,16 +37,6 @@ TINY = [
     "model.conformer.num_layers=1",
     "model.conformer.kernel_size=7",
 ]
-
-
-def script_module(path: Path):
-    """A benchmarks/ script imported as a module (its main() not run)."""
-    name = f"benchmarks_{path.stem}"
-    if name not in sys.modules:  # registered first: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def make_wheel(folder: Path, name: str, version: str, files: dict[str, str]) -> Path:
