@@ -75,6 +75,33 @@ def script_module(path: Path):
     return sys.modules[name]
 
 
+def count_host_syncs(run) -> int:
+    """Reads of device values by the host (`.item()`, `bool()`, `.tolist()`), per the profiler.
+
+    Reads inside the optimizer step are left out: torch's fused CPU kernels read their scalars
+    (lr, found_inf) on the host, where there is no device to stall; the CUDA kernels read them on
+    the GPU.
+    """
+    # acc_events: one cycle here, so nothing to accumulate; torch 2.11 warns without it
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, acc_events=True) as prof:
+        run()
+
+    def in_optimizer_step(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("Optimizer.step"):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return sum(
+        1
+        for e in prof.events()
+        if e.name == "aten::_local_scalar_dense" and not in_optimizer_step(e)
+    )
+
+
 def make_checkpoint(
     path: Path,
     name: str = "cnn",
