@@ -326,7 +326,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, out_dir, backend):
+def _entry(rank, world_size, port, fn, args, out_dir, backend, group_timeout_s=60.0):
     import torch.distributed as dist
 
     os.environ.update(
@@ -343,7 +343,7 @@ def _entry(rank, world_size, port, fn, args, out_dir, backend):
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=group_timeout_s),
             **extra,
         )
         result = ("ok", fn(rank, world_size, *args))
@@ -356,14 +356,21 @@ def _entry(rank, world_size, port, fn, args, out_dir, backend):
 
 
 def run_in_group(
-    fn, tmp_path, *args, world_size: int = 2, timeout: float = 120.0, backend: str = "gloo"
+    fn,
+    tmp_path,
+    *args,
+    world_size: int = 2,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    group_timeout_s: float = 60.0,
 ) -> list:
-    """fn(rank, world_size, *args) on each rank; returns results by rank; raises on any error."""
+    """fn(rank, world_size, *args) on each rank; returns results by rank; raises on any error.
+    group_timeout_s: the process group's timeout (each collective's)."""
     ctx = mp.get_context("spawn")
     port = free_port()
+    entry_args = (port, fn, args, str(tmp_path), backend, group_timeout_s)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, str(tmp_path), backend))
-        for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, *entry_args)) for r in range(world_size)
     ]
     for p in procs:
         p.start()
