@@ -39,9 +39,11 @@ class Requirement:
     pin: str = ""  # the version gpu_wheels.sh fetches; "" = the GPU machine's own (not fetched)
 
 
-# A GPU machine's own Python brings torch with CUDA and the usual scientific stack; the pinned
-# rest (and what they import: cffi and pycparser for soundfile, et-xmlfile for openpyxl) comes
-# from gpu_wheels.sh, at the versions the CPU suite passes with.
+# A GPU machine's own Python brings torch with CUDA and the usual scientific stack (each unpinned
+# wheel is in BOX_PACKAGES); the pinned rest (and what they import: cffi and pycparser for
+# soundfile, et-xmlfile for openpyxl) comes from gpu_wheels.sh, at the versions the CPU suite
+# passes with. tests/project/test_box_imports.py fails when audioclf/ or tests/ imports a package
+# at module level that is in neither.
 REQUIRED = (
     Requirement("torch", "torch"),
     Requirement("torchaudio", "torchaudio"),
@@ -67,6 +69,41 @@ REQUIRED = (
     Requirement("python_calamine", "python-calamine", "0.9.1"),
     Requirement("pytorch_metric_learning", "pytorch-metric-learning", "2.9.0"),
     Requirement("faiss", "faiss-cpu", "1.15.1"),
+    # audioclf serve and tests/serve; what they import in turn (anyio, h11, click) is the box's.
+    Requirement("starlette", "starlette", "1.10.0"),
+    Requirement("uvicorn", "uvicorn", "0.55.0"),
+    Requirement("python_multipart", "python-multipart", "0.0.34"),
+    Requirement("anyio", "anyio"),
+    Requirement("h11", "h11"),
+    Requirement("click", "click"),
+)
+
+# The GPU machine's image (its device notes, read 2026-11-17): Python 3.12, torch 2.11.0+cu130,
+# and of its packages those that audioclf, its tests or a pinned wheel above import (the rest of
+# the image is not relied on). Every unpinned Requirement is one of these; the rehearsal
+# (benchmarks/gpu_rehearsal.py) builds a venv of them plus the pinned wheels.
+BOX_PYTHON = (3, 12)
+BOX_PACKAGES = (
+    "torch",
+    "torchaudio",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "pyyaml",
+    "tqdm",
+    "tensorboard",
+    "scikit-learn",
+    "scipy",
+    "matplotlib",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "pytest",
+    "pytest-xdist",
+    "hypothesis",
+    "anyio",
+    "h11",
+    "click",
 )
 
 

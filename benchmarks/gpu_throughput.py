@@ -30,11 +30,13 @@ Each measurement times --steps steps after 3 warm-up steps (cuDNN autotuning, wo
 Peak memory is torch.cuda.max_memory_allocated over the synthetic run. x_fp32 is a cell's
 synthetic samples/s over its model's IEEE fp32 cell's.
 
-Prints a line per cell, the table, then one `PASS|FAIL|SKIP <name>: <detail>` line per target
-(conformer bf16 >= 1.8x IEEE fp32 samples/s: against TF32, which the recipes turn on, a
-host-bound step gains less, so TF32 is a cell of its own and not the baseline; the loader keeps
-the GPU >= 90 % busy, each model) and per
-cell that could not run: bf16 on a GPU without native bfloat16 is SKIP, an error is FAIL. On a CPU
+Prints a line per cell as it finishes, each `PASS|FAIL|SKIP <name>: <detail>` target line as
+soon as its cells are measured (conformer bf16 >= 1.8x IEEE fp32 samples/s: against TF32, which
+the recipes turn on, a host-bound step gains less, so TF32 is a cell of its own and not the
+baseline; the loader keeps the GPU >= 90 % busy, each model) and per cell that could not run
+(bf16 on a GPU without native bfloat16 is SKIP, an error is FAIL), then the table at the end.
+The +compile cells run last: a run stopped at gpu_check.sh's time limit during a cold
+compilation keeps every line printed before it. On a CPU
 the targets are SKIP (a smoke run). Exit status 1 when a line is FAIL.
 """
 
@@ -47,6 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -252,17 +255,19 @@ def describe(row: dict) -> str:
     return line
 
 
-def verdicts(rows: list[dict], device: torch.device) -> list[str]:
-    """The targets' PASS|FAIL lines (SKIP on a CPU, or without the cells they compare)."""
+def verdicts(rows: list[dict], device: torch.device, final: bool = True) -> list[str]:
+    """The targets' PASS|FAIL lines (SKIP on a CPU, or without the cells they compare).
+    final=False (while cells are still to run): no SKIP for a comparison whose cells may come."""
     on_gpu = device.type == "cuda"
     smoke = "" if on_gpu else "; --device cpu is a smoke run: targets are for a GPU"
     by = {(r["model"], r["precision"]): r for r in rows}
     lines = []
-    if ("conformer", "fp32") in by or ("conformer", "bf16") in by:
-        fp32, bf16 = (
-            by.get(("conformer", p), {}).get("synthetic_sps", math.nan) for p in ("fp32", "bf16")
-        )
-        ratio = bf16 / fp32
+    fp32, bf16 = (
+        by.get(("conformer", p), {}).get("synthetic_sps", math.nan) for p in ("fp32", "bf16")
+    )
+    ratio = bf16 / fp32
+    compared = ("conformer", "fp32") in by or ("conformer", "bf16") in by
+    if compared and (final or not math.isnan(ratio)):
         if math.isnan(ratio):
             status, detail = "SKIP", "no measured conformer fp32 and bf16 cells to compare"
         else:
@@ -279,6 +284,93 @@ def verdicts(rows: list[dict], device: torch.device) -> list[str]:
             f"{row['precision']} (target >= {100 * BUSY_TARGET:.0f} %){smoke}"
         )
     return lines
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    name: str  # the table's precision column: fp32, ..., bf16+pack, bf16+compile
+    precision: str
+    overrides: tuple[str, ...]
+    index: Path
+    with_loader: bool
+
+
+def plan_cells(args, device: torch.device, tmp: Path) -> list[Cell]:
+    """Every cell of every model (writing each model's feature set and pack under `tmp`), the
+    +compile cells last: a cold compilation may outlast what is left of gpu_check.sh's time
+    limit, and every cell measured before it is already printed."""
+    loader_precision = auto_precision(device)[0]
+    compiled = args.compile if args.compile is not None else ["cnn"] * (device.type == "cuda")
+    plain, last = [], []
+    for model in args.models:
+        shipped = recipe(model, "auto", device, tmp / "unused.csv", args.set)
+        files = feature_files(shipped, args.steps, args.files)
+        index = write_feature_set(shipped, tmp / model, files)
+        for p in args.precisions:
+            plain.append(Cell(model, p, p, tuple(args.set), index, p == loader_precision))
+        packed = pack_feature_set(shipped, index)
+        pack = f"{loader_precision}+pack"
+        plain.append(Cell(model, pack, loader_precision, tuple(args.set), packed, True))
+        if model in compiled:
+            compile_set = (*args.set, "train.compile=true")
+            name = f"{loader_precision}+compile"
+            last.append(Cell(model, name, loader_precision, compile_set, index, False))
+    return plain + last
+
+
+class Reporter:
+    """Prints each line once, as soon as it is known (flushed), and keeps them: a run stopped at
+    its time limit leaves every finished cell's line and verdict in the log."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.printed: list[str] = []
+
+    def say(self, line: str) -> None:
+        if line not in self.printed:
+            self.printed.append(line)
+            print(line, flush=True)
+
+    def verdicts(self, rows: list[dict], final: bool) -> None:
+        for line in verdicts(rows, self.device, final):
+            self.say(line)
+
+
+def measure_cells(cells: list, device: torch.device, steps: int, run=None) -> tuple:
+    """(rows, reporter) of `cells` in order, each cell's lines and the verdicts it completes
+    printed when it finishes. `run(cell, device, steps, reporter) -> row`: run_cell."""
+    run = run or run_cell
+    report = Reporter(device)
+    rows = []
+    for cell in cells:
+        rows.append(run(cell, device, steps, report))
+        report.verdicts(rows, final=False)
+    report.verdicts(rows, final=True)
+    return rows, report
+
+
+def run_cell(cell: Cell, device: torch.device, steps: int, report: Reporter) -> dict:
+    """The cell's row (NaN where it did not run); its lines printed."""
+    cfg = recipe(cell.model, cell.precision, device, cell.index, list(cell.overrides))
+    row = {"model": cell.model, "precision": cell.name, "synthetic_sps": math.nan}
+    row.update(peak_gib=math.nan, loader_sps=math.nan, busy=math.nan)
+    refused = bf16_refused(cfg, device)
+    if refused:
+        report.say(f"SKIP {cell.model} {cell.name}: {refused}")
+        return row
+    try:
+        row.update(measure(cfg, device, steps, cell.with_loader, cell.name))
+    except Exception as exc:  # one cell's failure (an OOM, a kernel error) is a line
+        traceback.print_exc()
+        report.say(f"FAIL {cell.model} {cell.name}: {type(exc).__name__}: {exc}".splitlines()[0])
+        return row
+    finally:
+        gc.collect()  # the cell's model, optimizer and loader workers
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report.say(describe(row))
+    return row
 
 
 def main() -> int:
@@ -314,52 +406,16 @@ def main() -> int:
         return 2
     if device.type == "cuda" and device.index is None:  # cuda:N, as the Trainer's ranks use
         device = torch.device("cuda", torch.cuda.current_device())
-    loader_precision = auto_precision(device)[0]
-    compiled = args.compile if args.compile is not None else ["cnn"] * (device.type == "cuda")
-    rows, problems = [], []
     with tempfile.TemporaryDirectory(prefix="audioclf_gpu_") as tmp:
-        for model in args.models:
-            shipped = recipe(model, "auto", device, Path(tmp) / "unused.csv", args.set)
-            files = feature_files(shipped, args.steps, args.files)
-            index = write_feature_set(shipped, Path(tmp) / model, files)
-            cells = [(p, p, args.set, index) for p in args.precisions]
-            packed = pack_feature_set(shipped, index)
-            cells.append((f"{loader_precision}+pack", loader_precision, args.set, packed))
-            if model in compiled:
-                compile_set = [*args.set, "train.compile=true"]
-                cells.append((f"{loader_precision}+compile", loader_precision, compile_set, index))
-            for name, precision, overrides, cell_index in cells:
-                cfg = recipe(model, precision, device, cell_index, overrides)
-                row = {"model": model, "precision": name, "synthetic_sps": math.nan}
-                row.update(peak_gib=math.nan, loader_sps=math.nan, busy=math.nan)
-                rows.append(row)
-                refused = bf16_refused(cfg, device)
-                if refused:
-                    problems.append(f"SKIP {model} {name}: {refused}")
-                    print(problems[-1], flush=True)
-                    continue
-                try:
-                    loader = name in (loader_precision, f"{loader_precision}+pack")  # eager
-                    row.update(measure(cfg, device, args.steps, loader, name))
-                except Exception as exc:  # one cell's failure (an OOM, a kernel error) is a line
-                    traceback.print_exc()
-                    problems.append(f"FAIL {model} {name}: {type(exc).__name__}: {exc}")
-                    print(problems[-1].splitlines()[0], flush=True)
-                    continue
-                finally:
-                    gc.collect()  # the cell's model, optimizer and loader workers
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                print(describe(row), flush=True)
+        cells = plan_cells(args, device, Path(tmp))
+        rows, report = measure_cells(cells, device, args.steps)
     table = pd.DataFrame(rows)
     fp32 = table[table.precision == "fp32"].set_index("model").synthetic_sps
     table.insert(3, "x_fp32", table.synthetic_sps / table.model.map(fp32))
     print()
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-"))
     print()
-    lines = [line.splitlines()[0] for line in problems] + verdicts(rows, device)
-    print("\n".join(lines))
-    failed = sum(line.startswith("FAIL") for line in lines)
+    failed = sum(line.startswith("FAIL") for line in report.printed)
     measured = int(table.synthetic_sps.notna().sum())
     print(
         f"gpu_throughput: {measured} of {len(rows)} cells measured on {device.type}, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import http.client
+import importlib.util
 import json
 import math
 import os
@@ -63,6 +64,43 @@ TINY_MODELS = {
         },
     },
 }
+
+
+def script_module(path: Path):
+    """A benchmarks/ script imported as a module (its main() not run), once per process."""
+    name = f"benchmarks_{path.stem}"
+    if name not in sys.modules:  # registered first: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def count_host_syncs(run) -> int:
+    """Reads of device values by the host (`.item()`, `bool()`, `.tolist()`), per the profiler.
+
+    Reads inside the optimizer step are left out: torch's fused CPU kernels read their scalars
+    (lr, found_inf) on the host, where there is no device to stall; the CUDA kernels read them on
+    the GPU.
+    """
+    # acc_events: one cycle here, so nothing to accumulate; torch 2.11 warns without it
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, acc_events=True) as prof:
+        run()
+
+    def in_optimizer_step(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("Optimizer.step"):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return sum(
+        1
+        for e in prof.events()
+        if e.name == "aten::_local_scalar_dense" and not in_optimizer_step(e)
+    )
 
 
 def make_checkpoint(
@@ -289,7 +327,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, out_dir, backend):
+def _entry(rank, world_size, port, fn, args, out_dir, backend, group_timeout_s=60.0):
     import torch.distributed as dist
 
     os.environ.update(
@@ -306,7 +344,7 @@ def _entry(rank, world_size, port, fn, args, out_dir, backend):
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=group_timeout_s),
             **extra,
         )
         result = ("ok", fn(rank, world_size, *args))
@@ -319,14 +357,21 @@ def _entry(rank, world_size, port, fn, args, out_dir, backend):
 
 
 def run_in_group(
-    fn, tmp_path, *args, world_size: int = 2, timeout: float = 120.0, backend: str = "gloo"
+    fn,
+    tmp_path,
+    *args,
+    world_size: int = 2,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    group_timeout_s: float = 60.0,
 ) -> list:
-    """fn(rank, world_size, *args) on each rank; returns results by rank; raises on any error."""
+    """fn(rank, world_size, *args) on each rank; returns results by rank; raises on any error.
+    group_timeout_s: the process group's timeout (each collective's)."""
     ctx = mp.get_context("spawn")
     port = free_port()
+    entry_args = (port, fn, args, str(tmp_path), backend, group_timeout_s)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, str(tmp_path), backend))
-        for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, *entry_args)) for r in range(world_size)
     ]
     for p in procs:
         p.start()

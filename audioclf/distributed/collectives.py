@@ -3,6 +3,8 @@ runs on every rank (every rank must call it) and is the identity without a proce
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -81,12 +83,21 @@ def all_gather_nograd(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def broadcast_object(obj=None, src: int = 0):
-    """Send a picklable object from rank `src` to every rank (identity without a group)."""
+def broadcast_object(obj=None, src: int = 0, *, timeout: datetime.timedelta | None = None):
+    """Send a picklable object from rank `src` to every rank (identity without a group).
+    `timeout`: how long the receivers wait, instead of the process group's timeout (through a
+    group of every rank made for this one broadcast)."""
     if not is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    if timeout is None:
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+    group = dist.new_group(timeout=timeout)
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    finally:
+        dist.destroy_process_group(group)
     return box[0]
 
 
@@ -105,13 +116,14 @@ def primary_first(fn, *args, **kwargs):
     return result
 
 
-def primary_only(fn, *args, **kwargs):
+def primary_only(fn, *args, timeout: datetime.timedelta | None = None, **kwargs):
     """Run fn on rank 0 alone and hand its (picklable) result to every rank (collective); its
-    failure is raised on every rank at once, as in primary_first."""
+    failure is raised on every rank at once, as in primary_first. `timeout`: how long the other
+    ranks wait for fn (default: the process group's timeout)."""
     if not is_initialized():
         return fn(*args, **kwargs)
     result, error = _on_primary(fn, args, kwargs)
-    message, result = broadcast_object((_failure_text(error), result))
+    message, result = broadcast_object((_failure_text(error), result), timeout=timeout)
     _raise_primary_failure(error, message)
     return result
 

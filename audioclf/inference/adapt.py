@@ -11,13 +11,17 @@ is. The adapted model's description ends with what was done, so every output tha
 model says it (embed's first line, evaluate's report, a search collection's model record), and
 its `adaptation` keys the caches and part files that depend on the embeddings ("statistics":
 a digest of the adapted running statistics). Exports cannot be adapted (their statistics are
-fixed): adapt the checkpoint they were exported from, or export with `export --adapt`.
+fixed): adapt the checkpoint they were exported from, or export with `export --adapt`. The
+network is measured under the exact arithmetic of embedding (precision.exact_arithmetic: IEEE
+fp32, no cuDNN autotuning, compiled modules eager), so the statistics do not depend on the TF32
+a training in the same process left on.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +32,7 @@ from audioclf import distributed
 from audioclf.inference.artefacts import LoadedEmbedder, describe_adaptation
 from audioclf.inference.extract import find_files, read_clips
 from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
+from audioclf.precision import exact_arithmetic
 
 ADAPT_HELP = (
     "AdaBN first: a checkpoint's BatchNorm statistics from this folder (or file) of unlabelled "
@@ -51,8 +56,11 @@ def adapt(
     sources = [Path(s) for s in sources]
     files = find_files(sources, model.features)
     adapted = _copy(model)
+    clips = read_clips(adapted, files)  # on the host; moved a batch at a time
+    with exact_arithmetic():
+        measured = adapt_batchnorm(adapted.network, clips)
     record = {
-        **adapt_batchnorm(adapted.network, read_clips(adapted, files)),
+        **measured,
         "source": [str(s) for s in sources],
         "statistics": statistics_digest(adapted.network),
     }
@@ -72,21 +80,30 @@ def check_sources(sources: Sequence[str | Path], flag: str = "--adapt") -> None:
 def adapt_across_ranks(model: LoadedEmbedder, sources: Sequence[str | Path]) -> LoadedEmbedder:
     """adapt() under a process group (embed --index under torchrun): rank 0 reads the clips
     and measures, every rank takes its statistics, so all embed with one network and the new
-    source is read once (its errors are raised on every rank). Without a group: adapt()."""
+    source is read once (its errors are raised on every rank). The other ranks wait for rank 0
+    up to adaptation_timeout() of the files found, not the process group's timeout (30 minutes:
+    a large source takes longer). Without a group: adapt()."""
     if not distributed.is_initialized():
         return adapt(model, sources)
+    files = find_files([Path(s) for s in sources], model.features)  # a listing: every rank
 
     def measure() -> tuple[dict, list[tuple]]:
         adapted = adapt(model, sources)
         layers = batchnorm_layers(adapted.network)
         return adapted.adaptation, [(b.running_mean.cpu(), b.running_var.cpu()) for b in layers]
 
-    record, statistics = distributed.primary_only(measure)
+    record, statistics = distributed.primary_only(measure, timeout=adaptation_timeout(len(files)))
     adapted = _copy(model)
     for layer, (mean, var) in zip(batchnorm_layers(adapted.network), statistics, strict=True):
         layer.running_mean.copy_(mean)
         layer.running_var.copy_(var)
     return _described(adapted, model, record)
+
+
+def adaptation_timeout(files: int) -> datetime.timedelta:
+    """How long the other ranks wait for rank 0 to read and measure `files` clips: 30 minutes,
+    plus half a second a clip (reading, resampling, a partial forward per BatchNorm layer)."""
+    return datetime.timedelta(minutes=30, seconds=0.5 * files)
 
 
 def _copy(model: LoadedEmbedder) -> LoadedEmbedder:

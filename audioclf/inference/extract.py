@@ -203,11 +203,11 @@ def embed_paths(
 
 def read_clips(model: LoadedEmbedder, paths: Sequence[str | Path]) -> list[torch.Tensor]:
     """Each file as `model` takes it, read as embed_paths reads it (the evaluation clip), one
-    unpadded clip each on the model's device (audioclf.inference.adapt runs the network on
-    them). An unreadable file raises AudioReadError / FeatureFileError naming it."""
+    unpadded clip each, on the host (audioclf.inference.adapt moves them to the model's device
+    a batch at a time). An unreadable file raises AudioReadError / FeatureFileError naming it."""
     dataset = _files_dataset(model, [Path(p) for p in paths], None)
     try:
-        return [dataset[i][0].to(model.device) for i in range(len(dataset))]
+        return [dataset[i][0] for i in range(len(dataset))]
     except (AudioReadError, FeatureFileError) as exc:
         raise _reader_error(exc) from None
 

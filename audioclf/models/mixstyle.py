@@ -12,7 +12,9 @@ random example of another class), lam ~ Beta(alpha, alpha) for a share `prob` of
 and 1 (unchanged) for the rest. Statistics use the valid frames only (frames < lengths[b]);
 padded frames come out as zeros. Training only: without partners (inference, eval, exports) the
 input is returned unchanged. Draws come from torch's generator on the input's device (as
-SpecAugment), so a seeded run repeats and a resumed run, which restores it, repeats too.
+SpecAugment), so a seeded run repeats and a resumed run, which restores it, repeats too. The
+draws make no host sync: alpha lives in a buffer on the model's device, and the Beta distribution
+is built without argument validation (validating reads its parameters back to the host).
 """
 
 from __future__ import annotations
@@ -43,11 +45,23 @@ class MixStyle(nn.Module):
         self.prob = float(prob)
         self.alpha = float(alpha)
         self.frequency = frequency
+        # Beta(alpha, alpha)'s two concentrations, moved with the model; not saved (from config)
+        self.register_buffer("concentration", torch.full((2,), self.alpha), persistent=False)
 
     def forward(self, x: Tensor, lengths: Tensor, partners: Tensor | None = None) -> Tensor:
         if partners is None or not self.training or self.prob == 0.0:
             return x
         return self._mix(x, lengths, partners)
+
+    @torch.jit.unused
+    def mixing_weights(self, rows: int) -> Tensor:
+        """[rows] lam: Beta(alpha, alpha) for a share `prob` of the rows, 1 for the others; the
+        same draws from torch's generator as before, without reading anything to the host."""
+        first, second = self.concentration.float().unbind()
+        beta = torch.distributions.Beta(first, second, validate_args=False)
+        lam = beta.sample((rows,))
+        chosen = torch.rand(rows, device=self.concentration.device) < self.prob
+        return torch.where(chosen, lam, 1.0)
 
     @torch.jit.unused
     def _mix(self, x, lengths, partners):  # unannotated: torch.jit.unused cannot read them
@@ -62,10 +76,7 @@ class MixStyle(nn.Module):
         mean = ((feats * keep).sum(dim=dims, keepdim=True) / count).detach()
         var = ((((feats - mean) * keep) ** 2).sum(dim=dims, keepdim=True) / count).detach()
         std = torch.sqrt(var + 1e-5)
-        alpha = torch.tensor(self.alpha, device=x.device)
-        lam = torch.distributions.Beta(alpha, alpha).sample((x.shape[0],))
-        lam = torch.where(torch.rand(x.shape[0], device=x.device) < self.prob, lam, 1.0)
-        lam = lam.reshape(shape)
+        lam = self.mixing_weights(x.shape[0]).reshape(shape)
         mixed_mean = lam * mean + (1.0 - lam) * mean[partners]
         mixed_std = lam * std + (1.0 - lam) * std[partners]
         return (((feats - mean) / std * mixed_std + mixed_mean) * keep).to(x.dtype)

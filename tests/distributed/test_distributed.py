@@ -141,6 +141,32 @@ def test_primary_first_and_reductions(tmp_path):
         assert gathered == [{"rank": 0}, {"rank": 1}]
 
 
+def _slow_primary_worker(rank, world, timeout_s):
+    import datetime
+    import time
+
+    def measure():
+        time.sleep(4.0)  # longer than the group's 2 s timeout
+        return "measured by 0"
+
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    try:
+        return distributed.primary_only(measure, timeout=timeout)
+    except Exception as exc:  # the broadcast timed out: reported to the test
+        return f"{type(exc).__name__}: {str(exc)[:80]}"
+
+
+@pytest.mark.slow
+def test_primary_only_waits_for_rank_0_as_long_as_it_is_told(tmp_path):
+    # AdaBN under torchrun: rank 0 measures a large source for longer than the group's timeout
+    # while the others wait in the broadcast; they wait for its timeout, not the group's.
+    results = run_in_group(_slow_primary_worker, tmp_path, 30.0, group_timeout_s=2.0)
+    assert results == ["measured by 0", "measured by 0"]
+    (tmp_path / "hurried").mkdir()
+    hurried = run_in_group(_slow_primary_worker, tmp_path / "hurried", None, group_timeout_s=2.0)
+    assert hurried[1] != "measured by 0", hurried  # the group's timeout alone: rank 1 gives up
+
+
 def _global_loss_worker(rank, world):
     from audioclf.config import TrainConfig
     from audioclf.precision import resolve_precision

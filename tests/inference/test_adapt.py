@@ -15,7 +15,7 @@ import audioclf
 from audioclf.export import main as export_main
 from audioclf.inference import load_trained
 from audioclf.inference.artefacts import describe_adaptation
-from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
+from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers, same_length_batches
 from tests.helpers import make_checkpoint
 
 
@@ -184,3 +184,57 @@ def test_model_adapt_with_no_input_is_one_line_with_no_blank(tmp_path, monkeypat
     assert message.startswith(f"Model.adapt(inputs) {said}") and "\n" not in message, message
     assert message.endswith("pass the files or folders of unlabelled audio of the new source")
     assert "  " not in message and " ;" not in message and model.adaptation is None
+
+
+def test_clips_of_one_length_are_measured_in_batches_as_they_were_one_by_one(tmp_path):
+    # 9 clips of three lengths: each layer is measured in 6 batches of at most 2 clips of one
+    # length (2 + 1 per length) instead of 9 single-clip passes; the statistics are those of the
+    # clip-by-clip adaptation (to float rounding).
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    base = new_source_clips(3)
+    clips = [c * scale for scale in (1.0, 0.5, 2.0) for c in base]
+    assert [len(b) for b in same_length_batches(clips, 3)] == [3, 3, 3]
+    one_by_one, _, _ = load_trained(ckpt)
+    adapt_batchnorm(one_by_one, clips, batch_size=1)
+    batched, _, _ = load_trained(ckpt)
+    calls, embed = [], batched.embed
+
+    def counted(x, lengths):
+        calls.append(x.shape[0])
+        assert (lengths == x.shape[1]).all()  # one length per batch: no padding
+        return embed(x, lengths)
+
+    batched.embed = counted
+    adapt_batchnorm(batched, clips, batch_size=2)
+    del batched.embed
+    layers = batchnorm_layers(batched)
+    assert sorted(calls) == sorted([2, 1, 2, 1, 2, 1] * len(layers))
+    for ours, theirs in zip(layers, batchnorm_layers(one_by_one), strict=True):
+        torch.testing.assert_close(ours.running_mean, theirs.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.running_var, theirs.running_var, rtol=1e-4, atol=1e-6)
+    # and both are what the adapted network then computes, clip by clip
+    for layer, values in zip(layers, layer_inputs_loop(batched, clips), strict=True):
+        np.testing.assert_allclose(layer.running_mean.numpy(), values.mean(axis=1), atol=1e-6)
+
+
+def test_adaptation_measures_under_the_exact_arithmetic_of_embedding(tmp_path):
+    # A training in the same process may leave TF32 on: the statistics were measured with it.
+    ckpt = make_checkpoint(tmp_path / "best.pt", "cnn")
+    write_wavs(tmp_path / "new_source", new_source_clips())
+    model = audioclf.load(ckpt)
+    seen = []
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = tuple(f.allow_tf32 for f in flags)
+    hook = nn.modules.module.register_module_forward_pre_hook(
+        lambda _m, _args: seen.append(tuple(f.allow_tf32 for f in flags))
+    )
+    try:
+        for f in flags:
+            f.allow_tf32 = True
+        model.adapt(tmp_path / "new_source")
+        assert seen and set(seen) == {(False, False)}
+        assert all(f.allow_tf32 for f in flags)  # put back after
+    finally:
+        hook.remove()
+        for f, value in zip(flags, saved, strict=True):
+            f.allow_tf32 = value

@@ -19,6 +19,15 @@ pytestmark = pytest.mark.slow  # every test here starts a benchmark process
 BENCHMARKS = ROOT / "benchmarks"
 # script (or package) -> (its arguments, lines its output must hold: regexes, one per line)
 SMOKE = {
+    "adabn.py": (
+        ["--smoke"],
+        [
+            r"^AdaBN of 200 clips \(",
+            r"^one clip at a time +[\d.]+ +\d+",
+            r"^batches of one length +[\d.]+ +\d+",
+            r"^PASS: statistics equal to rounding",
+        ],
+    ),
     "augment_cost.py": (
         ["--smoke"],
         [r"^configuration +crops/s", r"^all on \(room pieces p=1\) ", r"^(PASS|FAIL): all on "],

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import math
 import re
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, child_env, run_group
+from tests.helpers import ROOT, child_env, run_group, script_module
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -38,16 +37,6 @@ TINY = [
     "model.conformer.num_layers=1",
     "model.conformer.kernel_size=7",
 ]
-
-
-def script_module(path: Path):
-    """A benchmarks/ script imported as a module (its main() not run)."""
-    name = f"benchmarks_{path.stem}"
-    if name not in sys.modules:  # registered first: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def make_wheel(folder: Path, name: str, version: str, files: dict[str, str]) -> Path:
@@ -283,3 +272,45 @@ def test_cpu_smoke_of_the_whole_check_with_a_wheel_installed_offline(tmp_path):
         re.M,
     ), summary
     assert "FAIL" not in summary
+
+
+def test_throughput_prints_each_cell_and_verdict_as_it_finishes_and_compiles_last(tmp_path, capsys):
+    # A run stopped at gpu_check.sh's limit (here: the third cell never returns) keeps every
+    # finished cell's line and each verdict its cells complete; they were printed at the end.
+    throughput = script_module(THROUGHPUT)
+    import argparse
+
+    import torch
+
+    cpu = torch.device("cpu")
+    args = argparse.Namespace(
+        models=["cnn", "conformer"],
+        precisions=["fp32", "bf16"],
+        compile=["cnn"],
+        steps=1,
+        files=64,
+        set=TINY,
+    )
+    cells = throughput.plan_cells(args, cpu, tmp_path)
+    names = [(c.model, c.name) for c in cells]
+    assert names[-1] == ("cnn", "fp32+compile")  # after every conformer cell
+    assert names.index(("conformer", "fp32")) < names.index(("cnn", "fp32+compile"))
+
+    def fake_run(cell, device, steps, report):
+        if (cell.model, cell.name) == ("conformer", "fp32+pack"):
+            raise TimeoutError("stopped by the time limit")  # as `timeout` would stop it
+        row = {"model": cell.model, "precision": cell.name, "synthetic_sps": 100.0}
+        row.update(peak_gib=math.nan, loader_sps=90.0, busy=0.9 if cell.with_loader else math.nan)
+        if not cell.with_loader:
+            row["loader_sps"] = math.nan
+        report.say(throughput.describe(row))
+        return row
+
+    with pytest.raises(TimeoutError):
+        throughput.measure_cells(cells, cpu, 1, run=fake_run)
+    printed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("cnn       fp32 synthetic") for line in printed)
+    assert any(line.startswith("conformer bf16 synthetic") for line in printed)
+    assert any(line.startswith("SKIP conformer bf16 speed-up: 1.00x") for line in printed)
+    assert any(line.startswith("SKIP cnn loader: keeps the GPU 90 % busy") for line in printed)
+    assert not any("compile" in line for line in printed)

@@ -11,7 +11,7 @@ from audioclf.config import OptimConfig, TrainConfig
 from audioclf.precision import resolve_precision
 from audioclf.training.optim import build_optimizer
 from audioclf.training.step import NonFiniteGuard, NonFiniteLossError, TrainStep
-from tests.helpers import Linear, mse, random_batches, run_epoch
+from tests.helpers import Linear, count_host_syncs, mse, random_batches, run_epoch
 
 CPU = torch.device("cpu")
 
@@ -216,33 +216,6 @@ def test_fp16_overflow_steps_are_not_failures():
     assert settings.scaler.get_scale() < 2.0**127  # GradScaler lowered the scale as designed
 
 
-def _count_host_syncs(run) -> int:
-    """Reads of device values by the host (`.item()`, `bool()`, `.tolist()`), per the profiler.
-
-    Reads inside the optimizer step are left out: torch's fused CPU kernels read their scalars
-    (lr, found_inf) on the host, where there is no device to stall; the CUDA kernels read them on
-    the GPU.
-    """
-    # acc_events: one cycle here, so nothing to accumulate; torch 2.11 warns without it
-    cpu = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=cpu, acc_events=True) as prof:
-        run()
-
-    def in_optimizer_step(event) -> bool:
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("Optimizer.step"):
-                return True
-            parent = parent.cpu_parent
-        return False
-
-    return sum(
-        1
-        for e in prof.events()
-        if e.name == "aten::_local_scalar_dense" and not in_optimizer_step(e)
-    )
-
-
 def sync_free_mse(output, labels, positions=None):
     return nn.functional.mse_loss(output.float(), torch.eye(3)[labels])  # one_hot reads .max()
 
@@ -253,7 +226,7 @@ def test_the_loop_reads_the_device_once_per_sync_interval():
     settings = resolve_precision(TrainConfig(), CPU)
     loader = random_batches(40, 4)
     run_epoch(model, loader[:2], mse, optimizer, settings)  # warm-up
-    syncs = _count_host_syncs(
+    syncs = count_host_syncs(
         lambda: run_epoch(
             model,
             loader,
@@ -310,7 +283,7 @@ def test_the_ema_update_reads_nothing_from_the_device():
     model = WithBatchNorm()
     ema = WeightEMA(model, decay=0.99)
     model(torch.randn(8, 4), None)  # BatchNorm statistics and the batch count move
-    assert _count_host_syncs(lambda: [ema.update() for _ in range(10)]) == 0
+    assert count_host_syncs(lambda: [ema.update() for _ in range(10)]) == 0
     assert torch.equal(ema.state_dict()["bn.num_batches_tracked"], torch.tensor(1))
 
 
