@@ -73,6 +73,8 @@ REQUIRED = (
     Requirement("starlette", "starlette", "1.10.0"),
     Requirement("uvicorn", "uvicorn", "0.55.0"),
     Requirement("python_multipart", "python-multipart", "0.0.34"),
+    Requirement("prometheus_client", "prometheus-client", "0.26.0"),  # serve's /metrics
+    Requirement("safetensors", "safetensors", "0.8.0"),  # export --format folder, audioclf.load
     Requirement("anyio", "anyio"),
     Requirement("h11", "h11"),
     Requirement("click", "click"),

@@ -9,7 +9,7 @@
 #
 # The wheels are benchmarks/gpu_preflight.py's pinned list (soundfile with cffi and pycparser,
 # openpyxl with et-xmlfile, python-calamine, pytorch-metric-learning, faiss-cpu, starlette,
-# uvicorn, python-multipart): binary only,
+# uvicorn, python-multipart, prometheus-client, safetensors): binary only,
 # --no-deps, every dependency named, one version each. --platform (repeatable) replaces the
 # default manylinux x86-64 tags. PYTHON picks the interpreter whose pip downloads (default
 # python3; it need not be the target version). Prints each wheel and the total; fails when DIR
