@@ -45,10 +45,12 @@ def pytest_addoption(parser) -> None:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """A headless Playwright Browser over the system's Chromium for the page tests; skipped,
-    with the one reason, where Playwright or chromium is missing."""
+    """A headless Playwright Browser over the system's Chromium for one page test module;
+    skipped, with the one reason, where Playwright or chromium is missing. Module scope: the
+    sync API keeps an event loop running in this thread until it stops, and later tests of
+    the worker call asyncio.run()."""
     from tests.helpers import browser_missing, chromium
 
     if (reason := browser_missing()) is not None:
