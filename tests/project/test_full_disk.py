@@ -18,27 +18,17 @@ from tests.helpers import cli_args, make_checkpoint, tiny_config
 
 
 @pytest.fixture
-def full_disk(tmp_path):
+def full_disk(small_tmpfs):
     """A folder on a 256 KiB tmpfs with no byte left."""
-    folder = tmp_path / "full"
-    folder.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    fd = os.open(small_tmpfs / "filler", os.O_WRONLY | os.O_CREAT)
     try:
-        fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:  # full
+        while os.write(fd, b"\0" * 4096):
             pass
-        finally:
-            os.close(fd)
-        yield folder
+    except OSError:  # full
+        pass
     finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
+        os.close(fd)
+    return small_tmpfs
 
 
 def _says_full(err: str, folder: Path) -> None:
