@@ -133,17 +133,22 @@ def remove_stale_temps(folder: str | Path) -> list[Path]:
 
 
 def remove_temporaries(*paths: str | Path) -> list[Path]:
-    """Delete the temporary files atomic_write left for `paths` (a killed writer's); returns
-    them. Only for the holder of the lock of these files: no other live process writes them
-    (unlike remove_stale_temps, it needs no pid, which another host's writer would not share)."""
+    """Delete the temporary files atomic_write left for `paths` (a killed writer's), and the
+    temporary folders of the same name a folder export builds; returns them. Only for the
+    holder of the lock of these files: no other live process writes them (unlike
+    remove_stale_temps, it needs no pid, which another host's writer would not share)."""
     removed = []
     for path in map(Path, paths):
         shape = re.compile(rf"\.{re.escape(path.name)}\.\d+\.[0-9a-f]{{8}}\.tmp")
         for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
             try:
-                if shape.fullmatch(tmp.name):
+                if not shape.fullmatch(tmp.name):
+                    continue
+                if tmp.is_dir():  # export --format folder builds the folder under such a name
+                    shutil.rmtree(tmp)
+                else:
                     tmp.unlink(missing_ok=True)
-                    removed.append(tmp)
+                removed.append(tmp)
             except OSError:  # read-only: the write that follows will say so
                 continue
     return removed

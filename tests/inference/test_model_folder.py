@@ -65,6 +65,9 @@ def test_exporting_again_replaces_the_folder_whole(tmp_path, capsys):
     first = make_checkpoint(tmp_path / "a.pt", seed=0)
     second = make_checkpoint(tmp_path / "b.pt", seed=1)
     out = tmp_path / "model"
+    killed = tmp_path / ".model.99999.0123abcd.tmp"  # a folder export killed before its rename
+    (killed / "model.safetensors").parent.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half")
     assert export_folder(capsys, first, out)[0] == 0
     (out / "README.md").write_text("edited")
     assert export_folder(capsys, second, out)[0] == 0
