@@ -3,6 +3,7 @@
     python3 benchmarks/gpu_preflight.py              # every module, the version floors, a GPU
     python3 benchmarks/gpu_preflight.py --cpu        # the same without asking for a GPU
     python3 benchmarks/gpu_preflight.py --list-wheels   # name==version of what gpu_wheels.sh fetches
+    python3 benchmarks/gpu_preflight.py --list-box      # the GPU image's packages relied on
 
 Imports every module the check needs (the package, its tests, ONNX export) and names all the
 missing ones in one line, each with the wheel that provides it, and how to bring the wheels to an
@@ -215,9 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--list-wheels", action="store_true", help="print what gpu_wheels.sh fetches and stop"
     )
+    parser.add_argument(
+        "--list-box",
+        action="store_true",
+        help="print the GPU image's packages that are relied on (gpu_rehearsal.sh) and stop",
+    )
     args = parser.parse_args(argv)
-    if args.list_wheels:
-        print("\n".join(fetched_wheels()))
+    if args.list_wheels or args.list_box:
+        print("\n".join(fetched_wheels() if args.list_wheels else BOX_PACKAGES))
         return 0
     if sys.version_info < MIN_PYTHON:
         need = ".".join(map(str, MIN_PYTHON))

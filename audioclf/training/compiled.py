@@ -2,6 +2,7 @@
 
     compilations = compile_embedder(net)   # in place: the state dict keeps its keys
     compilations.count                     # compilations so far (1 after the first step)
+    compilations.per_frame                 # {frame: its compilations}; graph breaks add frames
 
 The first step compiles for its shapes (static). A batch of another size later (files skipped
 as unreadable, the empty-batch placeholder) or another crop length (train.final_epochs)
@@ -9,7 +10,9 @@ compiles once more with the dimension that changed dynamic (torch's automatic dy
 and further sizes reuse that graph. With static shapes every new batch size compiled anew (on a
 GPU each holds the DDP peers for tens of seconds) until torch's recompile limit (8), past which
 the embedder ran eagerly without a word; here each compilation is a line in train.log, and
-reaching the limit a warning.
+reaching the limit a warning. Compilations are counted per code object (torch's frame_id), as
+torch's limit is: a graph break's resume function is a frame of its own, logged as a graph break
+(the code after it compiled apart), not as a recompilation for a new batch size.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ Backend = Callable[[torch.fx.GraphModule, list], Callable]
 class Compilations:
     """A torch.compile backend that counts and logs each compilation of the frame it compiles,
     then hands the graph to `backend` (torch's "inductor" by default, or any torch.compile
-    backend callable). Graphs that DDP's optimizer splits out of one compilation count once."""
+    backend callable). Graphs that DDP's optimizer splits out of one compilation count once.
+    `count`: every compilation; `per_frame`: {frame_id: compilations of that code object};
+    `graph_breaks`: frames compiled beyond the first (each a resume after a graph break)."""
 
     def __init__(self, backend: str | Backend = "inductor"):
         self.backend = (
@@ -36,6 +41,8 @@ class Compilations:
         )
         self.compiler_name = backend if isinstance(backend, str) else "audioclf"
         self.count = 0
+        self.per_frame: dict[int | None, int] = {}
+        self.graph_breaks = 0
         self._last = None
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -43,26 +50,39 @@ class Compilations:
         if compile_id is None or compile_id != self._last:
             self._last = compile_id
             self.count += 1
-            self._log(_inputs(graph))
+            frame = None if compile_id is None else compile_id.frame_id
+            self.per_frame[frame] = self.per_frame.get(frame, 0) + 1
+            self._log(frame, _inputs(graph))
         return self.backend(graph, example_inputs)
 
-    def _log(self, inputs: str) -> None:
-        if self.count == 1:
+    def _log(self, frame: int | None, inputs: str) -> None:
+        times = self.per_frame[frame]
+        if times == 1 and len(self.per_frame) == 1:
             log.info("train.compile: compiling the embedder for %s", inputs)
+            return
+        if times == 1:
+            self.graph_breaks += 1
+            log.info(
+                "train.compile: a graph break in the embedder: the code after it compiles as a "
+                "graph of its own (frame %s, %d frames so far) for %s",
+                frame,
+                len(self.per_frame),
+                inputs,
+            )
             return
         log.info(
             "train.compile: the embedder compiles again (compilation %d) for %s: a new batch "
             "size or crop length; the dimensions that changed are dynamic from now on",
-            self.count,
+            times,
             inputs,
         )
         limit = torch._dynamo.config.recompile_limit
-        if self.count >= limit:
+        if times >= limit:
             log.warning(
                 "train.compile: %d compilations of the embedder, torch's recompile limit "
                 "(torch._dynamo.config.recompile_limit): inputs of yet other shapes run it "
                 "eagerly",
-                self.count,
+                times,
             )
 
 

@@ -102,3 +102,37 @@ def test_a_compiled_run_trains_validates_eagerly_and_keeps_the_checkpoint_keys(t
     rates = [h["samples_per_s"] for h in compiled["history"]]
     assert rates[0] > 0.3 * rates[1], rates
     assert eager["history"][0]["samples_per_s"] > 0
+
+
+class _Breaking(torch.nn.Module):
+    """An embedder whose forward breaks its graph on purpose: two frames to compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def test_a_graph_break_is_logged_as_one_and_recompiles_count_per_frame(notes):
+    # The resume function after a graph break is another code object (frame_id): it was counted
+    # as compilation 2 "for a new batch size" and brought the recompile-limit warning closer.
+    torch._dynamo.reset()
+    net = torch.nn.Module()
+    net.embedder = _Breaking()
+    compilations = compile_embedder(net, backend=lambda graph, _inputs: graph.forward)
+    net.embedder(torch.randn(4, 8))
+    said = [line for line in notes if line.startswith("train.compile:")]
+    assert len(said) == 2 and said[0].startswith("train.compile: compiling the embedder for ")
+    assert said[1].startswith("train.compile: a graph break in the embedder")
+    assert compilations.graph_breaks == 1 and sorted(compilations.per_frame.values()) == [1, 1]
+    net.embedder(torch.randn(6, 8))  # a new batch size: each frame once more, dynamic
+    assert sorted(compilations.per_frame.values()) == [2, 2] and compilations.count == 4
+    again = [line for line in notes if "compiles again" in line]
+    assert len(again) == 2 and all("(compilation 2)" in line for line in again)
+    with torch._dynamo.config.patch(recompile_limit=3):
+        net.embedder(torch.randn(6, 8))  # reused: no compilation, no warning
+    assert not any("recompile limit" in line for line in notes)
