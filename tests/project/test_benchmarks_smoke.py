@@ -32,6 +32,10 @@ SMOKE = {
         ["--smoke"],
         [r"^configuration +crops/s", r"^all on \(room pieces p=1\) ", r"^(PASS|FAIL): all on "],
     ),
+    "gpu_rehearsal.sh": (  # a venv of the GPU image's packages (pip's cache: about 2.5 min)
+        ["--smoke"],
+        [r"^PASS collection: \d+/\d+ tests collected", r"^gpu_rehearsal: PASS in "],
+    ),
     "model_load.py": (
         ["--smoke"],
         [r"^tiny cnn +checkpoint +[\d.]+ ms", r"^tiny cnn +folder ", r"^PASS: every format"],
@@ -128,9 +132,12 @@ def test_every_benchmark_has_a_smoke_run():
 def test_smallest_mode_prints_its_table_and_verdict(script):
     args, lines = SMOKE[script]
     path = BENCHMARKS / script
-    program = ["-m", f"benchmarks.{script}"] if path.is_dir() else [str(path)]
+    if path.suffix == ".sh":
+        program = ["bash", str(path)]
+    else:
+        program = [sys.executable, *(["-m", f"benchmarks.{script}"] if path.is_dir() else [path])]
     done = subprocess.run(
-        [sys.executable, *program, *args],
+        [*map(str, program), *args],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,
