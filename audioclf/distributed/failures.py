@@ -3,9 +3,12 @@ lose it mid-collective name it (instead of a bare "connection closed")."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import time
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -70,6 +73,22 @@ def _announced(deadline: float) -> dict[int, str]:
     return reports
 
 
+@contextlib.contextmanager
+def _c10d_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null while the store is read: a read from a store that goes
+    down meanwhile prints c10d's warning and 25 lines of C++ frames there (not through Python's
+    logging), before the one line this rank is about to print."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _store_answers(seconds: float = 1.0) -> bool:
     """Whether the rendezvous store still takes connections at MASTER_ADDR:MASTER_PORT (where
     torchrun's agent, or rank 0, serves it), asked by a bare connect: a read from a store that
@@ -88,7 +107,10 @@ def peer_failure(exc: BaseException, wait_seconds: float = 3.0) -> PeerFailure:
     """What to say when a collective failed because of a peer: the lowest rank that announced
     its reason within `wait_seconds`, else that a rank stopped without a word."""
     # A store that went down with the agent (or rank 0) that hosted it holds no reasons.
-    reports = _announced(time.monotonic() + wait_seconds) if _store_answers() else {}
+    reports = {}
+    if _store_answers():
+        with _c10d_silenced():  # the store can still go down between the probe and the reads
+            reports = _announced(time.monotonic() + wait_seconds)
     if reports:
         rank, reason = min(reports.items())
         return PeerFailure(f"stopped because rank {rank} failed: {reason}", reported=True)
