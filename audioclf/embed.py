@@ -53,7 +53,7 @@ from audioclf.embedding.gallery import DEFAULT_K, RANK_RULES, check_ranking_requ
 from audioclf.embedding.index import check_index_request, embed_sheet
 from audioclf.errors import run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
-from audioclf.inference.adapt import ADAPT_HELP, adapt_across_ranks
+from audioclf.inference.adapt import adapt_across_ranks, add_adapt_flag
 from audioclf.inference.extract import check_loader_options
 
 PROG = "python -m audioclf.embed"
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-bad-files", action="store_true", help="--index: list unreadable files, go on"
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("--adapt", action="append", type=Path, metavar="DIR", help=ADAPT_HELP)
+    add_adapt_flag(parser)
     parser.add_argument("--no-cache", action="store_true", help="embed the gallery again")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_trust_flag(parser)

@@ -66,7 +66,7 @@ from audioclf.config import ModelConfig, choices
 from audioclf.errors import run_cli
 from audioclf.evaluation import evaluate
 from audioclf.evaluation.metrics import SEARCH_METHODS
-from audioclf.inference.adapt import ADAPT_HELP
+from audioclf.inference.adapt import add_adapt_flag
 from audioclf.metrics import SCORE_NORMS
 from audioclf.training.trackers import attach_report
 
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="report folder (default <checkpoint folder>/eval)")
     parser.add_argument("--batch-size", type=int, default=32, help="clips per batch (default 32)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("--adapt", action="append", type=Path, metavar="DIR", help=ADAPT_HELP)
+    add_adapt_flag(parser)
     parser.add_argument(
         "--num-workers",
         type=int,

@@ -49,7 +49,7 @@ from pathlib import Path
 from audioclf.checkpoint import add_trust_flag
 from audioclf.config import ModelConfig, choices
 from audioclf.errors import UsageError, run_cli
-from audioclf.inference.adapt import ADAPT_HELP
+from audioclf.inference.adapt import add_adapt_flag
 from audioclf.inference.artefacts import describe_adaptation
 from audioclf.inference.exporting import (
     DEFAULT_OPSET,
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=choices(ModelConfig, "name"),
         help="fail unless the checkpoint holds this model",
     )
-    parser.add_argument("--adapt", action="append", type=Path, metavar="DIR", help=ADAPT_HELP)
+    add_adapt_flag(parser)
     parser.add_argument(
         "--report",
         type=Path,

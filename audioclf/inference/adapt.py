@@ -19,6 +19,7 @@ a training in the same process left on.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import datetime
@@ -38,6 +39,20 @@ ADAPT_HELP = (
     "AdaBN first: a checkpoint's BatchNorm statistics from this folder (or file) of unlabelled "
     "audio of the new source; repeatable"
 )
+
+
+def add_adapt_flag(parser) -> None:
+    """`--adapt DIR` (repeatable) for embed, evaluate and export. An empty DIR is refused by
+    argparse with one line: Path('') would be the working folder, adapted on silently."""
+    parser.add_argument("--adapt", action="append", type=_source, metavar="DIR", help=ADAPT_HELP)
+
+
+def _source(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "got an empty path (''); pass the files or folders of unlabelled audio of the new source"
+        )
+    return Path(text)
 
 
 def adapt(

@@ -238,3 +238,19 @@ def test_adaptation_measures_under_the_exact_arithmetic_of_embedding(tmp_path):
         hook.remove()
         for f, value in zip(flags, saved, strict=True):
             f.allow_tf32 = value
+
+
+@pytest.mark.parametrize("tool", ["embed", "evaluate", "export"])
+def test_an_empty_adapt_flag_is_one_line_and_not_the_working_folder(tool, tmp_path, capsys):
+    # type=Path made '' into Path('.'): the CLI adapted on whatever audio the working folder held
+    import importlib
+
+    main = importlib.import_module(f"audioclf.{tool}").main
+    with pytest.raises(SystemExit) as stopped:
+        main(["--checkpoint", str(tmp_path / "best.pt"), "--adapt", "", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2
+    assert err[-1].endswith(
+        "argument --adapt: got an empty path (''); pass the files or folders of unlabelled audio "
+        "of the new source"
+    ), err
