@@ -16,6 +16,13 @@ feature-domain augmentation's per-bin offsets (`Augmenter.log_mel_offsets`, draw
 from each crop's seed, as the per-file reader draws them) — so a crop is the per-file reader's
 crop to fp16 rounding, and exactly it for features that fp16 holds exactly.
 
+Everything a unit carries to the device is a tensor carved from that one buffer: x, one int64
+block [K, 3, B] whose rows are each batch's lengths, labels and positions, and the offsets. The
+DataLoader's pin_memory thread (data.pin_memory on CUDA) therefore pins all of them, once per
+unit, and every copy of a step to the device leaves from pinned memory (numpy arrays, which the
+thread leaves alone, would make each of those copies a pageable one). No extra shared-memory
+file per unit either: the small tensors ride in x's.
+
 The finite check is one pass per unit over the fp16 exponent bits (a non-finite value has all
 five set); a unit that fails names the sheet row and frames.
 """
@@ -34,9 +41,9 @@ from audioclf.data.dataset import AudioDataset, unpack_key
 from audioclf.data.pack import PackError
 from audioclf.data.readers import pad_window, window_starts
 
-# A unit: x [K, B, T, F] (a tensor), then numpy arrays: lengths [K, B], labels [K, B],
-# positions [K, B], offsets [K, B, F] or None, and its buffer's lease [2] (worker, buffer)
-Unit = tuple[Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]
+# A unit: x [K, B, T, F], small [K, 3, B] int64 (lengths, labels, positions), offsets [K, B, F]
+# float32 or None (tensors on one storage), and its buffer's lease, numpy [2] (worker, buffer)
+Unit = tuple[Tensor, Tensor, Tensor | None, np.ndarray]
 Batch = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]
 
 
@@ -68,11 +75,10 @@ def unit_as_is(unit: Unit) -> Unit:
 
 def batches_of(unit: Unit) -> Iterator[Batch]:
     """The unit's batches in sampler order (views of its buffer)."""
-    x, lengths, labels, positions, offsets, _lease = unit
-    lengths, labels, positions = map(torch.from_numpy, (lengths, labels, positions))
-    offsets = None if offsets is None else torch.from_numpy(offsets)
+    x, small, offsets, _lease = unit
     for k in range(x.shape[0]):
-        yield x[k], lengths[k], labels[k], positions[k], None if offsets is None else offsets[k]
+        lengths, labels, positions = small[k]  # contiguous rows
+        yield x[k], lengths, labels, positions, None if offsets is None else offsets[k]
 
 
 def model_input(x: Tensor, bin_offsets: Tensor | None, device: torch.device) -> Tensor:
@@ -97,7 +103,7 @@ class BufferLeases:
 
     def hold(self, unit: Unit) -> None:
         """The main process got `unit`; release the buffers of units no longer referenced."""
-        worker, buffer = (int(v) for v in unit[5])
+        worker, buffer = (int(v) for v in unit[-1])
         if buffer >= 0:
             self._held.append((StorageWeakRef(unit[0].untyped_storage()), worker, buffer))
         flags, kept = self.flags.numpy(), []
@@ -144,9 +150,12 @@ class PackedBatchReader(torch.utils.data.Dataset):
         if any(len(batch) != len(unit[0]) for batch in unit):
             raise ValueError("the batches of a unit must have one size")
         batch_shape = (len(unit), len(unit[0]))
-        x, lease = self._buffer((*batch_shape, n_frames, self.pack.n_bins))
-        flat = x.numpy().reshape(len(keys), -1)
         positions, seeds = keys[:, 0], keys[:, 1]
+        offsets = self._offsets(seeds)
+        x, small, bin_offsets, lease = self._buffer(
+            (*batch_shape, n_frames, self.pack.n_bins), offsets is not None
+        )
+        flat = x.numpy().reshape(len(keys), -1)
         totals = self.pack.frames[positions]
         lengths = np.minimum(totals, n_frames)
         starts = window_starts(seeds, totals, lengths)
@@ -154,38 +163,52 @@ class PackedBatchReader(torch.utils.data.Dataset):
         self.pack.read_crops(view, flat.shape[1] * flat.itemsize, positions, starts, lengths)
         self._fill_short(flat, lengths, n_frames)
         self._check_finite(flat, positions, starts, lengths)
-        offsets = self._offsets(seeds)
-        # Only x is a tensor (in shared memory already); the rest travel as numpy arrays, by
-        # value: a small tensor would be moved into a shared-memory file of its own.
-        return (
-            x,
-            np.full(batch_shape, n_frames, dtype=np.int64),
-            self.labels[positions].reshape(batch_shape),
-            positions.reshape(batch_shape),
-            None if offsets is None else offsets.reshape(*batch_shape, -1),
-            np.asarray(lease, dtype=np.int64),
-        )
+        rows = small.numpy()
+        rows[:, 0] = n_frames
+        rows[:, 1] = self.labels[positions].reshape(batch_shape)
+        rows[:, 2] = positions.reshape(batch_shape)
+        if offsets is not None:
+            bin_offsets.numpy()[:] = offsets.reshape(bin_offsets.shape)
+        return x, small, bin_offsets, np.asarray(lease, dtype=np.int64)
 
-    def _buffer(self, shape: tuple[int, ...]) -> tuple[Tensor, tuple[int, int]]:
-        """x for a unit of `shape`, and its lease (worker, buffer; buffer -1: not leased)."""
-        dtype = torch.float16 if self.pack.dtype == np.float16 else torch.float32
+    def _buffer(
+        self, shape: tuple[int, ...], with_offsets: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None, tuple[int, int]]:
+        """x [K, B, T, F] for a unit of `shape`, its int64 rows [K, 3, B] and its offsets
+        [K, B, F] (or None), views of one storage; and its lease (worker, buffer; buffer -1: not
+        leased)."""
+        k, b, _, bins = shape
+        x_bytes = -(-math.prod(shape) * self.pack.dtype.itemsize // 8) * 8  # int64-aligned
+        small_bytes = k * 3 * b * 8
+        nbytes = x_bytes + small_bytes + (k * b * bins * 4 if with_offsets else 0)
         info = torch.utils.data.get_worker_info()
         if info is None or self.leases is None:
-            return torch.empty(shape, dtype=dtype), (0, -1)
-        nbytes = math.prod(shape) * self.pack.dtype.itemsize
-        flags = self.leases.flags.numpy()[info.id]
-        free = np.flatnonzero(flags == 0)
-        if len(free) == 0:  # every buffer is held: a new one, not leased
-            storage, buffer = torch.UntypedStorage._new_shared(nbytes), -1
+            storage, lease = torch.UntypedStorage(nbytes), (0, -1)
         else:
-            buffer = int(free[0])
-            while len(self._buffers) <= buffer:
-                self._buffers.append(torch.UntypedStorage(0))
-            if self._buffers[buffer].nbytes() < nbytes:
-                self._buffers[buffer] = torch.UntypedStorage._new_shared(nbytes)
-            storage = self._buffers[buffer]
-            flags[buffer] = 1
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape), (info.id, buffer)
+            storage, lease = self._leased(info.id, nbytes)
+        dtype = torch.float16 if self.pack.dtype == np.float16 else torch.float32
+        x = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        small = torch.empty(0, dtype=torch.int64).set_(storage, x_bytes // 8, (k, 3, b))
+        offsets = None
+        if with_offsets:
+            start = (x_bytes + small_bytes) // 4
+            offsets = torch.empty(0, dtype=torch.float32).set_(storage, start, (k, b, bins))
+        return x, small, offsets, lease
+
+    def _leased(self, worker: int, nbytes: int) -> tuple[torch.UntypedStorage, tuple[int, int]]:
+        """A cleared buffer of this worker with at least `nbytes` (grown when smaller), or a
+        new one, not leased, when all are held."""
+        flags = self.leases.flags.numpy()[worker]
+        free = np.flatnonzero(flags == 0)
+        if len(free) == 0:
+            return torch.UntypedStorage._new_shared(nbytes), (worker, -1)
+        buffer = int(free[0])
+        while len(self._buffers) <= buffer:
+            self._buffers.append(torch.UntypedStorage(0))
+        if self._buffers[buffer].nbytes() < nbytes:
+            self._buffers[buffer] = torch.UntypedStorage._new_shared(nbytes)
+        flags[buffer] = 1
+        return self._buffers[buffer], (worker, buffer)
 
     def _offsets(self, seeds: np.ndarray) -> np.ndarray | None:
         """The augmentation's per-bin offsets of each crop (None when no crop has any), drawn

@@ -115,6 +115,41 @@ def test_packed_loader_gives_the_per_file_batches(tmp_path, augment, workers):
         assert torch.equal(x_pack, x_file)  # fp16-exact features: equal to the bit
 
 
+@pytest.mark.parametrize("augment", [False, True])
+def test_every_tensor_a_packed_step_moves_to_the_device_went_through_the_loaders_pinning(
+    tmp_path, monkeypatch, augment
+):
+    """On CUDA (data.pin_memory) the DataLoader pins what a unit holds; it leaves numpy arrays
+    alone, and a copy from one of those to the GPU is a pageable one. No GPU here: the loader
+    is told there is an accelerator and pinning is a recorded copy. Every tensor of every batch
+    (x, lengths, labels, positions, offsets) must live in a pinned copy."""
+    pinned = []  # the pinned copies, kept alive so their addresses stay theirs
+
+    def pin(tensor, *args, **kwargs):
+        pinned.append(tensor.clone())
+        return pinned[-1]
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    summary = pack(npy_sheet(tmp_path), tmp_path / "pack")
+    cfg = npy_config(summary.index_path, f"augment.enabled={augment}", "augment.eq_prob=1")
+    index = load_index(cfg.data)
+    augmenter = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
+    dataset = AudioDataset.from_index(index, cfg, train=True, augment=augmenter)
+    sampler = MPerClassSampler(index.codes.class_codes, index.codes.item_codes, batch_size=8, m=2)
+    options = loader_kwargs(0, True, False, 2, torch.device("cuda"))
+    loader = TrainLoader(dataset, sampler, seed=5, read_batches=3, **options)
+    batches = list(loader)
+    assert len(batches) > 3 and len(pinned) <= 3 * -(-len(batches) // 3)  # a few per unit
+    addresses = {t.untyped_storage().data_ptr() for t in pinned}
+    for batch in batches:
+        tensors = [t for t in batch if t is not None]
+        assert len(tensors) == (5 if augment else 4)
+        for t in tensors:
+            assert isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in addresses
+
+
 def test_packed_crops_are_the_per_file_crops_to_fp16_rounding(tmp_path):
     sheet = npy_sheet(tmp_path, exact=False)
     summary = pack(sheet, tmp_path / "pack")
