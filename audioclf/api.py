@@ -38,7 +38,6 @@ from audioclf.inference.extract import (
     find_files,
     prepare_wave,
 )
-from audioclf.search import collection as collections
 from audioclf.search import queries as search_queries
 
 if TYPE_CHECKING:
@@ -168,16 +167,21 @@ class Model:
         UserWarning when the collection was embedded by another model file or with other
         BatchNorm statistics (an --adapt this model lacks, or the other way round); a
         ValueError when this model cannot have made it (another dimension or features)."""
-        opened = collections.Collection.open(collection)
-        index = collections.open_index(opened, method, device=self.loaded.device)
-        warning = collections.check_model(index, self.loaded, opened)
-        if warning:  # another model or another adaptation made the collection
-            warnings.warn(warning.removeprefix("warning: "), UserWarning, stacklevel=2)
-        norm = search_queries.ScoreNorm.from_options(cohort, score_norm, cohort_top, index=index)
+        searcher = search_queries.Searcher.open(
+            collection,
+            model=self.loaded,
+            method=method,
+            device=self.loaded.device,
+            cohort=cohort,
+            score_norm=score_norm,
+            cohort_top=cohort_top,
+        )
+        if searcher.warning:  # another model or another adaptation made the collection
+            warnings.warn(searcher.warning.removeprefix("warning: "), UserWarning, stacklevel=2)
         queries = search_queries.audio_queries(
             self.loaded, list(inputs), batch_size=batch_size, progress=False
         )
-        return search_queries.search_neighbours(index, opened, queries, k, score_norm=norm)
+        return searcher.table(queries, k)
 
     def evaluate(
         self,

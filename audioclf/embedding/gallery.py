@@ -6,14 +6,13 @@ centroid (see `python -m audioclf.embed --help`).
                          use_cache=True, progress=True)
     print("\n".join(ranking.lines(model, Path("refs.xlsx"))))
 
-which is, step by step:
+which is, step by step (a `Gallery` opens once and ranks many queries: `audioclf serve` keeps one):
 
     files = find_files(["clips/"], model.features)
     files, emb, skipped = embed_paths(model, files, skip_bad=True, batch_size=16, progress=True)
-    gallery, rows, cached = load_gallery(model, "refs.xlsx", root=None, batch_size=16,
-                                         use_cache=True, progress=True)
-    names, scores, votes = class_scores(emb, gallery, rows["cls"].to_numpy(str))  # kNN
-    order = top_classes(scores, 5, votes)
+    gallery = Gallery.open(model, "refs.xlsx", batch_size=16, progress=True)
+    names, scores, votes = gallery.scores(emb)   # kNN
+    order = top_classes(scores, 5, votes)        # or gallery.rank(emb, 5): (class, score) lists
 
 A gallery's embeddings are cached in <model folder>/.audioclf_cache/, keyed by the sheet's
 content and path, the model file, and the features settings.
@@ -231,6 +230,73 @@ def top_classes(scores: np.ndarray, top: int, votes: np.ndarray | None = None) -
 
 
 @dataclass
+class Gallery:
+    """A gallery sheet's embeddings, made (or read from the cache) once and checked finite, to
+    rank the classes of many queries against: `rank_files`, `Model.rank` and serve's /rank."""
+
+    sheet: Path
+    embeddings: np.ndarray  # [rows, D]
+    rows: pd.DataFrame  # cls, item, path
+    classes: np.ndarray  # the rows' cls, as str
+    cached: bool  # whether the embeddings came from the cache
+
+    @classmethod
+    def open(
+        cls,
+        model: LoadedEmbedder,
+        sheet: str | Path,
+        *,
+        root: str | None = None,
+        batch_size: int = 32,
+        use_cache: bool = True,
+        progress: bool = False,
+        num_workers: int = 0,
+    ) -> Gallery:
+        """`sheet` embedded by `model` (load_gallery); ValueError naming the row of an
+        embedding that is not finite."""
+        embeddings, rows, cached = load_gallery(
+            model,
+            sheet,
+            root=root,
+            batch_size=batch_size,
+            use_cache=use_cache,
+            progress=progress,
+            num_workers=num_workers,
+        )
+        classes = rows["cls"].to_numpy(dtype=str)
+        check_finite(embeddings, [str(c) for c in classes], f"the gallery {sheet}")
+        return cls(Path(sheet), embeddings, rows, classes, cached)
+
+    def rows_of(self, files: list[Path]) -> list[int | None]:
+        """Each file's gallery row (None for a file that is no row of the gallery)."""
+        row_of = {str(Path(p).resolve()): i for i, p in enumerate(self.rows["path"])}
+        return [row_of.get(str(Path(f).resolve())) for f in files]
+
+    def scores(
+        self,
+        query: np.ndarray,
+        *,
+        rule: str = "knn",
+        k: int = DEFAULT_K,
+        own_rows: list[int | None] | None = None,
+    ) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """class_scores of `query` [Q, D] against the gallery; with `own_rows` (rows_of: each
+        query's gallery row or None) a query that is a gallery row is scored without the rows
+        of its own item (recording)."""
+        groups = None
+        if own_rows is not None:  # a query that is no gallery row has group -1: nothing left out
+            items = pd.factorize(self.rows["cls"] + "\x00" + self.rows["item"])[0]
+            groups = (np.array([-1 if r is None else items[r] for r in own_rows]), items)
+        return class_scores(query, self.embeddings, self.classes, rule=rule, k=k, groups=groups)
+
+    def rank(self, query: np.ndarray, top: int) -> list[list[tuple[str, float]]]:
+        """Each query's `top` classes, best first, with their scores (kNN, k=1)."""
+        names, scores, votes = self.scores(query)
+        order = top_classes(scores, min(top, len(names)), votes)
+        return [[(names[c], float(scores[i, c])) for c in row] for i, row in enumerate(order)]
+
+
+@dataclass
 class Ranking:
     """The gallery's classes ranked for each file that could be read."""
 
@@ -328,7 +394,7 @@ def rank_files(
         num_workers=num_workers,
         progress=progress,
     )
-    gallery_emb, gallery_rows, cached = load_gallery(
+    opened = Gallery.open(
         model,
         gallery,
         root=root,
@@ -337,19 +403,12 @@ def rank_files(
         progress=progress,
         num_workers=num_workers,
     )
-    classes = gallery_rows["cls"].to_numpy(dtype=str)
-    check_finite(gallery_emb, [str(c) for c in classes], f"the gallery {gallery}")
-    row_of = {str(Path(p).resolve()): i for i, p in enumerate(gallery_rows["path"])}
-    rows = [row_of.get(str(Path(f).resolve())) for f in files]
-    groups = None
-    if exclude_own_item:  # a file that is no gallery row has group -1: nothing left out
-        items = pd.factorize(gallery_rows["cls"] + "\x00" + gallery_rows["item"])[0]
-        groups = (np.array([-1 if r is None else items[r] for r in rows]), items)
-    names, scores, votes = class_scores(
-        embeddings, gallery_emb, classes, rule=rule, k=k, groups=groups
-    )
+    rows = opened.rows_of(files)
+    own_rows = rows if exclude_own_item else None
+    names, scores, votes = opened.scores(embeddings, rule=rule, k=k, own_rows=own_rows)
     order = top_classes(scores, min(DEFAULT_TOP if top is None else top, len(names)), votes)
     left_out = [exclude_own_item and r is not None for r in rows]
+    classes = opened.classes
     truth = [None if r is None else str(classes[r]) for r in rows]
     return Ranking(
         files,
@@ -359,7 +418,7 @@ def rank_files(
         scores,
         order,
         len(classes),
-        cached,
+        opened.cached,
         rule,
         k,
         left_out,

@@ -45,19 +45,12 @@ from audioclf.checkpoint import add_trust_flag
 from audioclf.errors import UsageError, run_cli
 from audioclf.inference import load_embedder, resolve_device
 from audioclf.metrics import SCORE_NORMS
-from audioclf.search.collection import (
-    Collection,
-    build_saved,
-    check_model,
-    open_index,
-    record_for,
-)
+from audioclf.search.collection import Collection, build_saved, record_for
 from audioclf.search.index import METHODS
 from audioclf.search.queries import (
-    ScoreNorm,
+    Searcher,
     audio_queries,
     prefix_queries,
-    search_neighbours,
     table_lines,
     write_csv,
     write_json,
@@ -154,18 +147,25 @@ def check_query_args(args: argparse.Namespace) -> None:
 def run_query(args: argparse.Namespace) -> int:
     check_query_args(args)
     device = resolve_device(args.device)
-    collection = Collection.open(args.prefix)
-    index = open_index(
-        collection, args.method, device=device, nprobe=args.nprobe, ef_search=args.ef_search
+    model = None
+    if args.inputs:
+        model = load_embedder(args.model, device, trust=args.trust_checkpoint)
+    searcher = Searcher.open(
+        args.prefix,
+        model=model,
+        method=args.method,
+        device=device,
+        nprobe=args.nprobe,
+        ef_search=args.ef_search,
+        cohort=args.cohort,
+        score_norm=args.score_norm,
+        cohort_top=args.cohort_top,
     )
-    score_norm = ScoreNorm.from_options(args.cohort, args.score_norm, args.cohort_top, index=index)
-    if args.query_prefix:
+    if searcher.warning:
+        print(f"{PROG}: {searcher.warning}", file=sys.stderr)
+    if model is None:
         queries = prefix_queries(Collection.open(args.query_prefix, flag="--query-prefix"))
     else:
-        model = load_embedder(args.model, device, trust=args.trust_checkpoint)
-        warning = check_model(index, model, collection)
-        if warning:
-            print(f"{PROG}: {warning}", file=sys.stderr)
         queries = audio_queries(
             model,
             args.inputs,
@@ -173,23 +173,19 @@ def run_query(args: argparse.Namespace) -> int:
             num_workers=args.num_workers,
             progress=not args.quiet,
         )
-    table = search_neighbours(
-        index,
-        collection,
-        queries,
-        args.k,
-        exclude_same_item=args.exclude_same_item,
-        score_norm=score_norm,
-        progress=not args.quiet,
+    table = searcher.table(
+        queries, args.k, exclude_same_item=args.exclude_same_item, progress=not args.quiet
     )
     own = ", own item excluded" if args.exclude_same_item else ""
-    norm = f"; norm_score: {score_norm.describe()}" if score_norm else ""
-    print(f"index {index.describe()}; queries: {queries.source}; top {args.k}{own}{norm}")
+    index, norm = searcher.index, searcher.norm
+    header = f"index {index.describe()}; queries: {queries.source}; top {args.k}{own}"
+    print(header + ("" if norm is None else f"; norm_score: {norm.describe()}"))
     if args.csv:
         print(f"wrote {len(table)} rows to {write_csv(table, args.csv)}")
     if args.json:
-        about = {"index": str(index.path or collection.npy), "method": index.method, "k": args.k}
-        about.update({} if score_norm is None else {"score_norm": score_norm.record()})
+        saved = index.path or searcher.collection.npy
+        about = {"index": str(saved), "method": index.method, "k": args.k}
+        about.update({} if norm is None else {"score_norm": norm.record()})
         print(f"wrote {len(queries.labels)} queries to {write_json(table, args.json, about)}")
     if not (args.csv or args.json):
         print("\n".join(table_lines(table)))

@@ -1,11 +1,12 @@
-"""The queries of `python -m audioclf.search query`, their neighbours, and how they are shown.
+"""A collection opened once to answer many queries (`Searcher`: what `python -m audioclf.search
+query`, `Model.search` and `audioclf serve` search with), the queries, and how hits are shown.
 
+    searcher = Searcher.open("out/big", model=model, cohort="out/train")  # warning: searcher.warning
     queries = audio_queries(model, ["clips/", "a.wav"], batch_size=16, progress=True)
     queries = prefix_queries(Collection.open("out/new"))
-    table = search_neighbours(index, collection, queries, k=10, exclude_same_item=False)
+    hits = searcher.neighbours(queries, k=10)   # arrays: query, rank, score, row (norm_score)
+    table = searcher.table(queries, k=10)       # one row per (query, rank), as search query prints
     print("\n".join(table_lines(table)))      # or write_csv(table, path) / write_json(...)
-    norm = ScoreNorm.of(Collection.open("out/train"), "asnorm")   # also a norm_score column:
-    table = search_neighbours(index, collection, queries, k=10, score_norm=norm)
 
 Audio files are found and embedded as `audioclf.embed` does (audioclf.embedding.gallery:
 folders searched recursively, unreadable files named and left out). The neighbour table has one
@@ -34,7 +35,7 @@ from audioclf.inference.artefacts import LoadedEmbedder
 from audioclf.inference.extract import embed_paths, find_files
 from audioclf.metrics import asnorm_top, normalised_scores, resolve_score_norm
 from audioclf.search.base import SearchIndex
-from audioclf.search.collection import Collection
+from audioclf.search.collection import Collection, check_model, open_index
 
 NEIGHBOUR_COLUMNS = ("rank", "score", "class", "item", "id", "path")
 NORM_COLUMN = "norm_score"  # after score, when the scores are normalised
@@ -193,36 +194,89 @@ def _group_codes(queries: Queries, collection: Collection) -> tuple[np.ndarray, 
     return codes[: len(queries.labels)], codes[len(queries.labels) :]
 
 
-def search_neighbours(
-    index: SearchIndex,
-    collection: Collection,
-    queries: Queries,
-    k: int,
-    *,
-    exclude_same_item: bool = False,
-    score_norm: ScoreNorm | None = None,
-    progress: bool = False,
-) -> pd.DataFrame:
-    """The k nearest index rows of each query, best first (fewer where the index has fewer):
-    one table row per (query, rank). With `exclude_same_item` a query never gets a row of
-    its own item (class + item); with `score_norm` each row also has its normalised score
-    (norm_score, float64), computed for the returned hits only."""
-    check_query_dim(queries, index)
-    if score_norm is not None:
-        score_norm.check_dim(index)
-    groups: dict[str, Any] = {}
-    if exclude_same_item:
-        groups["query_groups"], groups["index_groups"] = _group_codes(queries, collection)
-    scores, ids = index.search(queries.embeddings, k, progress=progress, **groups)
-    query_at, rank_at = np.nonzero(ids >= 0)  # row-major: by query, then by rank
-    found = ids[query_at, rank_at]
-    table = queries.labels.iloc[query_at].reset_index(drop=True)
-    table["rank"] = rank_at + 1
-    table["score"] = scores[query_at, rank_at].astype(np.float64)
-    if score_norm is not None:
-        table[NORM_COLUMN] = _normalised(queries, collection, query_at, found, score_norm)
-    neighbours = collection.rows.iloc[found][["class", "item", "id", "path"]]
-    return pd.concat([table, neighbours.reset_index(drop=True)], axis=1)
+@dataclass
+class Neighbours:
+    """Hits of some queries, best first within each query, as arrays of one length: `query`
+    (the query's position), `rank` (1-based), `score` (cosine), `row` (the collection's row)
+    and `norm_score` (None without a ScoreNorm)."""
+
+    query: np.ndarray
+    rank: np.ndarray
+    score: np.ndarray
+    row: np.ndarray
+    norm_score: np.ndarray | None = None
+
+
+@dataclass
+class Searcher:
+    """An embedded collection opened once, with its index and its cohort normalisation, that
+    answers many queries; `warning` is the check of the query model against the model that
+    embedded the collection (None when they match, or when no model was given)."""
+
+    collection: Collection
+    index: SearchIndex
+    norm: ScoreNorm | None = None
+    warning: str | None = None
+
+    @classmethod
+    def open(
+        cls,
+        prefix: str | Path,
+        *,
+        model: LoadedEmbedder | None = None,
+        method: str | None = None,
+        device: str | Any = None,
+        nprobe: int | None = None,
+        ef_search: int | None = None,
+        cohort: str | Path | None = None,
+        score_norm: str | None = None,
+        cohort_top: int | None = None,
+        flag: str = "PREFIX",
+    ) -> Searcher:
+        """The collection PREFIX of `embed --index --save`, its index of `method` (None: the
+        one saved, else exact; open_index), `model` checked against the model that embedded it
+        (check_model: a ValueError when it cannot have, else `warning`), and the cohort
+        normalisation (ScoreNorm.from_options); `flag` names PREFIX in messages."""
+        collection = Collection.open(prefix, flag=flag)
+        index = open_index(collection, method, device=device, nprobe=nprobe, ef_search=ef_search)
+        warning = None if model is None else check_model(index, model, collection)
+        norm = ScoreNorm.from_options(cohort, score_norm, cohort_top, index=index)
+        return cls(collection, index, norm, warning)
+
+    def neighbours(
+        self, queries: Queries, k: int, *, exclude_same_item: bool = False, progress: bool = False
+    ) -> Neighbours:
+        """The k nearest rows of each query, best first (fewer where the index has fewer). With
+        `exclude_same_item` a query never gets a row of its own item (class + item); with a
+        cohort each hit also gets its normalised score (float64), computed for the hits only."""
+        check_query_dim(queries, self.index)
+        groups: dict[str, Any] = {}
+        if exclude_same_item:
+            groups["query_groups"], groups["index_groups"] = _group_codes(queries, self.collection)
+        scores, ids = self.index.search(queries.embeddings, k, progress=progress, **groups)
+        query_at, rank_at = np.nonzero(ids >= 0)  # row-major: by query, then by rank
+        found = ids[query_at, rank_at]
+        norm = None
+        if self.norm is not None:
+            norm = _normalised(queries, self.collection, query_at, found, self.norm)
+        return Neighbours(query_at, rank_at + 1, scores[query_at, rank_at], found, norm)
+
+    def table(self, queries: Queries, k: int, **options) -> pd.DataFrame:
+        """neighbours() as one table row per (query, rank): the query's columns, then rank,
+        score (norm_score) and the row's class, item, id and path."""
+        hits = self.neighbours(queries, k, **options)
+        table = queries.labels.iloc[hits.query].reset_index(drop=True)
+        table["rank"] = hits.rank
+        table["score"] = hits.score.astype(np.float64)
+        if hits.norm_score is not None:
+            table[NORM_COLUMN] = hits.norm_score
+        rows = self.collection.rows.iloc[hits.row][["class", "item", "id", "path"]]
+        return pd.concat([table, rows.reset_index(drop=True)], axis=1)
+
+    def describe(self) -> str:
+        """The index, and the normalisation when there is one."""
+        norm = "" if self.norm is None else f"; norm_score: {self.norm.describe()}"
+        return f"index {self.index.describe()}{norm}"
 
 
 def _normalised(

@@ -206,13 +206,13 @@ async def rank(request: Request):
 
 async def search(request: Request):
     service: Service = request.app.state.service
-    if service.searched is None:
+    if service.searcher is None:
         return error(404, "no collection: start the server with --collection PREFIX")
     k = query_int(request, "k", service.options.k, 1000)
     names, embeddings = await embedded(request)
     found = await in_workers(service, service.search, embeddings, names, k)
     clips = [{"name": name, "neighbours": hits} for name, hits in zip(names, found)]
-    return JSONResponse({"collection": str(service.searched.collection.prefix), "clips": clips})
+    return JSONResponse({"collection": str(service.searcher.collection.prefix), "clips": clips})
 
 
 async def health(request: Request):

@@ -35,10 +35,8 @@ import torch
 from audioclf.api import Model, load
 from audioclf.data.index.table import SUPPORTED_FORMATS
 from audioclf.data.readers import AudioReadError, AudioTooLong, load_audio
-from audioclf.embedding.gallery import class_scores, load_gallery, top_classes
-from audioclf.inference.extract import check_finite
-from audioclf.search import collection as collections
-from audioclf.search.queries import Queries, ScoreNorm, search_neighbours
+from audioclf.embedding.gallery import Gallery
+from audioclf.search.queries import Queries, Searcher
 from audioclf.serve.batcher import MicroBatcher
 from audioclf.serve.stats import Stats
 
@@ -124,46 +122,6 @@ def host_name(host: str) -> str:
     return host
 
 
-@dataclass
-class Gallery:
-    """A gallery sheet's embeddings and classes, ranked against as `embed --gallery` does."""
-
-    sheet: Path
-    embeddings: np.ndarray
-    classes: np.ndarray
-    cached: bool
-
-    def rank(self, embeddings: np.ndarray, top: int) -> list[list[tuple[str, float]]]:
-        """Each clip's `top` classes, best first, with their scores (kNN, k=1)."""
-        names, scores, votes = class_scores(embeddings, self.embeddings, self.classes)
-        order = top_classes(scores, min(top, len(names)), votes)
-        return [[(names[c], float(scores[i, c])) for c in row] for i, row in enumerate(order)]
-
-
-@dataclass
-class Searched:
-    """An embedded collection, its index, its rows by id, and the cohort (or None)."""
-
-    collection: collections.Collection
-    index: Any  # audioclf.search.base.SearchIndex
-    norm: ScoreNorm | None
-    row_of: dict[str, int]
-
-    def search(self, embeddings: np.ndarray, names: list[str], k: int) -> list[list[dict]]:
-        labels = pd.DataFrame({"query": names})
-        queries = Queries(embeddings, labels, f"{len(names)} uploaded clip(s)")
-        table = search_neighbours(self.index, self.collection, queries, k, score_norm=self.norm)
-        found: list[list[dict]] = [[] for _ in names]
-        query_at = np.cumsum(table["rank"].to_numpy() == 1) - 1  # by query, then by rank
-        for at, record in zip(query_at, table.to_dict("records")):
-            row = self.row_of[str(record["id"])]
-            hit = {key: record[key] for key in ("rank", "score", "class", "item", "id")}
-            if "norm_score" in record:
-                hit["norm_score"] = record["norm_score"]
-            found[at].append({**hit, "row": row, "clip": f"/clips/{row}"})
-        return found
-
-
 def check_gallery(sheet: Path) -> None:
     """ValueError naming --gallery (Service.open's gallery=) when `sheet` is no index sheet
     file: the sheet reader's own message names data.index, a training key."""
@@ -197,7 +155,7 @@ class Service:
         # per waiting request (each thread that allocates keeps a malloc arena of its own)
         self.workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="audioclf-serve")
         self.gallery: Gallery | None = None
-        self.searched: Searched | None = None
+        self.searcher: Searcher | None = None
         silence = np.zeros(model.sample_rate, np.float32)  # also warms the model up
         self.dim = int(model.embed_waveforms([silence], model.sample_rate).shape[1])
 
@@ -225,36 +183,27 @@ class Service:
         if cohort is not None and collection is None:
             raise ValueError("--cohort normalises --collection's scores: give --collection too")
         service = cls(load(model, device=device, trust=trust), options)
+        loaded = service.model.loaded
         if gallery is not None:
-            service.gallery = service._load_gallery(Path(gallery))
+            service.gallery = Gallery.open(loaded, gallery)
         if collection is not None:
-            service.searched = service._open_collection(collection, cohort, score_norm, cohort_top)
-        return service
-
-    def _load_gallery(self, sheet: Path) -> Gallery:
-        loaded = self.model.loaded
-        embeddings, rows, cached = load_gallery(
-            loaded, sheet, root=None, batch_size=32, use_cache=True, progress=False
-        )
-        classes = rows["cls"].to_numpy(dtype=str)
-        check_finite(embeddings, [str(c) for c in classes], f"the gallery {sheet}")
-        return Gallery(sheet, embeddings, classes, cached)
-
-    def _open_collection(self, prefix, cohort, score_norm, cohort_top) -> Searched:
-        loaded = self.model.loaded
-        opened = collections.Collection.open(prefix, flag="--collection")
-        index = collections.open_index(opened, None, device=loaded.device)
-        warning = collections.check_model(index, loaded, opened)
-        if warning:
-            log.warning("%s", warning)
-        if index.dim != self.dim:
-            raise ValueError(
-                f"--collection {prefix} holds {index.dim}-d embeddings but the model makes "
-                f"{self.dim}-d ones; serve the model that embedded it"
+            service.searcher = searcher = Searcher.open(
+                collection,
+                model=loaded,
+                device=loaded.device,
+                cohort=cohort,
+                score_norm=score_norm,
+                cohort_top=cohort_top,
+                flag="--collection",
             )
-        norm = ScoreNorm.from_options(cohort, score_norm, cohort_top, index=index)
-        row_of = {str(id_): row for row, id_ in enumerate(opened.rows["id"])}
-        return Searched(opened, index, norm, row_of)
+            if searcher.warning:
+                log.warning("%s", searcher.warning)
+            if searcher.index.dim != service.dim:
+                raise ValueError(
+                    f"--collection {collection} holds {searcher.index.dim}-d embeddings but the "
+                    f"model makes {service.dim}-d ones; serve the model that embedded it"
+                )
+        return service
 
     def start(self) -> None:
         self.batcher.start()
@@ -287,15 +236,28 @@ class Service:
         return self.gallery.rank(embeddings, top)
 
     def search(self, embeddings: np.ndarray, names: list[str], k: int) -> list[list[dict]]:
-        if self.searched is None:
+        """Each clip's k nearest collection rows, best first: rank, score (norm_score), class,
+        item, id, and the row with its audio's URL."""
+        if self.searcher is None:
             raise LookupError("no collection: start the server with --collection PREFIX")
-        return self.searched.search(embeddings, names, k)
+        queries = Queries(embeddings, pd.DataFrame({"query": names}), f"{len(names)} clip(s)")
+        hits = self.searcher.neighbours(queries, k)
+        rows = self.searcher.collection.rows.iloc[hits.row][["class", "item", "id"]]
+        found: list[list[dict]] = [[] for _ in names]
+        for at, (query, row, about) in enumerate(
+            zip(hits.query, hits.row, rows.to_dict("records"))
+        ):
+            hit = {"rank": int(hits.rank[at]), "score": float(hits.score[at]), **about}
+            if hits.norm_score is not None:
+                hit["norm_score"] = float(hits.norm_score[at])
+            found[query].append({**hit, "row": int(row), "clip": f"/clips/{row}"})
+        return found
 
     def clip_path(self, row: int) -> Path:
         """The audio file of a collection row (the rows of the server's own collection only)."""
-        if self.searched is None or not 0 <= row < self.searched.collection.size:
+        if self.searcher is None or not 0 <= row < self.searcher.collection.size:
             raise LookupError(f"no clip {row} in the collection")
-        return Path(str(self.searched.collection.rows["path"].iloc[row]))
+        return Path(str(self.searcher.collection.rows["path"].iloc[row]))
 
     def describe(self) -> str:
         """One line: the model, and the gallery and collection loaded."""
@@ -307,10 +269,10 @@ class Service:
                 f"gallery {self.gallery.sheet} ({len(self.gallery.classes)} clips, "
                 f"{len(np.unique(self.gallery.classes))} classes{cached})"
             )
-        if self.searched is not None:
-            norm = self.searched.norm
+        if self.searcher is not None:
+            norm = self.searcher.norm
             parts.append(
-                f"collection {self.searched.index.describe()}"
+                f"collection {self.searcher.index.describe()}"
                 + ("" if norm is None else f", norm_score: {norm.describe()}")
             )
         return "; ".join(parts)
@@ -323,7 +285,7 @@ class Service:
         """What GET /health answers: the model, its embedding size and rate, what is loaded."""
         loaded = self.model.loaded
         gallery = self.gallery
-        searched = self.searched
+        searcher = self.searcher
         return {
             "status": "ok",
             "model": {
@@ -341,12 +303,12 @@ class Service:
                 "classes": len(np.unique(gallery.classes)),
             },
             "collection": None
-            if searched is None
+            if searcher is None
             else {
-                "prefix": str(searched.collection.prefix),
-                "clips": searched.collection.size,
-                "index": searched.index.method,
-                "score_norm": None if searched.norm is None else searched.norm.record(),
+                "prefix": str(searcher.collection.prefix),
+                "clips": searcher.collection.size,
+                "index": searcher.index.method,
+                "score_norm": None if searcher.norm is None else searcher.norm.record(),
             },
             "options": asdict(self.options),
         }

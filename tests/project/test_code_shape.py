@@ -151,3 +151,38 @@ def test_the_checks_see_what_they_guard():
     assert set(TOOL_CLIS) | set(RUNNERS) <= names
     assert {*LOWER, *BELOW_SEARCH, "distributed"} <= {top_of(p) for p in modules()}
     assert imports(PACKAGE / "search" / "__main__.py") & set(TOOL_CLIS)  # the runner is seen
+
+
+# Rank and search answer from a gallery and a collection opened in one place each, which the
+# CLI, the API and the server all call (issue 44): a second opener is where they drift apart.
+OPENERS = {
+    "load_gallery": "audioclf.embedding.gallery:Gallery.open",
+    "open_index": "audioclf.search.queries:Searcher.open",
+}
+
+
+def callers(name: str) -> set[str]:
+    """module:Class.function of every function in audioclf/ that calls `name` (bare or as an
+    attribute)."""
+    found = set()
+
+    def visit(node: ast.AST, where: list[str], module: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                inner = [*where, child.name]
+            elif isinstance(child, ast.Call):
+                called = child.func
+                called = called.attr if isinstance(called, ast.Attribute) else called
+                if getattr(called, "id", called) == name:
+                    found.add(f"{module}:{'.'.join(where)}")
+            visit(child, inner, module)
+
+    for path in modules():
+        visit(ast.parse(path.read_text()), [], name_of(path))
+    return found
+
+
+def test_one_place_opens_a_gallery_and_one_opens_a_collection():
+    for name, opener in OPENERS.items():
+        assert callers(name) == {opener}, f"{name} is called by {sorted(callers(name))}"
