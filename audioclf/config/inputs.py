@@ -163,14 +163,14 @@ class AugmentConfig:
     codec_kinds: tuple[Literal["resample", "mulaw", "quantize"], ...] = ("resample", "mulaw", "quantize")  # drawn uniformly: down- and upsampling, 8-bit mu-law, or coarse quantisation
     codec_rates: tuple[float, float] = (6000.0, 11025.0)  # sample-rate range of the resample round trip in Hz (snapped to a ratio of sample_rate with denominator <= 16; a rate >= sample_rate leaves the crop as it is)
     codec_bits: tuple[int, int] = (6, 10)  # bit-depth range of the quantisation round trip (levels over ± the crop's peak)
-    ir_dir: str = ""  # folder of measured impulse responses (.wav, any rate, searched recursively; read once, resampled, cut at the largest sample and after 2 s): crops convolved with a random one; "" = none
-    ir_prob: float = 0.5  # with ir_dir set: share of crops convolved with a measured response (after the synthetic reverb and EQ, in the same FFT pass; RMS level kept)
-    ir_wet: tuple[float, float] = (0.5, 1.0)  # range of the wet share: wet · convolved + (1 - wet) · dry
-    freq_mixstyle: float = 0.0  # share of training crops whose log-mel per-bin mean and std (over time) are mixed with those of a crop of another class in the batch (Freq-MixStyle, in the model's front end; training only; 0 = off; not switched by enabled)
-    freq_mixstyle_alpha: float = 0.3  # mixing weight drawn from Beta(alpha, alpha) (small alpha: mostly near 0 or 1)
-    mixstyle: float = 0.0  # share of training crops whose per-channel mean and std are mixed with those of a crop of another class after the first mixstyle_blocks blocks of model.name=cnn or resnet (MixStyle; training only; 0 = off; not switched by enabled)
-    mixstyle_alpha: float = 0.3  # mixing weight drawn from Beta(alpha, alpha)
-    mixstyle_blocks: int = 1  # MixStyle after each of the first this many blocks (CNN blocks, or ResNet stem + blocks)
+    ir_dir: str = ""  # experimental: folder of measured impulse responses (.wav, any rate, searched recursively; read once, resampled, cut at the largest sample and after 2 s): crops convolved with a random one; "" = none; off: impulse responses measured on benchmarks/quality.py, both domains, did not close the other-source gap (RESULTS.md, "Domain generalisation (issue 36)")
+    ir_prob: float = 0.5  # experimental: with ir_dir set: share of crops convolved with a measured response (after the synthetic reverb and EQ, in the same FFT pass; RMS level kept) (RESULTS.md, "Domain generalisation (issue 36)")
+    ir_wet: tuple[float, float] = (0.5, 1.0)  # experimental: range of the wet share: wet · convolved + (1 - wet) · dry (RESULTS.md, "Domain generalisation (issue 36)")
+    freq_mixstyle: float = 0.0  # experimental: share of training crops whose log-mel per-bin mean and std (over time) are mixed with those of a crop of another class in the batch (Freq-MixStyle, in the model's front end; training only; 0 = off; not switched by enabled); off: Freq-MixStyle measured on benchmarks/quality.py, both domains, did not close the other-source gap (RESULTS.md, "Domain generalisation (issue 36)")
+    freq_mixstyle_alpha: float = 0.3  # experimental: mixing weight drawn from Beta(alpha, alpha) (small alpha: mostly near 0 or 1) (RESULTS.md, "Domain generalisation (issue 36)")
+    mixstyle: float = 0.0  # experimental: share of training crops whose per-channel mean and std are mixed with those of a crop of another class after the first mixstyle_blocks blocks of model.name=cnn or resnet (MixStyle; training only; 0 = off; not switched by enabled); off: MixStyle measured on benchmarks/quality.py, both domains, did not close the other-source gap (RESULTS.md, "Domain generalisation (issue 36)")
+    mixstyle_alpha: float = 0.3  # experimental: mixing weight drawn from Beta(alpha, alpha) (RESULTS.md, "Domain generalisation (issue 36)")
+    mixstyle_blocks: int = 1  # experimental: MixStyle after each of the first this many blocks (CNN blocks, or ResNet stem + blocks) (RESULTS.md, "Domain generalisation (issue 36)")
 
     def __post_init__(self) -> None:
         for name in ("speed_prob", "reverb_prob", "eq_prob", "noise_prob", "noise_file_prob", "gain_prob",

@@ -87,10 +87,10 @@ class ModelConfig:
     subcenters: int = 3  # sub-centers per class (subcenter_arcface): a class's cosine is the largest of its K
     sync_bn: bool = True  # SyncBatchNorm under multi-GPU DDP (plain BatchNorm on CPU)
     init_from: str = ""  # fine-tune: start a new run from this checkpoint's or state_dict export's weights
-    early_norm: Literal["batch", "rfn", "subspectral"] = "batch"  # normalisation in the first early_norm_blocks blocks of model.name=cnn or resnet: BatchNorm; rfn = relaxed instance frequency-wise norm (rfn_lambda · per-bin instance norm + (1 - rfn_lambda) · layer norm, no running statistics); subspectral = BatchNorm per frequency sub-band
-    early_norm_blocks: int = 1  # blocks that use early_norm (CNN blocks, or the ResNet stem then its blocks)
-    rfn_lambda: float = 0.5  # weight of the instance frequency-wise norm in rfn (1 = per-bin instance norm only, 0 = layer norm only)
-    subspectral_groups: int = 4  # frequency sub-bands of subspectral (must divide the bins of each early block)
+    early_norm: Literal["batch", "rfn", "subspectral"] = "batch"  # experimental: normalisation in the first early_norm_blocks blocks of model.name=cnn or resnet: BatchNorm; rfn = relaxed instance frequency-wise norm (rfn_lambda · per-bin instance norm + (1 - rfn_lambda) · layer norm, no running statistics); subspectral = BatchNorm per frequency sub-band; off: RFN and SubSpectral Norm measured on benchmarks/quality.py, both domains, did not close the other-source gap (RESULTS.md, "Domain generalisation (issue 36)")
+    early_norm_blocks: int = 1  # experimental: blocks that use early_norm (CNN blocks, or the ResNet stem then its blocks) (RESULTS.md, "Domain generalisation (issue 36)")
+    rfn_lambda: float = 0.5  # experimental: weight of the instance frequency-wise norm in rfn (1 = per-bin instance norm only, 0 = layer norm only) (RESULTS.md, "Domain generalisation (issue 36)")
+    subspectral_groups: int = 4  # experimental: frequency sub-bands of subspectral (must divide the bins of each early block) (RESULTS.md, "Domain generalisation (issue 36)")
     cnn: CNNConfig = field(default_factory=CNNConfig)  # settings of model.name=cnn
     conformer: ConformerConfig = field(default_factory=ConformerConfig)  # settings of conformer
     resnet: ResNetConfig = field(default_factory=ResNetConfig)  # settings of model.name=resnet
@@ -296,6 +296,10 @@ class Config:
                "weight; e.g. 1.0), or set model.head=none")
         if self.data.unlabelled:
             self._check_unlabelled()
+        _check(self.augment.mixstyle == 0.0 or self.model.name in ("cnn", "resnet"),
+               "augment.mixstyle", self.augment.mixstyle, f"0 for model.name={self.model.name!r}: "
+               "MixStyle acts inside model.name=cnn or resnet only (augment.freq_mixstyle works "
+               "for all)")
         # DataParallel's replicas copy the module's __dict__, the compiled call with it, so every
         # replica would run the original's weights (a device mismatch on 2+ GPUs).
         _check(not (self.train.compile and self.dist.strategy == "dp"), "train.compile",

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from audioclf.config import Config, ModelConfig
+from audioclf.config import AugmentConfig, Config, ModelConfig
 from audioclf.models.cnn import CNNEmbedder
 from audioclf.models.conformer import ConformerEmbedder
 from audioclf.models.ecapa import ECAPAEmbedder
@@ -29,21 +29,46 @@ __all__ = [
     "ClassifierHead",
 ]
 
-MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
-    "cnn": lambda cfg, n_mels: CNNEmbedder(n_mels, cfg.cnn, cfg.embedding_dim, EarlyNorm.of(cfg)),
-    "conformer": lambda cfg, n_mels: ConformerEmbedder(n_mels, cfg.conformer, cfg.embedding_dim),
-    "resnet": lambda cfg, n_mels: ResNetEmbedder(
-        n_mels, cfg.resnet, cfg.embedding_dim, EarlyNorm.of(cfg)
-    ),
-    "ecapa": lambda cfg, n_mels: ECAPAEmbedder(n_mels, cfg.ecapa, cfg.embedding_dim),
+
+def _cnn(cfg: ModelConfig, n_mels: int, augment: AugmentConfig) -> nn.Module:
+    return CNNEmbedder(n_mels, cfg.cnn, cfg.embedding_dim, EarlyNorm.of(cfg), _block_style(augment))
+
+
+def _resnet(cfg: ModelConfig, n_mels: int, augment: AugmentConfig) -> nn.Module:
+    return ResNetEmbedder(
+        n_mels, cfg.resnet, cfg.embedding_dim, EarlyNorm.of(cfg), _block_style(augment)
+    )
+
+
+def _conformer(cfg: ModelConfig, n_mels: int, augment: AugmentConfig) -> nn.Module:
+    return ConformerEmbedder(n_mels, cfg.conformer, cfg.embedding_dim)
+
+
+def _ecapa(cfg: ModelConfig, n_mels: int, augment: AugmentConfig) -> nn.Module:
+    return ECAPAEmbedder(n_mels, cfg.ecapa, cfg.embedding_dim)
+
+
+def _block_style(augment: AugmentConfig) -> MixStyle:
+    """augment.mixstyle's MixStyle after the first early blocks (the config allows it for the
+    CNN and the ResNet only)."""
+    return MixStyle(augment.mixstyle, augment.mixstyle_alpha, blocks=augment.mixstyle_blocks)
+
+
+# model.name -> its builder: (model section, mel bins, augment section) -> the embedder
+MODELS: dict[str, Callable[[ModelConfig, int, AugmentConfig], nn.Module]] = {
+    "cnn": _cnn,
+    "conformer": _conformer,
+    "resnet": _resnet,
+    "ecapa": _ecapa,
 }
 
 
-def build_model(cfg: ModelConfig, n_mels: int) -> nn.Module:
-    """The embedder named by `model.name`: log-mel [B, T, n_mels] → unit embeddings [B, D]."""
+def build_model(cfg: ModelConfig, n_mels: int, augment: AugmentConfig | None = None) -> nn.Module:
+    """The embedder named by `model.name`: log-mel [B, T, n_mels] → unit embeddings [B, D],
+    with augment.mixstyle inside when given `augment`."""
     if cfg.name not in MODELS:
         raise ValueError(f"model.name={cfg.name!r} is unknown; valid names: {', '.join(MODELS)}")
-    return MODELS[cfg.name](cfg, n_mels)
+    return MODELS[cfg.name](cfg, n_mels, augment or AugmentConfig())
 
 
 def build_net(cfg: Config, num_classes: int) -> EmbeddingNet:
@@ -51,19 +76,10 @@ def build_net(cfg: Config, num_classes: int) -> EmbeddingNet:
     and cfg.augment's MixStyle: front end + embedder (+ model.head over `num_classes`, unless
     model.head=none)."""
     model = cfg.model
-    embedder = build_model(model, cfg.features.n_mels)
-    augment = cfg.augment
-    if augment.mixstyle > 0.0:
-        if not isinstance(embedder, CNNEmbedder | ResNetEmbedder):
-            raise ValueError(
-                f"augment.mixstyle={augment.mixstyle} acts inside model.name=cnn or resnet only, "
-                f"not {model.name!r}: set augment.mixstyle=0 (augment.freq_mixstyle works for all)"
-            )
-        embedder.style = MixStyle(augment.mixstyle, augment.mixstyle_alpha)
-        embedder.style_blocks = augment.mixstyle_blocks
+    embedder = build_model(model, cfg.features.n_mels, cfg.augment)
     head_classes = num_classes if model.head != "none" else 0
     return EmbeddingNet(
-        FeatureFrontend(cfg.features, cfg.spec_augment, augment),
+        FeatureFrontend(cfg.features, cfg.spec_augment, cfg.augment),
         embedder,
         num_classes=head_classes,
         head_scale=model.effective_head_scale,

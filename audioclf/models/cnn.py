@@ -59,12 +59,18 @@ class CNNEmbedder(nn.Module):
     `depth` blocks with `width * 2**i` channels; then mean over frequency, masked pooling over
     time (`pooling`: mean + max summed, as in PANNs, or attentive mean + std), dropout, Linear.
     Clips shorter than 2**depth frames are zero-padded up to it (their length still counts only
-    the real frames). `style` (MixStyle, set by build_net from augment.mixstyle) acts after each
-    of the first `style_blocks` blocks when forward is given style partners (training only).
+    the real frames). `norm` is the early blocks' norm (model.early_norm); `style` (MixStyle of
+    augment.mixstyle) mixes after the first blocks when forward is given style partners
+    (training only).
     """
 
     def __init__(
-        self, n_mels: int, cfg: CNNConfig, embedding_dim: int, norm: EarlyNorm | None = None
+        self,
+        n_mels: int,
+        cfg: CNNConfig,
+        embedding_dim: int,
+        norm: EarlyNorm | None = None,
+        style: MixStyle | None = None,
     ):
         super().__init__()
         if n_mels < 2**cfg.depth:
@@ -84,8 +90,7 @@ class CNNEmbedder(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.embedding = nn.Linear(self.pooling.output_dim, embedding_dim)
         self.embedding_dim = embedding_dim
-        self.style = MixStyle()
-        self.style_blocks = 0
+        self.style = style or MixStyle()
 
     def forward(
         self, feats: Tensor, lengths: Tensor | None = None, partners: Tensor | None = None
@@ -96,8 +101,7 @@ class CNNEmbedder(nn.Module):
         x = feats.unsqueeze(1)  # [B, 1, T, F], padded frames zeroed
         for index, block in enumerate(self.blocks):
             x, lengths = block(x, lengths)
-            if index < self.style_blocks:
-                x = self.style(x, lengths, partners)
+            x = self.style.after(index, x, lengths, partners)
         x = x.mean(dim=3).transpose(1, 2)  # [B, T', C]
         mask = lengths_to_mask(lengths, x.shape[1])
         pooled = self.pooling(x, mask)

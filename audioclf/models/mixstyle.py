@@ -38,13 +38,17 @@ class MixStyle(nn.Module):
     """Mix per-example statistics with a partner's; `frequency=True`: x [B, T, F], statistics
     over time per bin (Freq-MixStyle); False: x [B, C, T, F], over time and frequency per
     channel. `prob` = 0 is the identity. forward(x, lengths, partners) with partners None
-    (inference, exports) returns x unchanged."""
+    (inference, exports) returns x unchanged. Inside a CNN / ResNet, `after(block, ...)` mixes
+    after each of the first `blocks` early blocks (augment.mixstyle_blocks)."""
 
-    def __init__(self, prob: float = 0.0, alpha: float = 0.3, frequency: bool = False):
+    def __init__(
+        self, prob: float = 0.0, alpha: float = 0.3, frequency: bool = False, blocks: int = 0
+    ):
         super().__init__()
         self.prob = float(prob)
         self.alpha = float(alpha)
         self.frequency = frequency
+        self.blocks = blocks
         # Beta(alpha, alpha)'s two concentrations, moved with the model; not saved (from config)
         self.register_buffer("concentration", torch.full((2,), self.alpha), persistent=False)
 
@@ -52,6 +56,15 @@ class MixStyle(nn.Module):
         if partners is None or not self.training or self.prob == 0.0:
             return x
         return self._mix(x, lengths, partners)
+
+    def after(
+        self, block: int, x: Tensor, lengths: Tensor, partners: Tensor | None = None
+    ) -> Tensor:
+        """x after early block `block` (0 = first: a CNN's first block, a ResNet's stem),
+        mixed when it is one of the first `blocks`."""
+        if block >= self.blocks:
+            return x
+        return self.forward(x, lengths, partners)
 
     @torch.jit.unused
     def mixing_weights(self, rows: int) -> Tensor:

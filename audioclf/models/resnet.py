@@ -87,13 +87,19 @@ class ResNetEmbedder(nn.Module):
     """Log-mel [B, T, n_mels] → L2-normalised embedding [B, embedding_dim].
 
     `len(blocks)` stages of BasicBlocks (ResNet-34: [3, 4, 6, 3]) with `width * 2**i` channels;
-    the first stage keeps the resolution, each later one halves time and frequency. `style`
-    (MixStyle, set by build_net from augment.mixstyle) acts after the stem and the first
-    `style_blocks` - 1 blocks when forward is given style partners (training only).
+    the first stage keeps the resolution, each later one halves time and frequency. `norm` is
+    the early blocks' norm (model.early_norm; the stem is early block 0); `style` (MixStyle of
+    augment.mixstyle) mixes after the stem and the first blocks when forward is given style
+    partners (training only).
     """
 
     def __init__(
-        self, n_mels: int, cfg: ResNetConfig, embedding_dim: int, norm: EarlyNorm | None = None
+        self,
+        n_mels: int,
+        cfg: ResNetConfig,
+        embedding_dim: int,
+        norm: EarlyNorm | None = None,
+        style: MixStyle | None = None,
     ):
         super().__init__()
         norm = norm or EarlyNorm()
@@ -116,8 +122,7 @@ class ResNetEmbedder(nn.Module):
         self.pooling = build_pooling(cfg.pooling, in_channels * freq)
         self.embedding = nn.Linear(self.pooling.output_dim, embedding_dim)
         self.embedding_dim = embedding_dim
-        self.style = MixStyle()
-        self.style_blocks = 0
+        self.style = style or MixStyle()
 
     def forward(
         self, feats: Tensor, lengths: Tensor | None = None, partners: Tensor | None = None
@@ -129,13 +134,10 @@ class ResNetEmbedder(nn.Module):
             x = self.fn1(x, lengths)
         else:
             x = self.bn1(x)
-        x = F.relu(x)
-        if self.style_blocks > 0:
-            x = self.style(x, lengths, partners)
+        x = self.style.after(0, F.relu(x), lengths, partners)
         for index, block in enumerate(self.blocks):
             x, lengths = block(x, lengths)
-            if index + 1 < self.style_blocks:
-                x = self.style(x, lengths, partners)
+            x = self.style.after(index + 1, x, lengths, partners)
         batch, channels, frames, freq = x.shape
         x = x.permute(0, 2, 1, 3).reshape(batch, frames, channels * freq)  # [B, T', C·F']
         pooled = self.pooling(x, lengths_to_mask(lengths, frames))
