@@ -36,14 +36,14 @@ import torch
 from audioclf.data.index import load_index
 from audioclf.embedding.parts import digest
 from audioclf.fileio import atomic_write_bytes, file_stamp
-from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.artefacts import LoadedEmbedder, model_record
 from audioclf.inference.extract import check_finite, embed_paths, find_files
 from audioclf.metrics import LIST_BUDGET, ExactSearch, class_centroids
 
 log = logging.getLogger("audioclf")
 
 CACHE_DIR = ".audioclf_cache"
-CACHE_VERSION = 2  # bump when the cached gallery layout changes
+CACHE_VERSION = 3  # bump when the cached gallery layout or its key changes
 DEFAULT_TOP = 5  # classes shown per file
 
 
@@ -75,18 +75,16 @@ def check_ranking_request(
 
 
 def gallery_cache_file(model: LoadedEmbedder, sheet: Path, root: str) -> Path:
+    """Where `sheet`'s embeddings by `model` are cached: keyed by the sheet's content and path,
+    its root, the model's record (model_record: file, features, clips, adaptation, ...) and the
+    settings the sheet is read with."""
     key = json.dumps(
         [
             CACHE_VERSION,
             file_stamp(sheet, content=True),
             root,
-            file_stamp(model.path),
-            model.input_kind,
-            dataclasses.asdict(model.features),
-            dataclasses.asdict(model.cfg.clips),
+            model_record(model),
             dataclasses.asdict(model.data),
-            # an adapted model's gallery is its own (absent otherwise: earlier caches stay valid)
-            *([] if model.adaptation is None else [model.adaptation]),
         ],
         sort_keys=True,
         default=str,

@@ -42,7 +42,7 @@ from audioclf.embedding.parts import (
 )
 from audioclf.errors import one_line
 from audioclf.inference.artefacts import LoadedEmbedder, model_record
-from audioclf.inference.extract import check_finite, embed_dataset, model_input
+from audioclf.inference.extract import check_finite, dataset_for_input, embed_dataset
 
 log = logging.getLogger("audioclf")
 
@@ -235,7 +235,7 @@ def _index_rows(
 
     table = index.table
     return _Rows(
-        model_input(audio(skip_bad_files), model.input_kind),
+        dataset_for_input(audio(skip_bad_files), model.input_kind),
         audio(False),
         table["id"].to_numpy(dtype=str),
         table["path"].to_numpy(dtype=str),

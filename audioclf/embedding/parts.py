@@ -8,7 +8,6 @@ ids and paths); the manifest says which model, features and chunk size made them
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import shutil
@@ -23,10 +22,9 @@ from audioclf.data.index import Index
 from audioclf.fileio import (
     atomic_write_bytes,
     atomic_write_together,
-    file_stamp,
     remove_temporaries,
 )
-from audioclf.inference.artefacts import LoadedEmbedder
+from audioclf.inference.artefacts import LoadedEmbedder, model_record
 from audioclf.outputs import (
     FolderLock,
     ManifestMismatch,
@@ -36,7 +34,7 @@ from audioclf.outputs import (
     write_table,
 )
 
-PARTS_VERSION = 1  # bump when the part files' layout changes
+PARTS_VERSION = 2  # bump when the part files' layout or the manifest's keys change
 PART_KEYS = ("embeddings", "positions", "rows", "skipped", "reasons")
 
 
@@ -80,20 +78,9 @@ def digest(data: bytes) -> str:
 
 
 def parts_manifest(model: LoadedEmbedder, chunk_rows: int) -> dict:
-    """What every part file of a run depends on besides its own rows' ids and paths."""
-    stamp = file_stamp(model.path)
-    return {
-        "version": PARTS_VERSION,
-        "model": stamp["path"],
-        "model_mtime_ns": stamp["mtime_ns"],
-        "model_size": stamp["bytes"],
-        "input_kind": model.input_kind,
-        "features": dataclasses.asdict(model.features),
-        "clips": dataclasses.asdict(model.cfg.clips),
-        "chunk_rows": chunk_rows,
-        # parts of an adapted model are its own (absent otherwise: earlier parts stay valid)
-        **({} if model.adaptation is None else {"adaptation": model.adaptation}),
-    }
+    """What every part file of a run depends on besides its own rows' ids and paths: the model's
+    record (model_record) and the chunk size."""
+    return {"version": PARTS_VERSION, "model": model_record(model), "chunk_rows": chunk_rows}
 
 
 def open_parts(outputs: IndexOutputs, manifest: dict, lock: FolderLock | None = None) -> None:

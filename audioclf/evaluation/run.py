@@ -30,7 +30,7 @@ from audioclf.evaluation.report import out_lock, scalar_metrics, write_evaluatio
 from audioclf.evaluation.select import EvalData, select_data
 from audioclf.inference import LoadedEmbedder, resolve_device
 from audioclf.inference.adapt import adapt as adapt_model
-from audioclf.inference.extract import check_loader_options, embed_dataset, model_input
+from audioclf.inference.extract import check_loader_options, dataset_for_input, embed_dataset
 from audioclf.metrics import resolve_score_norm
 
 # The metrics of the printed summary, in its order (report.md and report.json hold them all).
@@ -230,7 +230,7 @@ def embed_index(
     dataset = AudioDataset.from_index(index, model.cfg, train=False, skip_hint=skip_hint)
     emb, _, positions = embed_dataset(
         model.embed_fn,
-        model_input(dataset, model.input_kind),
+        dataset_for_input(dataset, model.input_kind),
         batch_size=batch_size,
         device=model.device,
         num_workers=num_workers,

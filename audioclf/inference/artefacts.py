@@ -204,14 +204,16 @@ def model_dim(model: LoadedEmbedder) -> int | None:
 
 
 def model_record(model: LoadedEmbedder) -> dict[str, Any]:
-    """What outputs remember of the model that made their embeddings (embed --index's table, a
-    search index): its file, description, input, features, dimension and adaptation (None:
-    its own statistics)."""
+    """The one record of what made some embeddings: its file, description, input, features,
+    clip settings (what evaluation length a file is cut to), dimension and adaptation (None: its
+    own statistics). embed --index's table and a search index keep it; the gallery cache's key
+    and embed --index's parts manifest are built from it plus their own keys."""
     return {
         **file_stamp(model.path),
         "description": model.description,
         "input_kind": model.input_kind,
         "features": dataclasses.asdict(model.features),
+        "clips": dataclasses.asdict(model.cfg.clips),
         "dim": model_dim(model),
         "adaptation": model.adaptation,
     }

@@ -10,8 +10,9 @@ evaluate, embed --index, the gallery, search queries and the API all run.
 embeddings`, e.g. a TorchScript export, over a dataset in ordered batches. `embed_paths` reads
 each file as evaluation does (AudioDataset: the whole clip, cut centred to
 clips.eval_max_seconds, or a centred crop with clips.eval_crop=center), and `embed_waves` cuts
-in-memory audio the same way. `model_input` gives a model what it takes: waveforms, or the
-log-mel of each file for an export without a front end.
+in-memory audio the same way. `dataset_for_input` gives a model what it takes: waveforms, or the
+log-mel of each file for an export without a front end (not `data.batches.model_input`, a
+training batch on the device).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class LogMelDataset(torch.utils.data.Dataset):
         return torch.from_numpy(log_mel(wave, self.audio.cfg)), label, position
 
 
-def model_input(dataset: AudioDataset, input_kind: str) -> torch.utils.data.Dataset:
+def dataset_for_input(dataset: AudioDataset, input_kind: str) -> torch.utils.data.Dataset:
     """`dataset` as a model of `input_kind` reads it: as it is, or (LOG_MEL from audio files)
     the log-mel of each file."""
     features = dataset.cfg
@@ -217,7 +218,7 @@ def _files_dataset(model: LoadedEmbedder, paths: list[Path], spans) -> torch.uti
     labels = np.zeros(len(paths), np.int64)
     features, clips = model.features, model.cfg.clips
     audio = AudioDataset([str(p) for p in paths], labels, features, clips, train=False, spans=spans)
-    return model_input(audio, model.input_kind)
+    return dataset_for_input(audio, model.input_kind)
 
 
 def _reader_error(exc: Exception) -> Exception:

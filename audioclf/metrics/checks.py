@@ -63,5 +63,5 @@ def check_chunk_size(chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
 
 
-def resolve_device(device) -> torch.device:
+def device_or_cpu(device) -> torch.device:
     return torch.device("cpu") if device is None else torch.device(device)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from audioclf.metrics.checks import resolve_device
+from audioclf.metrics.checks import device_or_cpu
 from audioclf.precision import exact_arithmetic
 
 # Similarity entries computed per block (a [block, N] float32 buffer: 512 MiB).
@@ -51,7 +51,7 @@ class ExactSearch:
     def __init__(self, embeddings: Any, *, chunk_size: int | None = None, device=None):
         rows = _as_tensor(embeddings)
         self.size, self.dim = rows.shape
-        self.device = resolve_device(device)
+        self.device = device_or_cpu(device)
         self.rows = F.normalize(rows.to(self.device, torch.float32), p=2, dim=1)  # [N, D]
         self.block = min(
             self.size, chunk_size or max(64, min(2048, SIMILARITY_BUDGET // self.size))

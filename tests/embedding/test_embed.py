@@ -162,8 +162,8 @@ def test_an_adapted_model_says_so_and_keeps_its_own_gallery_cache(setup, capsys)
 def test_index_parts_of_an_adapted_model_are_its_own(setup, tmp_path):
     model = load_embedder(setup["model"], torch.device("cpu"))
     adapted = adapt(model, [setup["queries"]])
-    assert "adaptation" not in parts_manifest(model, 4096)  # earlier parts stay valid
-    assert parts_manifest(adapted, 4096)["adaptation"] == adapted.adaptation
+    assert parts_manifest(model, 4096)["model"]["adaptation"] is None
+    assert parts_manifest(adapted, 4096)["model"]["adaptation"] == adapted.adaptation
     sheet = setup["gallery"]
     assert gallery.gallery_cache_file(model, sheet, "") != gallery.gallery_cache_file(
         adapted, sheet, ""
