@@ -196,8 +196,9 @@ class Model:
         """The model (loaded from a checkpoint) evaluated on `split` of `sheet` (default: its
         training's index), as `audioclf evaluate` does, with its report written into `out`
         (default <checkpoint folder>/eval): `.metrics` (report.json's), `.out_dir`, `.lines()`
-        (the printed summary). `options`: audioclf.evaluation.evaluate's (score_norm, cohort,
-        search, seed, adapt, ...; adapt= adapts for this evaluation only)."""
+        (the printed summary). `options`: audioclf.evaluation.EvaluateOptions' fields
+        (score_norm, cohort, search, seed, adapt, ...; adapt= adapts for this evaluation only)
+        and evaluate's keywords (progress, ...)."""
         from audioclf.evaluation import evaluate  # noqa: PLC0415 - lazy: the report loads matplotlib
 
         return evaluate(

@@ -58,13 +58,14 @@ report written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from audioclf.checkpoint import add_trust_flag
 from audioclf.config import ModelConfig, choices
 from audioclf.errors import run_cli
-from audioclf.evaluation import evaluate
+from audioclf.evaluation import EvaluateOptions, evaluate
 from audioclf.evaluation.metrics import SEARCH_METHODS
 from audioclf.inference.adapt import add_adapt_flag
 from audioclf.metrics import SCORE_NORMS
@@ -72,6 +73,8 @@ from audioclf.training.trackers import attach_report
 
 PROG = "python -m audioclf.evaluate"
 SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them
+DEFAULTS = EvaluateOptions()
+OPTION_FLAGS = [field.name for field in dataclasses.fields(EvaluateOptions)]  # --name each
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,13 +93,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "data.root of the checkpoint, or the sheet's folder with --index)",
     )
     parser.add_argument(
-        "--split", default="val", help="evaluated: train, val (default), test, or all (every row)"
+        "--split",
+        default=DEFAULTS.split,
+        help="evaluated: train, val (default), test, or all (every row)",
     )
     parser.add_argument(
-        "--gallery", default="train", help="classification gallery: train (default), none, or PATH"
+        "--gallery",
+        default=DEFAULTS.gallery,
+        help="classification gallery: train (default), none, or PATH",
     )
     parser.add_argument("--out", type=Path, help="report folder (default <checkpoint folder>/eval)")
-    parser.add_argument("--batch-size", type=int, default=32, help="clips per batch (default 32)")
+    parser.add_argument(
+        "--batch-size", type=int, default=DEFAULTS.batch_size, help="clips per batch (default 32)"
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     add_adapt_flag(parser)
     parser.add_argument(
@@ -107,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-pairs",
         type=int,
-        default=1_000_000,
+        default=DEFAULTS.max_pairs,
         help="verification pairs scored at most (default 1000000)",
     )
     parser.add_argument("--score-norm", choices=SCORE_NORMS, help="none (default), snorm, asnorm")
@@ -116,11 +125,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--search",
         choices=SEARCH_METHODS,
-        default="auto",
+        default=DEFAULTS.search,
         help="retrieval neighbour search (default auto = exact; ivf / hnsw on request)",
     )
     parser.add_argument(
-        "--projection", choices=("pca", "tsne"), default="pca", help="2-D projection (default pca)"
+        "--projection",
+        choices=("pca", "tsne"),
+        default=DEFAULTS.projection,
+        help="2-D projection (default pca)",
     )
     parser.add_argument(
         "--model-name",
@@ -133,7 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip unreadable files (counted in the log) instead of failing",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of pairs, k-means and enrollment (default 0)"
+        "--seed",
+        type=int,
+        default=DEFAULTS.seed,
+        help="seed of pairs, k-means and enrollment (default 0)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_trust_flag(parser)
@@ -141,10 +156,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = dict(vars(args))  # every other flag is evaluate's keyword of the same name
-    checkpoint, quiet, trust = (options.pop(k) for k in ("checkpoint", "quiet", "trust_checkpoint"))
+    values = {name: getattr(args, name) for name in OPTION_FLAGS}
+    options = EvaluateOptions(**{**values, "adapt": args.adapt or ()})
+    options.check(by_flag=True)
     evaluated = evaluate(
-        checkpoint, progress=not quiet, trust=trust, skip_hint=SKIP_HINT, **options
+        args.checkpoint,
+        options,
+        out=args.out,
+        device=args.device,
+        model_name=args.model_name,
+        progress=not args.quiet,
+        trust=args.trust_checkpoint,
+        skip_hint=SKIP_HINT,
     )
     print("\n".join(evaluated.lines()))
     run_dir = Path(evaluated.setup["checkpoint"]).parent  # a folder given: its best.pt's

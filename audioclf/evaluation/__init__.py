@@ -15,6 +15,6 @@ Every file goes to a temporary name in the same folder and is renamed into place
 never leaves a half-written report file.
 """
 
-from audioclf.evaluation.run import Evaluated, evaluate
+from audioclf.evaluation.run import Evaluated, EvaluateOptions, evaluate
 
-__all__ = ["Evaluated", "evaluate"]
+__all__ = ["Evaluated", "EvaluateOptions", "evaluate"]

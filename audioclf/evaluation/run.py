@@ -13,6 +13,7 @@ its lock (write_evaluation, report.py) and the printed summary.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,43 +108,88 @@ class Evaluated:
         ]
 
 
+@dataclass(frozen=True)
+class EvaluateOptions:
+    """What `evaluate` reads, embeds and scores: the options of `python -m audioclf.evaluate`,
+    one field a flag (batch_size is --batch-size). `check()` is a ValueError naming the first
+    option out of range before anything is loaded: by its name (max_pairs), or by its flag
+    (--max-pairs) for the command line."""
+
+    index: str | Path | None = None  # another sheet to evaluate (data.index replaced)
+    root: str | None = None  # where its relative paths resolve (None: data.root, or its folder)
+    split: str = "val"  # train, val, test or all
+    gallery: str = "train"  # classification gallery: train, none or a sheet
+    batch_size: int = 32
+    num_workers: int | None = None  # None: data.num_workers of the checkpoint
+    max_pairs: int = 1_000_000  # verification pairs scored at most
+    score_norm: str | None = None  # audioclf.metrics.resolve_score_norm's, with cohort / top
+    cohort: str | None = None
+    cohort_top: int | None = None
+    search: str = "auto"  # retrieval's neighbour search
+    projection: str = "pca"  # the report's 2-D projection: pca or tsne
+    skip_bad_files: bool = False
+    seed: int = 0  # of the pairs, k-means and enrollment
+    adapt: Sequence[str | Path] = ()  # unlabelled audio of a new source to adapt on (AdaBN)
+
+    def check(self, *, by_flag: bool = False) -> None:
+        try:
+            check_search(self.search)
+            check_loader_options(self.batch_size, self.num_workers)
+            if self.max_pairs < 2:
+                raise ValueError(f"--max-pairs must be >= 2, got {self.max_pairs}")
+            resolve_score_norm(
+                self.score_norm, self.cohort, self.cohort_top, default_cohort="train"
+            )
+        except ValueError as exc:  # the checks name flags: "--max-pairs" -> "max_pairs"
+            if by_flag:
+                raise
+            raise ValueError(FLAG.sub(_option, str(exc))) from None
+
+    @classmethod
+    def of(cls, options: EvaluateOptions | None, settings: dict) -> EvaluateOptions:
+        """`options` (default: the defaults) with `settings` (field=value) replaced; a
+        TypeError naming a setting that is no option."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        if unknown := sorted(set(settings) - known):
+            raise TypeError(
+                f"evaluate() got unknown option(s) {', '.join(unknown)}; EvaluateOptions has "
+                f"{', '.join(sorted(known))}"
+            )
+        return dataclasses.replace(options or cls(), **settings)
+
+
+FLAG = re.compile(r"--([a-z][a-z-]*)")
+
+
+def _option(flag: re.Match) -> str:
+    return flag.group(1).replace("-", "_")
+
+
 def evaluate(
     model: str | Path | LoadedEmbedder,
+    options: EvaluateOptions | None = None,
     *,
-    index: str | Path | None = None,
-    root: str | None = None,
-    split: str = "val",
-    gallery: str = "train",
     out: str | Path | None = None,
-    batch_size: int = 32,
     device: str | torch.device = "auto",
-    num_workers: int | None = None,
-    max_pairs: int = 1_000_000,
-    score_norm: str | None = None,
-    cohort: str | None = None,
-    cohort_top: int | None = None,
-    search: str = "auto",
-    projection: str = "pca",
     model_name: str | None = None,
-    skip_bad_files: bool = False,
-    seed: int = 0,
     progress: bool = True,
     trust: bool = False,
     skip_hint: str | None = None,
-    adapt: Sequence[str | Path] = (),
+    **settings,
 ) -> Evaluated:
-    """Evaluate a checkpoint (a path, or a model loaded from one) on `split` of its index (or
-    of the sheet `index`) and write the report into `out` (default <checkpoint folder>/eval),
-    with the options of `python -m audioclf.evaluate` (num_workers None: data.num_workers;
-    score_norm / cohort / cohort_top: audioclf.metrics.resolve_score_norm, the train split by
-    default). `adapt`: folders or files of unlabelled audio of a new source, which the model
-    is adapted on (AdaBN) before it embeds, a given model left as it is; report.json's
-    "evaluation" records it ("adaptation"), as it does a given model's earlier adaptation.
-    Every option and the data are checked before anything is embedded; the out folder is
-    locked from the start. `device` is used to load a path."""
+    """Evaluate a checkpoint (a path, or a model loaded from one) as `options` say (an
+    EvaluateOptions; any of its fields may also be given by name: split="test") and write the
+    report into `out` (default <checkpoint folder>/eval). `options.adapt`: folders or files of
+    unlabelled audio of a new source, which the model is adapted on (AdaBN) before it embeds, a
+    given model left as it is; report.json's "evaluation" records it ("adaptation"), as it does
+    a given model's earlier adaptation. Every option and the data are checked before anything
+    is embedded; the out folder is locked from the start. `device` is used to load a path."""
     start = time.perf_counter()
-    _check_options(search, batch_size, num_workers, max_pairs)
-    score_norm, cohort = resolve_score_norm(score_norm, cohort, cohort_top, default_cohort="train")
+    options = EvaluateOptions.of(options, settings)
+    options.check()
+    score_norm, cohort = resolve_score_norm(
+        options.score_norm, options.cohort, options.cohort_top, default_cohort="train"
+    )
     checkpoint = model.path if isinstance(model, LoadedEmbedder) else Path(model)
     if checkpoint.is_dir():  # a run folder: its best.pt, whose folder the report goes into
         checkpoint = model_file(checkpoint)
@@ -155,45 +201,36 @@ def evaluate(
             model = LoadedEmbedder.from_checkpoint(
                 checkpoint, device, model_name=model_name, trust=trust
             )
-        model = _evaluable(model, skip_bad_files)
+        model = _evaluable(model, options.skip_bad_files)
         data = select_data(
-            model.cfg, index=index, root=root, split=split, gallery=gallery, cohort=cohort
+            model.cfg,
+            index=options.index,
+            root=options.root,
+            split=options.split,
+            gallery=options.gallery,
+            cohort=cohort,
         )
-        if adapt:
-            model = adapt_model(model, adapt)
+        if options.adapt:
+            model = adapt_model(model, options.adapt)
         evaluation, rows = evaluate_split(
             model,
             data,
-            batch_size=batch_size,
-            num_workers=model.data.num_workers if num_workers is None else num_workers,
+            dataclasses.replace(options, score_norm=score_norm),
             progress=progress,
-            max_pairs=max_pairs,
-            seed=seed,
             skip_hint=skip_hint,
-            search=search,
-            score_norm=score_norm,
-            cohort_top=cohort_top,
         )
         seconds = time.perf_counter() - start
         setup = evaluation_setup(checkpoint, model, data, evaluation, seconds=seconds)
         write_evaluation(
             out_dir,
             evaluation,
-            projection=projection,
-            seed=seed,
+            projection=options.projection,
+            seed=options.seed,
             setup=setup,
             rows=rows,
             locked=True,
         )
     return Evaluated(evaluation, setup, out_dir)
-
-
-def _check_options(search: str, batch_size: int, num_workers: int | None, max_pairs: int) -> None:
-    """The options evaluate checks before it loads anything (an approximate search needs faiss)."""
-    check_search(search)
-    check_loader_options(batch_size, num_workers)
-    if max_pairs < 2:
-        raise ValueError(f"--max-pairs must be >= 2, got {max_pairs}")
 
 
 def _evaluable(model: LoadedEmbedder, skip_bad_files: bool) -> LoadedEmbedder:
@@ -243,23 +280,20 @@ def embed_index(
 def evaluate_split(
     model: LoadedEmbedder,
     data: EvalData,
+    options: EvaluateOptions,
     *,
-    batch_size: int,
-    num_workers: int,
     progress: bool,
-    max_pairs: int,
-    seed: int,
     skip_hint: str | None = None,
-    search: str = "auto",
-    score_norm: str = "none",
-    cohort_top: int | None = None,
 ) -> tuple[Evaluation, pd.DataFrame]:
     """Embed the evaluated split (and the gallery, and the cohort), then every metric
     (retrieval searched with `search`, verification also normalised by `score_norm` against
-    data.cohort, see compute_metrics); returns the evaluation and the index rows of its
-    embeddings. ValueError when fewer than 2 files could be read."""
+    data.cohort, see compute_metrics), with `options`' batch size, workers (None: data's),
+    pairs, seed, search, score_norm (resolved: "none" for none) and cohort_top; returns the
+    evaluation and the index rows of its embeddings. ValueError when fewer than 2 files could
+    be read."""
+    workers = model.data.num_workers if options.num_workers is None else options.num_workers
     common = dict(
-        batch_size=batch_size, num_workers=num_workers, progress=progress, skip_hint=skip_hint
+        batch_size=options.batch_size, num_workers=workers, progress=progress, skip_hint=skip_hint
     )
     emb, rows = embed_index(model, data.evaluated, description=f"embed {data.split}", **common)
     gallery_emb, gallery_names, cohort_emb, cohort_note = _gallery_and_cohort(
@@ -277,14 +311,14 @@ def evaluate_split(
         items=rows["item"].to_numpy(dtype=object),
         gallery_emb=gallery_emb,
         gallery_names=gallery_names,
-        max_pairs=max_pairs,
-        seed=seed,
+        max_pairs=options.max_pairs,
+        seed=options.seed,
         device=model.device,
-        search=search,
+        search=options.search,
         progress=progress,
         cohort_emb=cohort_emb,
-        score_norm=score_norm,
-        cohort_top=cohort_top,
+        score_norm=options.score_norm or "none",
+        cohort_top=options.cohort_top,
     )
     if cohort_note:
         evaluation.notes.append(cohort_note)

@@ -651,3 +651,20 @@ def test_asnorm_keeps_300_cohort_scores_or_a_fifth_of_a_small_cohort():
     assert {"eer_asnorm", "min_dcf_asnorm"} <= set(evaluation.verification)
     with pytest.raises(ValueError, match="use none, or snorm / asnorm with cohort_emb"):
         compute_metrics(emb, names, score_norm="snorm")
+
+
+def test_evaluate_options_are_named_as_python_callers_give_them(tmp_path, capsys):
+    # Checked before anything is loaded (the checkpoint does not even exist): a Python caller
+    # reads the option's name, the command line its flag; a misspelt option is a TypeError.
+    from audioclf.evaluation import EvaluateOptions, evaluate
+
+    missing = tmp_path / "none.pt"
+    with pytest.raises(ValueError, match=r"^max_pairs must be >= 2, got 1$"):
+        evaluate(missing, max_pairs=1)
+    with pytest.raises(ValueError, match=r"^cohort_top must be >= 2, got 1$"):
+        evaluate(missing, EvaluateOptions(cohort_top=1))
+    with pytest.raises(TypeError, match="unknown option.s. max_pair; EvaluateOptions has"):
+        evaluate(missing, max_pair=1)
+    code, out, err = run_cli(capsys, "--checkpoint", missing, "--max-pairs", 1)
+    assert code == 2 and err.endswith("error: --max-pairs must be >= 2, got 1\n")
+    assert not (tmp_path / "eval").exists()
