@@ -46,7 +46,7 @@ from audioclf.errors import UsageError, run_cli
 from audioclf.inference import load_embedder, resolve_device
 from audioclf.metrics import SCORE_NORMS
 from audioclf.search.collection import Collection, build_saved, record_for
-from audioclf.search.index import METHODS
+from audioclf.search.index import BUILD_PARAMS, METHODS
 from audioclf.search.queries import (
     Searcher,
     audio_queries,
@@ -57,7 +57,6 @@ from audioclf.search.queries import (
 )
 
 PROG = "python -m audioclf.search"
-BUILD_PARAMS = ("nlist", "nprobe", "pq_m", "rerank", "hnsw_m", "ef_construction", "ef_search")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

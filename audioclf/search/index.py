@@ -39,6 +39,10 @@ def read_embeddings(path: str | Path) -> np.ndarray:
     return array
 
 
+# The approximate methods' build parameters, by name (approximate.METHOD_PARAMS: which each takes)
+BUILD_PARAMS = ("nlist", "nprobe", "pq_m", "rerank", "hnsw_m", "ef_construction", "ef_search")
+
+
 def build(
     embeddings: Any,
     method: str = "exact",
@@ -46,13 +50,7 @@ def build(
     device: str | torch.device | None = None,
     progress: bool = True,
     seed: int = 0,
-    nlist: int | None = None,
-    nprobe: int | None = None,
-    pq_m: int | None = None,
-    rerank: int | None = None,
-    hnsw_m: int | None = None,
-    ef_construction: int | None = None,
-    ef_search: int | None = None,
+    **params: int | None,
 ) -> SearchIndex:
     """A search index over `embeddings` (an array [N, D], or the path of an .npy file; rows are
     L2-normalised, so scores are cosine similarities).
@@ -62,7 +60,8 @@ def build(
     (IndexHNSWFlat: `hnsw_m` links per node, `ef_construction`, `ef_search`) or "ivfpq"
     (IndexIVFPQ: rows coded in `pq_m` bytes, whose `rerank` * k best candidates are re-scored
     exactly from the float rows it also keeps; rerank=1 keeps only the codes, a fraction of
-    the memory at a lower recall). Parameters left None take the defaults of
+    the memory at a lower recall): `params`, by name (BUILD_PARAMS). Parameters left None take
+    the defaults of
     audioclf.search.approximate; faiss indexes run on the CPU whatever `device` is. An index
     built from a file remembers it, so save() can record it and load() can check it.
     """
@@ -72,15 +71,12 @@ def build(
     if isinstance(embeddings, (str, Path)):
         source = Path(embeddings)
         embeddings = read_embeddings(source)
-    params = {
-        "nlist": nlist,
-        "nprobe": nprobe,
-        "pq_m": pq_m,
-        "rerank": rerank,
-        "hnsw_m": hnsw_m,
-        "ef_construction": ef_construction,
-        "ef_search": ef_search,
-    }
+    if unknown := sorted(set(params) - set(BUILD_PARAMS)):
+        raise TypeError(
+            f"build() got unknown parameter(s) {', '.join(unknown)}; the methods take "
+            f"{', '.join(BUILD_PARAMS)}"
+        )
+    params = {name: params.get(name) for name in BUILD_PARAMS}
     if method == "exact":
         given = [name for name, value in params.items() if value is not None]
         if given:

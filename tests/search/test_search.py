@@ -439,3 +439,12 @@ def test_an_approximate_method_without_faiss_names_the_install(monkeypatch):
         build(ROWS, "hnsw")
     assert "pip install faiss-cpu" in one_line_error(excinfo)
     assert build(ROWS).search(ROWS[:2], 1)[1].tolist() == [[0], [1]]  # exact needs no faiss
+
+
+def test_build_names_a_misspelt_parameter_and_the_ones_it_takes():
+    from audioclf.search.index import build
+
+    with pytest.raises(TypeError, match=r"unknown parameter\(s\) nlists; the methods take nlist, "):
+        build(np.eye(4, dtype=np.float32), "ivf", nlists=4)
+    with pytest.raises(ValueError, match="nlist do not apply to method 'exact'"):
+        build(np.eye(4, dtype=np.float32), "exact", nlist=4)
