@@ -123,7 +123,7 @@ SKIP = {
     "'http://127.0.0.1:8000/search?k=5'": SERVED,
     "curl -s http://127.0.0.1:8000/metrics": SERVED,
     "benchmarks/gpu_wheels.sh /path/wheels": "downloads wheels from a package index",
-    "benchmarks/gpu_rehearsal.sh": "builds a venv from a package index for 12 minutes; "
+    "benchmarks/gpu_rehearsal.sh": "builds a venv from a package index (4-12 minutes); "
     "tests/project/test_benchmarks_smoke.py runs its --smoke",
     "PYTHON=python3 benchmarks/gpu_check.sh --wheels /path/wheels": "needs a CUDA GPU and the "
     "wheels of gpu_wheels.sh",
