@@ -273,11 +273,6 @@ class Searcher:
         rows = self.collection.rows.iloc[hits.row][["class", "item", "id", "path"]]
         return pd.concat([table, rows.reset_index(drop=True)], axis=1)
 
-    def describe(self) -> str:
-        """The index, and the normalisation when there is one."""
-        norm = "" if self.norm is None else f"; norm_score: {self.norm.describe()}"
-        return f"index {self.index.describe()}{norm}"
-
 
 def _normalised(
     queries: Queries,
