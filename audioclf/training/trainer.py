@@ -59,7 +59,7 @@ from audioclf.training.rundir import (
 )
 from audioclf.training.step import EpochResult, NonFiniteGuard, TrainStep
 from audioclf.training.trackers import check_tracker, open_tracker
-from audioclf.training.unlabelled import PseudoLabelRounds
+from audioclf.training.unlabelled import PseudoLabelRounds, reference_rows
 from audioclf.training.validation import Validator
 
 log = logging.getLogger("audioclf")
@@ -392,6 +392,11 @@ class Trainer:
             train=False,
         )
 
+        rows = reference_rows(self.train.labels(), cfg.sampler.m, cfg.train.seed)
+        reference = AudioDataset.from_index(
+            self.train.subset(np.isin(np.arange(len(self.train)), rows)), cfg, train=False
+        )
+
         def apply(labels: np.ndarray) -> None:
             sampler.set_pseudo_labels(labels)
             self.loss_fn.set_pseudo_labels(labels)
@@ -399,6 +404,7 @@ class Trainer:
         return PseudoLabelRounds(
             cfg,
             clips,
+            reference,
             apply=apply,
             metrics=self.metrics,
             device=self.env.device,

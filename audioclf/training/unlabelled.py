@@ -1,23 +1,29 @@
 """Cluster pseudo-labels of the unlabelled clips (data.unlabelled), round after round.
 
-    labels, report = cluster_pseudo_labels(embeddings, threshold=0.3, min_size=4,
-                                           min_cohesion=0.7)
-    rounds = PseudoLabelRounds(cfg, clips_dataset, apply=..., metrics=...)
+    labels, report = pseudo_labels_at_gap(embeddings, reference, reference_labels, cut=0.5,
+                                          min_size=4, min_cohesion=0.7)
+    rounds = PseudoLabelRounds(cfg, clips, reference, apply=..., metrics=...)
     rounds.start_epoch(epoch, model)     # every rank: a round when one is due
     rounds.state_dict() / load_state_dict(state)   # the checkpoint's "pseudo_labels"
 
 A round (at the start of epoch 1, then every unlabelled.cluster_every epochs) embeds the clips
-with the current model, sharded over the ranks and gathered on rank 0; rank 0 clusters them
-(scikit-learn's agglomerative clustering, cosine distance, average linkage, stopped at
-unlabelled.cluster_threshold) and keeps the confident clusters: at least sampler.m clips (a
-batch draws m distinct clips of a pseudo-class, each clip its own item) whose mean cosine to
-their centroid (the purity proxy, "cohesion") is at least unlabelled.min_cohesion, and at most
-unlabelled.max_cluster_share of the clips (an untrained model puts nearly every clip in one
-tight cluster: that is no class). The labels
+and a fixed sample of labelled training clips (the reference: up to REFERENCE_CLASSES classes,
+sampler.m clips each) with the current model, sharded over the ranks and gathered on rank 0.
+Rank 0 measures the labelled classes' gap (the median cosine distance from a class's centroid
+to its nearest other class) and clusters the clips (scikit-learn's agglomerative clustering,
+cosine distance, average linkage) until clusters are unlabelled.cluster_cut × that gap apart:
+two clips join only when they are closer than known classes are to each other, so the cut
+follows the model as it trains and the embedding's scale on each domain, where a fixed
+distance merged sounds' classes (purity 0.64) and split speech's finely (benchmarks/RESULTS.md,
+"Pseudo-labels cut at the labelled classes' gap"). It keeps the confident clusters: at least
+sampler.m clips (a batch draws m distinct clips of a pseudo-class, each clip its own item)
+whose mean cosine to their centroid (the purity proxy, "cohesion") is at least
+unlabelled.min_cohesion, and at most unlabelled.max_cluster_share of the clips (an untrained
+model puts nearly every clip in one tight cluster: that is no class). The labels
 reach every rank by one broadcast (inside dist.timeout_minutes) and go to the sampler and the
-loss (`apply`). Each round logs the cluster count, the kept share and the kept sizes, and
-writes them to TensorBoard (pseudo/*). The labels are checkpointed, so a resume (mid-epoch
-too) continues with the labels of the round it was in.
+loss (`apply`). Each round logs the gap, the cut, the cluster count, the kept share and the
+kept sizes, and writes them to TensorBoard (pseudo/*). The labels are checkpointed, so a resume
+(mid-epoch too) continues with the labels of the round it was in.
 """
 
 from __future__ import annotations
@@ -35,6 +41,35 @@ from audioclf.config import Config
 from audioclf.inference.extract import embed_dataset
 
 log = logging.getLogger("audioclf")
+
+REFERENCE_CLASSES = 256  # labelled classes whose gap sets each round's cut (a fixed draw)
+
+
+def reference_rows(class_codes: np.ndarray, per_class: int, seed: int) -> np.ndarray:
+    """Sorted positions of the reference sample: up to REFERENCE_CLASSES classes of at least
+    two rows, up to `per_class` rows of each, drawn once with `seed` (the same on every rank
+    and on a resume)."""
+    codes = np.asarray(class_codes)
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(codes, return_counts=True)
+    classes = classes[counts >= 2]
+    chosen = rng.permutation(classes)[:REFERENCE_CLASSES]
+    rows = [rng.permutation(np.flatnonzero(codes == c))[:per_class] for c in np.sort(chosen)]
+    return np.sort(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
+
+
+def class_gap(embeddings: np.ndarray, labels: np.ndarray) -> float:
+    """The median over classes of the cosine distance from a class's centroid to the nearest
+    other class's centroid (ValueError with fewer than two classes)."""
+    x = normalize(np.asarray(embeddings, dtype=np.float64))
+    labels = np.asarray(labels)
+    classes = np.unique(labels)
+    if len(classes) < 2:
+        raise ValueError(f"the labelled classes' gap needs two classes, got {len(classes)}")
+    centroids = normalize(np.stack([x[labels == c].mean(axis=0) for c in classes]))
+    distances = 1.0 - centroids @ centroids.T
+    np.fill_diagonal(distances, np.inf)
+    return float(np.median(distances.min(axis=1)))
 
 
 def cluster_pseudo_labels(
@@ -81,6 +116,21 @@ def cluster_pseudo_labels(
     return labels, report
 
 
+def pseudo_labels_at_gap(
+    embeddings: np.ndarray,
+    reference: np.ndarray,
+    reference_labels: np.ndarray,
+    *,
+    cut: float,
+    **options,
+) -> tuple[np.ndarray, dict]:
+    """cluster_pseudo_labels(embeddings, **options) cut at `cut` × the class gap of the
+    labelled `reference` embeddings; the report adds the gap and the threshold it gave."""
+    gap = class_gap(reference, reference_labels)
+    labels, report = cluster_pseudo_labels(embeddings, threshold=cut * gap, **options)
+    return labels, {"gap": gap, "threshold": cut * gap, **report}
+
+
 class PseudoLabelRounds:
     """The pseudo-labels of a run and when they were made; checkpointed (state_dict)."""
 
@@ -88,13 +138,14 @@ class PseudoLabelRounds:
         self,
         cfg: Config,
         clips: torch.utils.data.Dataset,
+        reference: torch.utils.data.Dataset,
         *,
         apply: Callable[[np.ndarray], None],
         metrics,
         device: torch.device,
         loader_options: dict,
     ):
-        self.cfg, self.clips, self.apply = cfg, clips, apply
+        self.cfg, self.clips, self.reference, self.apply = cfg, clips, reference, apply
         self.metrics, self.device, self.loader_options = metrics, device, loader_options
         self.labels = np.full(len(clips), -1, dtype=np.int64)
         self.round_epoch = -1  # the epoch whose start made the labels; -1: none yet
@@ -108,23 +159,14 @@ class PseudoLabelRounds:
         """A round when one is due at this epoch's start (collective: every rank calls it)."""
         if not self.due(epoch):
             return
-        rank, world = distributed.get_rank(), distributed.get_world_size()
-        shard = list(range(rank, len(self.clips), world))
-        embeddings, _, positions = embed_dataset(
-            model,
-            self.clips,
-            batch_size=self.cfg.eval.batch_size,
-            device=self.device,
-            positions=shard,
-            loader_options=self.loader_options,
-        )
-        gathered = distributed.gather_to_primary((embeddings, positions))
+        embedded = [self._embed_shard(dataset, model) for dataset in (self.clips, self.reference)]
+        gathered = distributed.gather_to_primary(embedded)
         unl = self.cfg.unlabelled
         labels, report = distributed.primary_only(
             _cluster_gathered,
             gathered,
-            len(self.clips),
-            threshold=unl.cluster_threshold,
+            (len(self.clips), len(self.reference)),
+            cut=unl.cluster_cut,
             min_size=self.cfg.sampler.m,
             min_cohesion=unl.min_cohesion,
             max_share=unl.max_cluster_share,
@@ -132,6 +174,18 @@ class PseudoLabelRounds:
         self._set(labels, epoch)
         self.rounds.append({"epoch": epoch + 1, **report})
         self._log(epoch, step, report)
+
+    def _embed_shard(self, dataset, model: torch.nn.Module) -> tuple:
+        """(embeddings, labels, positions) of this rank's share of `dataset`."""
+        rank, world = distributed.get_rank(), distributed.get_world_size()
+        return embed_dataset(
+            model,
+            dataset,
+            batch_size=self.cfg.eval.batch_size,
+            device=self.device,
+            positions=range(rank, len(dataset), world),
+            loader_options=self.loader_options,
+        )
 
     def _set(self, labels: np.ndarray, epoch: int) -> None:
         self.labels, self.round_epoch = np.asarray(labels, dtype=np.int64), epoch
@@ -141,9 +195,12 @@ class PseudoLabelRounds:
         sizes = report["sizes"]
         shown = ", ".join(map(str, sizes[:10])) + (" ..." if len(sizes) > 10 else "")
         log.info(
-            "pseudo-labels, epoch %d: %d clusters of %d unlabelled clips, %d kept (%d to %d "
-            "clips, cohesion >= %.2f: mean %.3f), %.1f%% of the clips; sizes %s",
+            "pseudo-labels, epoch %d: labelled classes' gap %.3f, cut at %.3f: %d clusters of "
+            "%d unlabelled clips, %d kept (%d to %d clips, cohesion >= %.2f: mean %.3f), %.1f%% "
+            "of the clips; sizes %s",
             epoch + 1,
+            report["gap"],
+            report["threshold"],
             report["clusters"],
             len(self.clips),
             report["kept"],
@@ -154,7 +211,7 @@ class PseudoLabelRounds:
             100 * report["kept_share"],
             shown or "-",
         )
-        for key in ("clusters", "kept", "kept_share", "cohesion"):
+        for key in ("gap", "threshold", "clusters", "kept", "kept_share", "cohesion"):
             self.metrics.scalar(f"pseudo/{key}", report[key], step)
         if sizes:
             self.metrics.scalar("pseudo/largest", sizes[0], step)
@@ -180,14 +237,21 @@ class PseudoLabelRounds:
         self._set(labels, int(state["round_epoch"]))
 
 
-def _cluster_gathered(gathered: list, n_clips: int, **options) -> tuple[np.ndarray, dict]:
-    """Rank 0: the ranks' (embeddings, positions) put in clip order, then clustered."""
-    embeddings = np.concatenate([e for e, _ in gathered if len(e)])
-    positions = np.concatenate([p for _, p in gathered])
-    if len(positions) != n_clips:
-        raise RuntimeError(
-            f"pseudo-labels: {len(positions)} of {n_clips} unlabelled clips were embedded"
-        )
-    ordered = np.empty_like(embeddings)
-    ordered[positions] = embeddings
-    return cluster_pseudo_labels(ordered, **options)
+def _cluster_gathered(
+    gathered: list, sizes: tuple[int, int], *, cut: float, **options
+) -> tuple[np.ndarray, dict]:
+    """Rank 0: the ranks' clips and reference, each put in order, the reference's class gap,
+    then the clips clustered at `cut` × that gap."""
+    clips, reference = (_in_order([shard[i] for shard in gathered], sizes[i]) for i in (0, 1))
+    return pseudo_labels_at_gap(clips[0], reference[0], reference[1], cut=cut, **options)
+
+
+def _in_order(shards: list, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings, labels) of the ranks' (embeddings, labels, positions) in position order."""
+    embeddings = np.concatenate([e for e, _, _ in shards if len(e)])
+    labels = np.concatenate([y for _, y, _ in shards])
+    positions = np.concatenate([p for _, _, p in shards])
+    if len(positions) != count:
+        raise RuntimeError(f"pseudo-labels: {len(positions)} of {count} clips were embedded")
+    order = np.argsort(positions, kind="stable")
+    return embeddings[order], labels[order]

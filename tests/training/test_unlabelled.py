@@ -13,7 +13,13 @@ from sklearn.metrics import normalized_mutual_info_score
 from audioclf import checkpoint
 from audioclf.config import Config
 from audioclf.data.demo import generate_demo
-from audioclf.training.unlabelled import cluster_pseudo_labels
+from audioclf.training.unlabelled import (
+    REFERENCE_CLASSES,
+    class_gap,
+    cluster_pseudo_labels,
+    pseudo_labels_at_gap,
+    reference_rows,
+)
 from tests.helpers import run_in_group, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
 
@@ -56,6 +62,47 @@ def test_clustering_keeps_only_confident_clusters():
     assert report["kept"] == 0 and (labels == -1).all()
 
 
+def test_the_class_gap_is_the_median_distance_to_the_nearest_other_class():
+    # centroids at 0, 60 and 180 degrees: nearest-other distances 0.5, 0.5 and 1.5
+    angles = np.radians([0, 0, 60, 60, 180, 180])
+    points = np.stack([np.cos(angles), np.sin(angles)], axis=1) * 3.0  # the scale is ignored
+    assert class_gap(points, np.array([0, 0, 1, 1, 2, 2])) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="two classes"):
+        class_gap(points[:2], np.array([0, 0]))
+
+
+def test_the_cut_follows_the_labelled_classes_gap():
+    """New-source classes as close together as the labelled ones: a fixed cosine cut (0.3)
+    merges them; cut at half the labelled gap, each is its own pseudo-class."""
+    rng = np.random.default_rng(3)
+    base = rng.normal(size=32)
+    tight = []
+    for seed in (4, 5):  # two sets of 6 classes, 12 clips each, close around one direction
+        points, truth = _planted(classes=6, per_class=12, noise=0.02, seed=seed)
+        tight.append((base / np.linalg.norm(base) * 4 + points, truth))
+    (reference, reference_labels), (clips, truth) = tight
+    gap = class_gap(reference, reference_labels)
+    assert gap < 0.15  # the labelled classes are close too
+    merged, _ = cluster_pseudo_labels(clips, threshold=0.3, min_size=4, min_cohesion=0.7)
+    assert len(np.unique(merged[merged >= 0])) < 6
+    labels, report = pseudo_labels_at_gap(
+        clips, reference, reference_labels, cut=0.5, min_size=4, min_cohesion=0.7
+    )
+    assert report["gap"] == pytest.approx(gap) and report["threshold"] == pytest.approx(gap / 2)
+    assert report["kept"] == 6 and (labels >= 0).all()
+    assert normalized_mutual_info_score(truth, labels) > 0.99
+
+
+def test_the_reference_sample_is_a_fixed_draw_of_classes_with_two_rows():
+    codes = np.concatenate([np.repeat(np.arange(300), 6), [300]])  # class 300: one row
+    rows = reference_rows(codes, per_class=4, seed=7)
+    assert np.array_equal(rows, reference_rows(codes, per_class=4, seed=7))
+    assert not np.array_equal(rows, reference_rows(codes, per_class=4, seed=8))
+    drawn, counts = np.unique(codes[rows], return_counts=True)
+    assert len(drawn) == REFERENCE_CLASSES and set(counts) == {4} and 300 not in drawn
+    assert (np.diff(rows) > 0).all()
+
+
 def test_two_views_of_a_clip_pull_together():
     from audioclf.losses.unlabelled import ViewsLoss
 
@@ -84,7 +131,7 @@ def _config(tiny_demo: Path, runs: Path, new_source: Path, *extra: str) -> Confi
         "sampler.batch_size=12",
         "unlabelled.share=0.35",
         "unlabelled.cluster_every=1",
-        "unlabelled.cluster_threshold=0.5",
+        "unlabelled.cluster_cut=1.0",
         "unlabelled.min_cohesion=0.5",
         # the tiny model's first clusters are large: kept here, so the rounds have labels to test
         "unlabelled.max_cluster_share=1.0",
