@@ -48,7 +48,9 @@ dataset, its own training run, its own table.
    row (with --checkpoint or --skip-train too, so a baseline model is scored on the same half).
    The held-out sources: speech's other engine; sounds' two unseen-bank columns. The JSON then
    says how many clips each half holds and scores the run's last pseudo-labels against the
-   hidden labels (NMI and purity over the kept clips, the kept share, each round's report).
+   hidden labels (NMI and purity over the kept clips, the kept share, each round's report),
+   and the evaluated model's own pseudo-labels of that half cut two ways (a fixed cosine
+   distance, and unlabelled.cluster_cut × the labelled classes' gap), each scored the same way.
 4. Prints a Markdown table per domain (train time, P@1 and MAP@R per set) and writes them, with
    R-precision and set sizes, as JSON to --out (one "domains" entry per domain).
 """
@@ -252,8 +254,6 @@ def unlabelled_sheet(args, domain: Domain, unlabelled: pd.DataFrame) -> Path:
 def pseudo_label_quality(run_dir: Path, unlabelled: pd.DataFrame) -> dict | None:
     """The run's last pseudo-labels scored against the hidden labels: NMI and purity over the
     kept clips, the kept share, and the rounds' reports (None without a checkpoint)."""
-    from sklearn.metrics import normalized_mutual_info_score
-
     from audioclf import checkpoint as checkpoints
 
     path = run_dir / "last.pt"
@@ -263,14 +263,70 @@ def pseudo_label_quality(run_dir: Path, unlabelled: pd.DataFrame) -> dict | None
     if state is None:
         return None
     labels = np.asarray(state["labels"])
+    return {**scored_labels(unlabelled, labels), "rounds": state.get("rounds", [])}
+
+
+def scored_labels(unlabelled: pd.DataFrame, labels: np.ndarray) -> dict:
+    """Pseudo-labels (-1: not kept) against the hidden labels: the kept share, and NMI and
+    purity over the kept clips (absent when none is kept)."""
+    from sklearn.metrics import normalized_mutual_info_score
+
     truth = pd.factorize(unlabelled["a_cls"])[0]
     kept = labels >= 0
-    quality = {"kept_share": float(kept.mean()), "rounds": state.get("rounds", [])}
+    quality = {"kept_share": float(kept.mean())}
     if kept.any():
         quality["nmi"] = float(normalized_mutual_info_score(truth[kept], labels[kept]))
         majority = sum(np.bincount(truth[labels == k]).max() for k in np.unique(labels[kept]))
         quality["purity"] = float(majority / kept.sum())
     return quality
+
+
+FIXED_CUT = 0.3  # the cosine distance pseudo-labels were cut at before unlabelled.cluster_cut
+
+
+def compared_cuts(args, sheets: dict[str, Path], unlabelled: pd.DataFrame, checkpoint: Path):
+    """The evaluated model's pseudo-labels of the unlabelled half, cut at a fixed cosine
+    distance (FIXED_CUT) and at the run's unlabelled.cluster_cut × the labelled classes' gap
+    (on the run's reference sample of the training split), each scored against the hidden
+    labels: {rule: scores}. The library's own clustering, so the rules are the shipped ones."""
+    from audioclf.inference import LoadedEmbedder, embed_paths
+    from audioclf.training.unlabelled import (
+        cluster_pseudo_labels,
+        pseudo_labels_at_gap,
+        reference_rows,
+    )
+
+    model = LoadedEmbedder.from_checkpoint(checkpoint, torch.device("cpu"))
+    cfg = model.cfg
+    train = read_set(sheets["train"])
+    train = train[train["split"] == "train"].reset_index(drop=True)
+    codes = pd.factorize(train["a_cls"], sort=True)[0]
+    rows = reference_rows(codes, cfg.sampler.m, cfg.train.seed)
+    batch = {"batch_size": args.batch_size}
+    _, clips, _ = embed_paths(model, unlabelled["path"].tolist(), **batch)
+    _, reference, _ = embed_paths(model, train["path"].iloc[rows].tolist(), **batch)
+    options = {
+        "min_size": cfg.sampler.m,
+        "min_cohesion": cfg.unlabelled.min_cohesion,
+        "max_share": cfg.unlabelled.max_cluster_share,
+    }
+    fixed, _ = cluster_pseudo_labels(clips, threshold=FIXED_CUT, **options)
+    at_gap, report = pseudo_labels_at_gap(
+        clips, reference, codes[rows], cut=cfg.unlabelled.cluster_cut, **options
+    )
+    compared = {
+        f"fixed cosine {FIXED_CUT}": scored_labels(unlabelled, fixed),
+        f"{cfg.unlabelled.cluster_cut:g} x the class gap ({report['threshold']:.3f})": (
+            scored_labels(unlabelled, at_gap)
+        ),
+    }
+    for rule, scores in compared.items():
+        say(
+            f"pseudo-labels of {checkpoint.parent.name}'s model cut at {rule}: "
+            f"NMI {scores.get('nmi', 0):.3f}, purity {scores.get('purity', 0):.3f}, "
+            f"{100 * scores['kept_share']:.1f}% of the clips kept"
+        )
+    return compared
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,6 +579,7 @@ def run_domain(args, domain: Domain) -> dict:
     extra = {}
     if unlabelled is not None:
         extra = unlabelled_record(domain, sets, unlabelled, checkpoint.parent, trained=sheet)
+        extra["unlabelled"]["compared_cuts"] = compared_cuts(args, sheets, unlabelled, checkpoint)
     return {
         **extra,
         "checkpoint": str(checkpoint),

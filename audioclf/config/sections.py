@@ -150,6 +150,7 @@ class UnlabelledConfig:
     views_weight: float = 1.0  # weight of the NT-Xent term over those views (two crops of a clip a positive pair, the other views negatives) beside the triplet term
     temperature: float = 0.1  # NT-Xent temperature
     cluster_every: int = 2  # epochs between pseudo-label rounds (embed the unlabelled clips, cluster, add the confident clusters to the sampler as classes), the first at the start of training; 0 = no pseudo-labels
+    cluster_threshold: float = 0.0  # a fixed cosine distance to cut at instead of cluster_cut (0 = off; runs before cluster_cut cut at 0.3, and their configs keep it)
     cluster_cut: float = 0.5  # agglomerative clustering (cosine, average linkage) stops merging clips at this fraction of the labelled classes' gap: the median cosine distance from a class's centroid to its nearest other class, measured each round with the current model on a fixed sample of training clips (up to 256 classes x sampler.m)
     min_cohesion: float = 0.7  # a cluster becomes a pseudo-class when it has at least sampler.m clips and their mean cosine to its centroid is at least this
     max_cluster_share: float = 0.25  # ...and holds at most this share of the unlabelled clips (a cluster that swallows more is a model that cannot yet tell them apart, e.g. untrained)
@@ -160,6 +161,8 @@ class UnlabelledConfig:
         _check(self.temperature > 0, "unlabelled.temperature", self.temperature, "> 0")
         _check(self.cluster_every >= 0, "unlabelled.cluster_every", self.cluster_every,
                ">= 0 (0 = no pseudo-labels)")
+        _check(0.0 <= self.cluster_threshold < 2.0, "unlabelled.cluster_threshold",
+               self.cluster_threshold, "a cosine distance in (0, 2), or 0 (cut at cluster_cut)")
         _check(0.0 < self.cluster_cut <= 2.0, "unlabelled.cluster_cut", self.cluster_cut,
                "a fraction of the labelled classes' gap in (0, 2]")
         _check(-1.0 <= self.min_cohesion <= 1.0, "unlabelled.min_cohesion", self.min_cohesion,

@@ -14,8 +14,9 @@ to its nearest other class) and clusters the clips (scikit-learn's agglomerative
 cosine distance, average linkage) until clusters are unlabelled.cluster_cut × that gap apart:
 two clips join only when they are closer than known classes are to each other, so the cut
 follows the model as it trains and the embedding's scale on each domain, where a fixed
-distance merged sounds' classes (purity 0.64) and split speech's finely (benchmarks/RESULTS.md,
-"Pseudo-labels cut at the labelled classes' gap"). It keeps the confident clusters: at least
+distance merged sounds' classes (purity 0.64; benchmarks/RESULTS.md, "Pseudo-labels cut at
+the labelled classes' gap"). unlabelled.cluster_threshold > 0 cuts at that fixed distance
+instead (what runs before cluster_cut did, at 0.3; their configs keep it). It keeps the confident clusters: at least
 sampler.m clips (a batch draws m distinct clips of a pseudo-class, each clip its own item)
 whose mean cosine to their centroid (the purity proxy, "cohesion") is at least
 unlabelled.min_cohesion, and at most unlabelled.max_cluster_share of the clips (an untrained
@@ -122,13 +123,16 @@ def pseudo_labels_at_gap(
     reference_labels: np.ndarray,
     *,
     cut: float,
+    fixed: float = 0.0,
     **options,
 ) -> tuple[np.ndarray, dict]:
     """cluster_pseudo_labels(embeddings, **options) cut at `cut` × the class gap of the
-    labelled `reference` embeddings; the report adds the gap and the threshold it gave."""
+    labelled `reference` embeddings (at the cosine distance `fixed` instead when it is > 0:
+    unlabelled.cluster_threshold); the report adds the gap and the threshold used."""
     gap = class_gap(reference, reference_labels)
-    labels, report = cluster_pseudo_labels(embeddings, threshold=cut * gap, **options)
-    return labels, {"gap": gap, "threshold": cut * gap, **report}
+    threshold = fixed if fixed > 0 else cut * gap
+    labels, report = cluster_pseudo_labels(embeddings, threshold=threshold, **options)
+    return labels, {"gap": gap, "threshold": threshold, **report}
 
 
 class PseudoLabelRounds:
@@ -167,6 +171,7 @@ class PseudoLabelRounds:
             gathered,
             (len(self.clips), len(self.reference)),
             cut=unl.cluster_cut,
+            fixed=unl.cluster_threshold,
             min_size=self.cfg.sampler.m,
             min_cohesion=unl.min_cohesion,
             max_share=unl.max_cluster_share,
@@ -238,12 +243,11 @@ class PseudoLabelRounds:
 
 
 def _cluster_gathered(
-    gathered: list, sizes: tuple[int, int], *, cut: float, **options
+    gathered: list, sizes: tuple[int, int], **options
 ) -> tuple[np.ndarray, dict]:
-    """Rank 0: the ranks' clips and reference, each put in order, the reference's class gap,
-    then the clips clustered at `cut` × that gap."""
+    """Rank 0: the ranks' clips and reference, each put in order, then pseudo_labels_at_gap."""
     clips, reference = (_in_order([shard[i] for shard in gathered], sizes[i]) for i in (0, 1))
-    return pseudo_labels_at_gap(clips[0], reference[0], reference[1], cut=cut, **options)
+    return pseudo_labels_at_gap(clips[0], reference[0], reference[1], **options)
 
 
 def _in_order(shards: list, count: int) -> tuple[np.ndarray, np.ndarray]:

@@ -93,6 +93,27 @@ def test_the_cut_follows_the_labelled_classes_gap():
     assert normalized_mutual_info_score(truth, labels) > 0.99
 
 
+def test_a_fixed_cluster_threshold_cuts_there_and_older_runs_keep_theirs():
+    points, truth = _planted(classes=6, per_class=12)
+    reference, reference_labels = _planted(classes=4, per_class=6, seed=9)
+    options = {"min_size": 4, "min_cohesion": 0.7}
+    _, report = pseudo_labels_at_gap(points, reference, reference_labels, cut=0.5, **options)
+    assert report["threshold"] == pytest.approx(0.5 * report["gap"])
+    _, report = pseudo_labels_at_gap(
+        points, reference, reference_labels, cut=0.5, fixed=0.3, **options
+    )
+    assert report["threshold"] == 0.3
+    # a checkpoint of a run from before unlabelled.cluster_cut holds cluster_threshold: 0.3
+    from audioclf.config import config_from_dict
+    from audioclf.config.loading import to_dict
+
+    older = to_dict(Config())
+    older["unlabelled"]["cluster_threshold"] = 0.3
+    del older["unlabelled"]["cluster_cut"]
+    assert config_from_dict(older).unlabelled.cluster_threshold == 0.3
+    assert Config().unlabelled.cluster_threshold == 0.0  # new runs cut at the gap
+
+
 def test_the_reference_sample_is_a_fixed_draw_of_classes_with_two_rows():
     codes = np.concatenate([np.repeat(np.arange(300), 6), [300]])  # class 300: one row
     rows = reference_rows(codes, per_class=4, seed=7)
