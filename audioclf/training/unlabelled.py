@@ -242,9 +242,7 @@ class PseudoLabelRounds:
         self._set(labels, int(state["round_epoch"]))
 
 
-def _cluster_gathered(
-    gathered: list, sizes: tuple[int, int], **options
-) -> tuple[np.ndarray, dict]:
+def _cluster_gathered(gathered: list, sizes: tuple[int, int], **options) -> tuple[np.ndarray, dict]:
     """Rank 0: the ranks' clips and reference, each put in order, then pseudo_labels_at_gap."""
     clips, reference = (_in_order([shard[i] for shard in gathered], sizes[i]) for i in (0, 1))
     return pseudo_labels_at_gap(clips[0], reference[0], reference[1], **options)
