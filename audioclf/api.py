@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from audioclf.embedding.gallery import Ranking, rank_files
+from audioclf.embedding.gallery import Ranking, RankOptions, rank_files
 from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
 from audioclf.inference.adapt import adapt
 from audioclf.inference.extract import (
@@ -139,8 +139,8 @@ class Model:
             self.loaded,
             list(inputs),
             Path(gallery),
+            RankOptions(top=top),
             root=None,
-            top=top,
             batch_size=batch_size,
             use_cache=use_cache,
             progress=False,

@@ -43,14 +43,14 @@ chunks are dealt to the ranks and rank 0 assembles (docs/evaluation.md). Exit st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-import time
 from pathlib import Path
 
 from audioclf import distributed
 from audioclf.checkpoint import add_trust_flag
-from audioclf.embedding.gallery import DEFAULT_K, RANK_RULES, check_ranking_request, rank_files
-from audioclf.embedding.index import check_index_request, embed_sheet
+from audioclf.embedding.gallery import RANK_RULES, RankOptions, check_ranking_request, rank_files
+from audioclf.embedding.index import EmbedSheetOptions, check_index_request, embed_sheet
 from audioclf.errors import run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
 from audioclf.inference.adapt import adapt_across_ranks, add_adapt_flag
@@ -59,6 +59,8 @@ from audioclf.inference.extract import check_loader_options
 PROG = "python -m audioclf.embed"
 SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them
 MISSING_FILES_HINT = "pass --skip-bad-files to leave them out"  # the index check's hint
+RANKING = RankOptions()  # the defaults
+SHEET_FLAGS = [field.name for field in dataclasses.fields(EmbedSheetOptions)]  # --name each
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,9 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--root", help="folder of the sheet's relative paths (default: its own)")
     parser.add_argument("--top", type=int, help="classes shown per file (default 5; ranking mode)")
     parser.add_argument(
-        "--rank-by", choices=RANK_RULES, default="knn", help="knn (default), centroid"
+        "--rank-by", choices=RANK_RULES, default=RANKING.rule, help="knn (default), centroid"
     )
-    parser.add_argument("--knn", type=int, default=DEFAULT_K, metavar="K", help="voting clips (1)")
+    parser.add_argument("--knn", type=int, default=RANKING.k, metavar="K", help="voting clips (1)")
     parser.add_argument(
         "--exclude-own-item", action="store_true", help="rank gallery rows without their own item"
     )
@@ -152,20 +154,16 @@ def run_ranking(args: argparse.Namespace, model: LoadedEmbedder) -> int:
         model,
         args.files,
         args.gallery,
+        RankOptions(
+            top=args.top, rule=args.rank_by, k=args.knn, exclude_own_item=args.exclude_own_item
+        ),
         root=args.root,
-        top=args.top,
         batch_size=args.batch_size,
         use_cache=not args.no_cache,
         progress=not args.quiet,
         num_workers=args.num_workers or 0,
-        rule=args.rank_by,
-        k=args.knn,
-        exclude_own_item=args.exclude_own_item,
     )
     print("\n".join(ranking.lines(model, args.gallery)))
-    right, known = ranking.first_right()
-    if args.exclude_own_item and known:
-        print(f"{right} of {known} files ranked their own class first (own item left out)")
     if args.save:
         npy, csv = ranking.save(args.save)
         print(f"saved {npy} and {csv}")
@@ -175,24 +173,18 @@ def run_ranking(args: argparse.Namespace, model: LoadedEmbedder) -> int:
 
 
 def run_index(args: argparse.Namespace, model: LoadedEmbedder) -> int:
-    start = time.perf_counter()
+    options = EmbedSheetOptions(**{name: getattr(args, name) for name in SHEET_FLAGS})
     summary = embed_sheet(
         model,
         args.index,
         args.save,
-        root=args.root,
-        split=args.split,
-        batch_size=args.batch_size,
-        num_workers=args.num_workers,
-        skip_bad_files=args.skip_bad_files,
+        options,
         progress=not args.quiet,
         skip_hint=SKIP_HINT,
         missing_files_hint=MISSING_FILES_HINT,
     )
     if distributed.get_rank() == 0:
-        print(
-            "\n".join(summary.lines(model, split=args.split, seconds=time.perf_counter() - start))
-        )
+        print("\n".join(summary.lines(model)))
     return 0
 
 

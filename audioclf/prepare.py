@@ -76,43 +76,10 @@ from audioclf.config import load_config
 from audioclf.data.formats import add_import_arguments, import_sheet
 from audioclf.data.pack import DTYPES
 from audioclf.errors import UsageError, run_cli
-from audioclf.precompute import Shard, Summary, prepare, train_command
+from audioclf.precompute import Shard, prepare, train_command
 from audioclf.precompute.pack import pack_features
 
 PROG = "python -m audioclf.prepare"
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if nbytes < 1000 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    return ""  # pragma: no cover
-
-
-def print_summary(summary: Summary, command: str) -> None:
-    shard = summary.shard
-    where = f"shard {shard.index}/{shard.count}: " if shard.count > 1 else ""
-    rate = (summary.written + summary.present) / max(summary.elapsed, 1e-9)
-    print(
-        f"{where}{summary.rows} rows: {summary.written} files written, {summary.present} "
-        f"already present, {summary.skipped} skipped"
-    )
-    print(
-        f"audio: {summary.seconds_total / 3600:.2f} h ({summary.seconds_written / 3600:.2f} h "
-        f"written now); {_size(summary.bytes_written)} written; {summary.elapsed:.1f} s "
-        f"({rate:.1f} files/s)"
-    )
-    if summary.skipped_path is not None:
-        print(f"skipped files: {summary.skipped_path}")
-    if summary.index_path is None:
-        print(
-            f"index: not written yet; waiting for shard(s) {', '.join(summary.pending)} "
-            "(the last shard to finish writes it)"
-        )
-        return
-    print(f"index: {summary.index_path} ({summary.index_rows} rows)")
-    print(f"train on it: {command}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -196,37 +163,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --index SHEET (features) or --from FORMAT SOURCE (an import)")
     if args.root is not None:
         cfg.data.root = args.root
-    if args.pack:
-        return run_pack(args, shard, cfg)
-    summary = prepare(
-        args.index,
-        args.out,
-        cfg,
-        workers=args.workers,
-        shard=shard,
-        skip_bad=args.skip_bad,
-        progress=not args.quiet,
-    )
-    command = ""
-    if summary.index_path is not None:
-        command = train_command(summary.index_path, cfg, args.config)
-    print_summary(summary, command)
-    return 0
-
-
-def run_pack(args: argparse.Namespace, shard: Shard, cfg) -> int:
-    if shard.count > 1:
+    if args.pack and shard.count > 1:
         raise UsageError("--pack writes one pack in one run: drop --shard")
-    summary = pack_features(
-        args.index,
-        args.out,
-        cfg,
-        workers=args.workers,
-        skip_bad=args.skip_bad,
-        dtype=args.pack_dtype,
-        progress=not args.quiet,
-    )
-    print("\n".join(summary.lines(train_command(summary.index_path, cfg, args.config))))
+    common = dict(workers=args.workers, skip_bad=args.skip_bad, progress=not args.quiet)
+    if args.pack:
+        summary = pack_features(args.index, args.out, cfg, dtype=args.pack_dtype, **common)
+    else:
+        summary = prepare(args.index, args.out, cfg, shard=shard, **common)
+    # the last shard to finish writes the index: before that there is nothing to train on
+    command = train_command(summary.index_path, cfg, args.config) if summary.index_path else ""
+    print("\n".join(summary.lines(command)))
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,6 +39,16 @@ Item = tuple[Tensor, int, int]  # (waveform [S] or features [T, F], label, posit
 SKIP_HINT = "set data.skip_bad_files=true"
 
 
+@dataclass(frozen=True)
+class BadFiles:
+    """What AudioDataset does with a file it cannot read: raise an error naming the file, its
+    index row and `hint` (how to skip such files; a tool names its own flag), or with `skip`
+    give None for the item."""
+
+    skip: bool = False
+    hint: str = SKIP_HINT
+
+
 class AudioDataset(torch.utils.data.Dataset):
     """Clips at `paths` with integer `labels`; returns `(x, label, position)`.
 
@@ -48,11 +59,11 @@ class AudioDataset(torch.utils.data.Dataset):
     `spans` ([N, 2] seconds, NaN = the whole file): segment rows, of which only the span is read
     from disk (audio only); crops and evaluation clips are then cut from the span.
 
-    A file that cannot be read raises an error naming the file and its index row; with
-    `skip_bad_files=True` the item is None instead (dropped by `collate_padded`) and counted in
-    `self.skipped`. The counter lives in the process that read the item: with DataLoader
-    workers each worker counts its own skips, and the main process sees them as shorter batches.
-    `skip_hint` is how that message says to skip unreadable files (default: the config key).
+    A file that cannot be read raises an error naming the file, its index row and how to skip
+    such files (`bad_files.hint`; default: the config key); with `bad_files.skip` the item is
+    None instead (dropped by `collate_padded`) and counted in `self.skipped`. The counter lives
+    in the process that read the item: with DataLoader workers each worker counts its own
+    skips, and the main process sees them as shorter batches.
     """
 
     def __init__(
@@ -64,9 +75,8 @@ class AudioDataset(torch.utils.data.Dataset):
         *,
         train: bool,
         rows: Sequence[int] | None = None,
-        skip_bad_files: bool = False,
+        bad_files: BadFiles | None = None,
         augment: Augmenter | None = None,
-        skip_hint: str | None = None,
         spans: np.ndarray | None = None,
         pack: PackedFeatures | None = None,
     ):
@@ -90,8 +100,7 @@ class AudioDataset(torch.utils.data.Dataset):
         self.cfg = cfg
         self.clips = clips
         self.train = train
-        self.skip_bad_files = skip_bad_files
-        self.skip_hint = skip_hint or SKIP_HINT
+        self.bad_files = bad_files or BadFiles()
         self.augment = augment if augment is not None and augment.enabled and train else None
         self.pack = pack
         self.skipped = 0
@@ -118,9 +127,8 @@ class AudioDataset(torch.utils.data.Dataset):
             cfg.clips,
             train=train,
             rows=table["row"].tolist(),
-            skip_bad_files=skip,
+            bad_files=BadFiles(skip, skip_hint or SKIP_HINT),
             augment=augment,
-            skip_hint=skip_hint,
             spans=table[["start", "end"]].to_numpy(np.float64) if "start" in table else None,
             pack=PackedFeatures.of(table, cfg.features),
         )
@@ -146,9 +154,8 @@ class AudioDataset(torch.utils.data.Dataset):
             self.clips,
             train=self.train,
             rows=rows,
-            skip_bad_files=self.skip_bad_files,
+            bad_files=self.bad_files,
             augment=self.augment,
-            skip_hint=self.skip_hint,
             spans=spans,
         )
 
@@ -188,9 +195,9 @@ class AudioDataset(torch.utils.data.Dataset):
             x = self._read(path, seed, rng, self._crop_samples(crop_samples), self._span(position))
         except (AudioReadError, FeatureFileError) as exc:
             where = self._where(position)
-            if not self.skip_bad_files:
+            if not self.bad_files.skip:
                 raise type(exc)(
-                    f"{where}: {exc}. Fix or remove the file, or {self.skip_hint} to skip "
+                    f"{where}: {exc}. Fix or remove the file, or {self.bad_files.hint} to skip "
                     "unreadable files"
                 ) from exc
             self.skipped += 1

@@ -185,12 +185,9 @@ class TrainLoader:
         if unlabelled_clips:
             labelled, clips = cfg.unlabelled.batch_rows(cfg.sampler.batch_size, cfg.sampler.m)
             sampler = MixedBatchSampler(
-                classes,
-                items,
+                MPerClassSampler(classes, items, batch_size=labelled, **settings),
                 unlabelled_clips,
-                labelled_batch_size=labelled,
                 clips_per_batch=clips,
-                **settings,
             )
         else:
             sampler = MPerClassSampler(

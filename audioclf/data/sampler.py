@@ -129,10 +129,26 @@ class MPerClassSampler:
         if len(class_values) == 0:
             raise ValueError("the index is empty (0 rows); the sampler needs at least one row")
         self.num_rows = len(class_values)
+        self.classes, self.items = class_values, item_values  # the rows, as given
         self._build_layout(class_values, item_values)
 
         self._start_position = 0
         self._plan = self._make_plan(0)
+
+    def over(self, classes, items) -> MPerClassSampler:
+        """A sampler with these settings (batch size, m, rank, seed, ...) over other rows, at
+        epoch 0."""
+        return MPerClassSampler(
+            classes,
+            items,
+            batch_size=self.batch_size,
+            m=self.m,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=self.seed,
+            split=self.split,
+            small_classes=self.small_classes,
+        )
 
     def _build_layout(self, class_values: np.ndarray, item_values: np.ndarray) -> None:
         """Dense codes and CSR layouts: rows grouped by item, items grouped by class."""
@@ -327,49 +343,29 @@ class MPerClassSampler:
 class MixedBatchSampler:
     """Batches of labelled classes (with pseudo-classes) followed by views of unlabelled clips.
 
-    Dataset positions: [0, L) are the L labelled rows (`classes`, `items`); [L, L + U) the U
-    unlabelled clips as members of their pseudo-class (one crop, the triplet term's); and
-    [L + U, L + 2U) the same clips as views (the NT-Xent term's). A batch holds
-    `labelled_batch_size` rows drawn class -> item -> id by an `MPerClassSampler` over the
-    labelled rows plus the clips of the pseudo-classes (`set_pseudo_labels`; each clip its own
-    item, so a pseudo-class gives m distinct clips), then `clips_per_batch` clips twice each,
-    adjacent: the two views differ by their slot's crop seed (loader.SeededBatches).
+    Dataset positions: [0, L) are the L labelled rows (those of `labelled`, an MPerClassSampler
+    over them); [L, L + U) the U unlabelled clips as members of their pseudo-class (one crop,
+    the triplet term's); and [L + U, L + 2U) the same clips as views (the NT-Xent term's). A
+    batch holds `labelled.batch_size` rows drawn class -> item -> id by a sampler with
+    `labelled`'s settings over the labelled rows plus the clips of the pseudo-classes
+    (`set_pseudo_labels`; each clip its own item, so a pseudo-class gives m distinct clips),
+    then `clips_per_batch` clips twice each, adjacent: the two views differ by their slot's crop
+    seed (loader.SeededBatches).
 
     The batch count is the labelled sampler's (equal on every rank). The views' clips are this
     rank's share (every world_size-th clip) walked in permutations seeded by (seed, epoch, rank),
-    a stream of its own: with no pseudo-labels the labelled rows are exactly those of
-    `MPerClassSampler(classes, items, batch_size=labelled_batch_size, ...)`.
+    a stream of its own: with no pseudo-labels the labelled rows are exactly those `labelled`
+    draws.
     """
 
-    def __init__(
-        self,
-        classes,
-        items,
-        n_clips: int,
-        *,
-        labelled_batch_size: int,
-        clips_per_batch: int,
-        m: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        split: str = "classes",
-        small_classes: str = "replace",
-    ) -> None:
-        self.classes, self.items = _as_column("classes", classes), _as_column("items", items)
+    def __init__(self, labelled: MPerClassSampler, n_clips: int, *, clips_per_batch: int) -> None:
+        self.labelled = labelled
+        self.classes, self.items = labelled.classes, labelled.items
         self.n_labelled = len(self.classes)
         self.n_clips = _check_int("n_clips", n_clips, minimum=1)
         self.clips_per_batch = _check_int("clips_per_batch", clips_per_batch, minimum=1)
-        self._options = dict(
-            batch_size=labelled_batch_size,
-            m=m,
-            rank=rank,
-            world_size=world_size,
-            seed=seed,
-            split=split,
-            small_classes=small_classes,
-        )
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        rank, world_size = labelled.rank, labelled.world_size
+        self.rank, self.world_size, self.seed = rank, world_size, labelled.seed
         self._shard = np.arange(rank, n_clips, world_size)
         if n_clips // world_size < clips_per_batch:  # the smallest rank's share
             raise ValueError(
@@ -378,7 +374,6 @@ class MixedBatchSampler:
                 "audio or lower unlabelled.share"
             )
         self.pseudo_labels = np.full(n_clips, -1, dtype=np.int64)
-        self.labelled = MPerClassSampler(self.classes, self.items, **self._options)
         self._positions = np.arange(self.n_labelled)
 
     @property
@@ -401,7 +396,7 @@ class MixedBatchSampler:
         if len(kept):  # values after every labelled one: sorting keeps the labelled codes
             classes = np.concatenate([classes, classes.max() + 1 + labels[kept]])
             items = np.concatenate([items, items.max() + 1 + kept])
-        self.labelled = MPerClassSampler(classes, items, **self._options)
+        self.labelled = self.labelled.over(classes, items)
         self.labelled.set_epoch(epoch)
         self.pseudo_labels = labels.copy()
         self._positions = np.concatenate([np.arange(self.n_labelled), self.n_labelled + kept])

@@ -2,8 +2,8 @@
 each class's nearest gallery clip (kNN, as evaluate's kNN accuracy) or by cosine to each class
 centroid (see `python -m audioclf.embed --help`).
 
-    ranking = rank_files(model, ["clips/"], Path("refs.xlsx"), root=None, top=5, batch_size=16,
-                         use_cache=True, progress=True)
+    ranking = rank_files(model, ["clips/"], Path("refs.xlsx"), RankOptions(top=5), root=None,
+                         batch_size=16, use_cache=True, progress=True)
     print("\n".join(ranking.lines(model, Path("refs.xlsx"))))
 
 which is, step by step (a `Gallery` opens once and ranks many queries: `audioclf serve` keeps one):
@@ -325,9 +325,11 @@ class Ranking:
         return right, len(known)
 
     def lines(self, model: LoadedEmbedder, gallery: Path) -> list[str]:
-        """What embed prints: the model and gallery, then each file with its top classes."""
+        """What embed prints: the model and gallery, then each file with its top classes, and
+        with own items left out how many files ranked their own class first."""
         cached = ", cached" if self.cached else ""
-        left_out = ", each file's own item left out" if any(self.own_item_left_out or []) else ""
+        own_left_out = any(self.own_item_left_out or [])
+        left_out = ", each file's own item left out" if own_left_out else ""
         lines = [
             f"model: {model.path} ({model.description}); gallery: {gallery} "
             f"({self.gallery_files} files, {len(self.names)} classes{cached}); "
@@ -340,6 +342,11 @@ class Ranking:
                 f"  {rank:>2}. {self.names[c]:<{width}}  {self.scores[i, c]:.4f}"
                 for rank, c in enumerate(self.order[i], start=1)
             ]
+        if own_left_out:  # some file is a gallery row
+            right, known = self.first_right()
+            lines.append(
+                f"{right} of {known} files ranked their own class first (own item left out)"
+            )
         return lines
 
     def save(self, prefix: str | Path) -> tuple[Path, Path]:
@@ -363,27 +370,37 @@ class Ranking:
         return npy, csv
 
 
+@dataclass(frozen=True)
+class RankOptions:
+    """How `rank_files` ranks the gallery's classes for each file: embed's --top, --rank-by,
+    --knn and --exclude-own-item."""
+
+    top: int | None = None  # classes kept per file (None: DEFAULT_TOP)
+    rule: str = "knn"  # class_scores' rule: knn or centroid
+    k: int = DEFAULT_K  # the nearest clips that vote (knn)
+    # A file that is a gallery row is ranked without the rows of its own item (recording)
+    exclude_own_item: bool = False
+
+
 def rank_files(
     model: LoadedEmbedder,
     inputs: list[str | Path],
     gallery: Path,
+    options: RankOptions | None = None,
     *,
     root: str | None,
-    top: int | None,
     batch_size: int,
     use_cache: bool,
     progress: bool,
     num_workers: int = 0,
-    rule: str = "knn",
-    k: int = DEFAULT_K,
-    exclude_own_item: bool = False,
 ) -> Ranking:
     """Embed the files of `inputs` (files, folders searched recursively) and the gallery sheet
-    (cached), and rank the gallery's classes for each file: its `top` best (default
-    DEFAULT_TOP), by `rule` (class_scores). With `exclude_own_item` a file that is a row of the
-    gallery is ranked without the rows of its own item (recording), as evaluate's cross-item
-    metrics: how the model does on a new recording of a known class. ValueError when no file
-    is found or readable, or an embedding is not finite."""
+    (cached), and rank the gallery's classes for each file as `options` say (default
+    RankOptions()): its `top` best, by `rule` (class_scores). With `exclude_own_item` a file
+    that is a row of the gallery is ranked without the rows of its own item (recording), as
+    evaluate's cross-item metrics: how the model does on a new recording of a known class.
+    ValueError when no file is found or readable, or an embedding is not finite."""
+    options = options or RankOptions()
     files, embeddings, skipped = embed_paths(
         model,
         find_files(inputs, model.features),
@@ -402,10 +419,13 @@ def rank_files(
         num_workers=num_workers,
     )
     rows = opened.rows_of(files)
-    own_rows = rows if exclude_own_item else None
-    names, scores, votes = opened.scores(embeddings, rule=rule, k=k, own_rows=own_rows)
+    exclude, top = options.exclude_own_item, options.top
+    own_rows = rows if exclude else None
+    names, scores, votes = opened.scores(
+        embeddings, rule=options.rule, k=options.k, own_rows=own_rows
+    )
     order = top_classes(scores, min(DEFAULT_TOP if top is None else top, len(names)), votes)
-    left_out = [exclude_own_item and r is not None for r in rows]
+    left_out = [exclude and r is not None for r in rows]
     classes = opened.classes
     truth = [None if r is None else str(classes[r]) for r in rows]
     return Ranking(
@@ -417,8 +437,8 @@ def rank_files(
         order,
         len(classes),
         opened.cached,
-        rule,
-        k,
+        options.rule,
+        options.k,
         left_out,
         truth,
     )

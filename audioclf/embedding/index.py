@@ -1,8 +1,8 @@
 """embed --index: every row of an index sheet into PREFIX.npy + PREFIX.parquet, in resumable
 chunks (see `python -m audioclf.embed --help`).
 
-    summary = embed_sheet(model, "big.xlsx", "out/big", batch_size=16, num_workers=8)
-    print("\n".join(summary.lines(model, split=None, seconds=12.5)))
+    summary = embed_sheet(model, "big.xlsx", "out/big", EmbedSheetOptions(num_workers=8))
+    print("\n".join(summary.lines(model)))
 
 which is select_rows (which rows), then write_index_embeddings (the resumable work):
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,57 +64,73 @@ class IndexSummary:
     skipped: int  # unreadable rows left out (--skip-bad-files)
     outputs: IndexOutputs
     source: Path  # the index sheet
+    split: str | None = None  # the split embedded (None: every row); set by embed_sheet
+    seconds: float = 0.0  # the run's wall time; set by embed_sheet
 
-    def lines(self, model: LoadedEmbedder, *, split: str | None, seconds: float) -> list[str]:
+    def lines(self, model: LoadedEmbedder) -> list[str]:
         """What embed --index prints when done: the rows and chunks, the files, the skipped."""
         out = self.outputs
-        where = f", {split} split" if split is not None else ""
+        where = f", {self.split} split" if self.split is not None else ""
         resumed = f", {self.resumed} finished earlier" if self.resumed else ""
         lines = [
             f"model: {model.path} ({model.description}); index: {self.source}{where}: "
             f"{self.rows} rows in {self.chunks} chunk(s){resumed}",
             f"saved {out.npy} ({self.embedded} x {self.dim} float32) and {out.parquet} "
-            f"in {seconds:.1f} s",
+            f"in {self.seconds:.1f} s",
         ]
         if self.skipped:
             lines.append(f"skipped {self.skipped} unreadable file(s): listed in {out.skipped}")
         return lines
 
 
+@dataclass(frozen=True)
+class EmbedSheetOptions:
+    """Which rows `embed_sheet` embeds and how: the options of `python -m audioclf.embed
+    --index`, one field a flag (batch_size is --batch-size)."""
+
+    root: str | None = None  # where the sheet's relative paths resolve (None: its own folder)
+    split: str | None = None  # only this split's rows (train, val, test); None: every row
+    batch_size: int = 16
+    num_workers: int | None = None  # None: the model's data.num_workers
+    skip_bad_files: bool = False  # unreadable (and missing) files listed, not an error
+
+
 def embed_sheet(
     model: LoadedEmbedder,
     sheet: str | Path,
     prefix: str | Path,
+    options: EmbedSheetOptions | None = None,
     *,
-    root: str | None = None,
-    split: str | None = None,
-    batch_size: int = 16,
-    num_workers: int | None = None,
-    skip_bad_files: bool = False,
     progress: bool = True,
     skip_hint: str | None = None,
     missing_files_hint: str | None = None,
 ) -> IndexSummary:
-    """Every row of `sheet` (or of one split) into PREFIX.npy + PREFIX.parquet: select_rows,
-    then write_index_embeddings (num_workers None: the model's data.num_workers)."""
+    """Every row of `sheet` (or of one split) into PREFIX.npy + PREFIX.parquet, as `options`
+    say (default EmbedSheetOptions()): select_rows, then write_index_embeddings. The summary
+    records the split and the time taken."""
+    start = time.perf_counter()
+    options = options or EmbedSheetOptions()
     index = select_rows(
         model,
         sheet,
-        root=root,
-        split=split,
-        skip_bad_files=skip_bad_files,
+        root=options.root,
+        split=options.split,
+        skip_bad_files=options.skip_bad_files,
         missing_files_hint=missing_files_hint,
     )
-    return write_index_embeddings(
+    workers = model.data.num_workers if options.num_workers is None else options.num_workers
+    summary = write_index_embeddings(
         model,
         index,
         prefix,
-        batch_size=batch_size,
-        num_workers=model.data.num_workers if num_workers is None else num_workers,
-        skip_bad_files=skip_bad_files,
+        batch_size=options.batch_size,
+        num_workers=workers,
+        skip_bad_files=options.skip_bad_files,
         progress=progress,
         skip_hint=skip_hint,
     )
+    seconds = time.perf_counter() - start
+    return dataclasses.replace(summary, split=options.split, seconds=seconds)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,11 +3,11 @@ nearest-centroid classification against a gallery or a half/half enrollment spli
 (raw, and S-norm / AS-norm against a cohort) and clustering (see
 `python -m audioclf.evaluate --help`).
 
-    evaluation = compute_metrics(emb, names, classification="gallery", items=items,
-                                 gallery_emb=gallery_emb, gallery_names=gallery_names)
+    evaluation = compute_metrics(emb, names, MetricOptions(search="exact"), classification="gallery",
+                                 items=items, gallery_emb=gallery_emb, gallery_names=gallery_names)
 
 Retrieval is scored by audioclf.metrics.retrieval_metrics from the neighbour lists of the
-audioclf.search index chosen by `search`: exact (on the evaluation's device, so on the GPU
+audioclf.search index chosen by `options.search`: exact (on the evaluation's device, so on the GPU
 under CUDA; the default) or, on request, approximate (faiss IVF / HNSW), whose neighbour recall
 and metric bias against exact search on a seeded sample the setup and notes record.
 """
@@ -50,33 +50,44 @@ class Evaluation:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class MetricOptions:
+    """How `compute_metrics` scores: evaluate's --search, --max-pairs, --seed, --score-norm
+    (resolved) and --cohort-top."""
+
+    search: str = "auto"  # how retrieval finds neighbours: one of SEARCH_METHODS (resolve_search)
+    max_pairs: int = 1_000_000  # verification pairs scored at most
+    seed: int = 0  # of the pairs, k-means, the enrollment split and the search's sample
+    score_norm: str = "none"  # snorm / asnorm: verification also normalised against a cohort
+    cohort_top: int | None = None  # asnorm's cohort scores per side (asnorm_top)
+
+
 def compute_metrics(
     emb: np.ndarray,
     names: np.ndarray,
+    options: MetricOptions | None = None,
     *,
     classification: str = "none",
     items: np.ndarray | None = None,
     gallery_emb: np.ndarray | None = None,
     gallery_names: np.ndarray | None = None,
-    max_pairs: int = 1_000_000,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    search: str = "auto",
-    progress: bool = False,
     cohort_emb: np.ndarray | None = None,
-    score_norm: str = "none",
-    cohort_top: int | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
 ) -> Evaluation:
-    """Every metric of one evaluated set (embeddings and class name per row).
+    """Every metric of one evaluated set (embeddings and class name per row), scored as
+    `options` say (default MetricOptions()).
 
     classification: "gallery" (against gallery_emb / gallery_names, which hold every evaluated
     class), "enrollment" (half/half split of the set by `items`), or "none".
-    search: how retrieval finds each query's neighbours, one of SEARCH_METHODS (see
+    options.search: how retrieval finds each query's neighbours, one of SEARCH_METHODS (see
     resolve_search); the setup records the method, the list depth k and, for approximate
     search, the neighbour recall against exact search on 1,000 seeded queries.
-    score_norm: "snorm" or "asnorm" scores the verification pairs against `cohort_emb` too (see
-    asnorm_top for `cohort_top`); "none" (the default) only raw.
+    options.score_norm: "snorm" or "asnorm" scores the verification pairs against `cohort_emb`
+    too (see asnorm_top for `options.cohort_top`); "none" (the default) only raw.
     """
+    options = options or MetricOptions()
+    search, seed = options.search, options.seed
     if classification not in CLASSIFICATIONS:
         raise ValueError(f"classification={classification!r}: use gallery, enrollment or none")
     gallery_list = gallery_names.tolist() if classification == "gallery" else []
@@ -87,7 +98,8 @@ def compute_metrics(
     evaluation = Evaluation(
         {}, emb, labels, class_names, None, None, {"n_samples": len(labels), "n_classes": n_classes}
     )
-    norm = _score_norm(evaluation.setup, score_norm, cohort_emb, cohort_top)  # checked first
+    # the score norm and its cohort are checked first, before any work
+    norm = _score_norm(evaluation.setup, options.score_norm, cohort_emb, options.cohort_top)
     evaluation.results = _retrieval(evaluation, items, device, search, seed, progress)
     if classification == "gallery":
         sets = _gallery_sets(evaluation, names, gallery_emb, gallery_list, code)
@@ -98,7 +110,7 @@ def compute_metrics(
         sets = None
     if sets is not None:
         _classify(evaluation, *sets, per_sample=classification == "gallery", device=device)
-    _verification_and_clustering(evaluation, n_classes, max_pairs, seed, norm)
+    _verification_and_clustering(evaluation, n_classes, options.max_pairs, seed, norm)
     return evaluation
 
 

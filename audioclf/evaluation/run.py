@@ -26,7 +26,7 @@ import torch
 from audioclf.checkpoint import model_file
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index
-from audioclf.evaluation.metrics import Evaluation, check_search, compute_metrics
+from audioclf.evaluation.metrics import Evaluation, MetricOptions, check_search, compute_metrics
 from audioclf.evaluation.report import out_lock, scalar_metrics, write_evaluation
 from audioclf.evaluation.select import EvalData, select_data
 from audioclf.inference import LoadedEmbedder, resolve_device
@@ -304,21 +304,24 @@ def evaluate_split(
             f"only {len(rows)} file(s) of the {data.split} split could be read; "
             "evaluation needs at least 2"
         )
+    scoring = MetricOptions(
+        search=options.search,
+        max_pairs=options.max_pairs,
+        seed=options.seed,
+        score_norm=options.score_norm or "none",
+        cohort_top=options.cohort_top,
+    )
     evaluation = compute_metrics(
         emb,
         rows["cls"].to_numpy(dtype=object),
+        scoring,
         classification=data.classification,
         items=rows["item"].to_numpy(dtype=object),
         gallery_emb=gallery_emb,
         gallery_names=gallery_names,
-        max_pairs=options.max_pairs,
-        seed=options.seed,
-        device=model.device,
-        search=options.search,
-        progress=progress,
         cohort_emb=cohort_emb,
-        score_norm=options.score_norm or "none",
-        cohort_top=options.cohort_top,
+        device=model.device,
+        progress=progress,
     )
     if cohort_note:
         evaluation.notes.append(cohort_note)

@@ -187,29 +187,40 @@ def parity_difference(expected_fn: Callable, loaded: Callable, inputs) -> float:
     return worst
 
 
-def check_export_request(
-    fmt: str, out: Path, *, frontend: bool, opset: int, tolerance: float
-) -> None:
-    """ValueError for settings that do not fit together, before any work."""
-    if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt!r} is invalid: use one of {', '.join(FORMATS)}")
-    if fmt in ("state_dict", "folder") and not frontend:
-        raise ValueError(
-            f"--no-frontend applies to torchscript and onnx exports; a {fmt} "
-            "export always holds the whole model"
-        )
-    if fmt == "onnx" and opset < DEFAULT_OPSET:
-        raise ValueError(
-            f"--opset {opset}: torch's ONNX exporter writes opset {DEFAULT_OPSET} or newer"
-        )
-    if not tolerance >= 0:
-        raise ValueError(f"--tolerance must be >= 0, got {tolerance}")
-    if fmt == "folder":
-        check_folder_out(out)
-    elif out.is_dir():
-        raise ValueError(f"--out {out} is a folder; give a file path such as {out / 'model.pt'}")
-    if fmt == "onnx":
-        onnx_modules()  # fail before any work when the optional packages are missing
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """What export_model writes and how it checks it: export's --format, --no-frontend,
+    --opset and --tolerance."""
+
+    fmt: str  # one of FORMATS
+    frontend: bool = True  # the log-mel inside the artefact (torchscript, onnx: may be left out)
+    opset: int = DEFAULT_OPSET  # onnx
+    tolerance: float = DEFAULT_TOLERANCE  # of the parity check
+
+    def check(self, out: Path) -> None:
+        """ValueError for settings that do not fit together (or with `out`), before any work."""
+        fmt = self.fmt
+        if fmt not in FORMATS:
+            raise ValueError(f"--format {fmt!r} is invalid: use one of {', '.join(FORMATS)}")
+        if fmt in ("state_dict", "folder") and not self.frontend:
+            raise ValueError(
+                f"--no-frontend applies to torchscript and onnx exports; a {fmt} "
+                "export always holds the whole model"
+            )
+        if fmt == "onnx" and self.opset < DEFAULT_OPSET:
+            raise ValueError(
+                f"--opset {self.opset}: torch's ONNX exporter writes opset {DEFAULT_OPSET} or newer"
+            )
+        if not self.tolerance >= 0:
+            raise ValueError(f"--tolerance must be >= 0, got {self.tolerance}")
+        if fmt == "folder":
+            check_folder_out(out)
+        elif out.is_dir():
+            raise ValueError(
+                f"--out {out} is a folder; give a file path such as {out / 'model.pt'}"
+            )
+        if fmt == "onnx":
+            onnx_modules()  # fail before any work when the optional packages are missing
 
 
 def export_model(
@@ -236,7 +247,8 @@ def export_model(
     model by more than `tolerance`; ValueError / CheckpointError / ExportError on bad input.
     """
     out, checkpoint_path = Path(out), Path(checkpoint_path)
-    check_export_request(fmt, out, frontend=frontend, opset=opset, tolerance=tolerance)
+    options = ExportOptions(fmt, frontend=frontend, opset=opset, tolerance=tolerance)
+    options.check(out)
     net, cfg, ckpt = load_trained(checkpoint_path, "cpu", model_name=model_name, trust=trust)
     if adapt:
         net, ckpt = _adapted(net, cfg, ckpt, checkpoint_path, adapt)
@@ -251,17 +263,7 @@ def export_model(
         tmp = out.with_name(f".{out.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
             loaded = _write_and_load(
-                fmt,
-                tmp,
-                net,
-                module,
-                cfg,
-                ckpt,
-                checkpoint_path,
-                kind=kind,
-                example=inputs[0],
-                opset=opset,
-                frontend=frontend,
+                options, tmp, net, module, cfg, ckpt, checkpoint_path, kind=kind, example=inputs[0]
             )
             difference = parity_difference(expected, loaded, inputs)
             del loaded  # release the file (onnxruntime session, mmap) before moving it
@@ -270,13 +272,11 @@ def export_model(
                 cfg,
                 ckpt,
                 checkpoint_path,
-                fmt=fmt,
+                options,
                 out=out,
                 kind=kind,
                 with_logits=isinstance(module, ExportedEmbedderWithLogits),
-                opset=opset,
                 difference=difference,
-                tolerance=tolerance,
                 inputs=inputs,
             )
             if fmt == "folder":
@@ -332,7 +332,7 @@ def export_lock(out: Path) -> FolderLock:
 
 
 def _write_and_load(
-    fmt: str,
+    options: ExportOptions,
     tmp: Path,
     net: EmbeddingNet,
     module: ExportedEmbedder,
@@ -342,10 +342,9 @@ def _write_and_load(
     *,
     kind: str,
     example: tuple[Tensor, Tensor],
-    opset: int,
-    frontend: bool,
 ) -> Callable:
     """Write the artefact at `tmp` and load it back as `(x, lengths) -> outputs`."""
+    fmt = options.fmt
     if fmt == "torchscript":
         write_torchscript(module, tmp, what=type(module.net.embedder).__name__)
         return load_torchscript(tmp)
@@ -355,7 +354,7 @@ def _write_and_load(
             tmp,
             kind=kind,
             example=example,
-            opset=opset,
+            opset=options.opset,
             with_logits=isinstance(module, ExportedEmbedderWithLogits),
         )
         return load_onnx(tmp)
@@ -363,24 +362,23 @@ def _write_and_load(
         write_folder(net, cfg, ckpt, tmp, source)
     else:
         write_state_dict(net, cfg, ckpt, tmp, source)
-    return load_state_dict_export(tmp, frontend)
+    return load_state_dict_export(tmp, options.frontend)
 
 
 def sidecar(
     cfg: Config,
     ckpt: dict,
     checkpoint_path: Path,
+    options: ExportOptions,
     *,
-    fmt: str,
     out: Path,
     kind: str,
     with_logits: bool,
-    opset: int,
     difference: float,
-    tolerance: float,
     inputs,
 ) -> ExportSidecar:
     """The sidecar of an artefact that passed the parity check on `inputs`."""
+    fmt = options.fmt
     x_doc, lengths_doc = input_docs(cfg.features, kind)
     input_names, output_names = (
         onnx_io_names(kind, with_logits)
@@ -409,11 +407,11 @@ def sidecar(
         },
         parity={
             "max_abs_diff": difference,
-            "tolerance": tolerance,
+            "tolerance": options.tolerance,
             "input_shapes": [list(x.shape) for x, _ in inputs],
         },
         versions=export_versions(fmt),
-        opset=opset if fmt == "onnx" else None,
+        opset=options.opset if fmt == "onnx" else None,
         adaptation=ckpt.get("adaptation"),
     )
 

@@ -281,6 +281,42 @@ class Summary:
         self.seconds_written += outcome.seconds if outcome.status == WRITTEN else 0.0
         self.bytes_written += outcome.nbytes
 
+    def lines(self, command: str) -> list[str]:
+        """What prepare prints: the counts, the audio and bytes, the skipped files, and the
+        index with `command` to train on it (or the shards it waits for)."""
+        shard = self.shard
+        where = f"shard {shard.index}/{shard.count}: " if shard.count > 1 else ""
+        rate = (self.written + self.present) / max(self.elapsed, 1e-9)
+        lines = [
+            f"{where}{self.rows} rows: {self.written} files written, {self.present} "
+            f"already present, {self.skipped} skipped",
+            f"audio: {self.seconds_total / 3600:.2f} h ({self.seconds_written / 3600:.2f} h "
+            f"written now); {_size(self.bytes_written)} written; {self.elapsed:.1f} s "
+            f"({rate:.1f} files/s)",
+        ]
+        if self.skipped_path is not None:
+            lines.append(f"skipped files: {self.skipped_path}")
+        if self.index_path is None:
+            return [
+                *lines,
+                f"index: not written yet; waiting for shard(s) {', '.join(self.pending)} "
+                "(the last shard to finish writes it)",
+            ]
+        return [
+            *lines,
+            f"index: {self.index_path} ({self.index_rows} rows)",
+            f"train on it: {command}",
+        ]
+
+
+def _size(nbytes: float) -> str:
+    """A byte count as people read it: 999 B, 1.5 kB, 2.0 MB, 3.1 GB."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return ""  # pragma: no cover
+
 
 def prepare(
     index_path: Path,

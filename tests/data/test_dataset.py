@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from audioclf.config import ClipsConfig, FeaturesConfig
-from audioclf.data.dataset import AudioDataset, collate_padded
+from audioclf.data.dataset import AudioDataset, BadFiles, collate_padded
 from audioclf.data.readers import AudioReadError, FeatureFileError
 
 RATE = 8000
@@ -164,7 +164,7 @@ def test_skip_mode_skips_counts_and_collate_drops(tmp_path, npy_files, caplog):
         *npy_cfg(),
         train=True,
         rows=[2, 3, 4],
-        skip_bad_files=True,
+        bad_files=BadFiles(skip=True),
     )
     with caplog.at_level(logging.WARNING, logger="audioclf"):
         items = [ds[(i, i)] for i in range(3)]

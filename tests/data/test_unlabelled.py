@@ -94,10 +94,12 @@ def _labelled_index(seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(classes), np.asarray(items)
 
 
-def _mixed(rank=0, world=1, n_clips=40, **kw) -> MixedBatchSampler:
+def _mixed(rank=0, world=1, n_clips=40) -> MixedBatchSampler:
     classes, items = _labelled_index()
-    options = dict(labelled_batch_size=8, clips_per_batch=3, m=2, seed=5)
-    return MixedBatchSampler(classes, items, n_clips, rank=rank, world_size=world, **options | kw)
+    labelled = MPerClassSampler(
+        classes, items, batch_size=8, m=2, rank=rank, world_size=world, seed=5
+    )
+    return MixedBatchSampler(labelled, n_clips, clips_per_batch=3)
 
 
 def test_without_pseudo_labels_the_labelled_part_is_the_m_per_class_draw():

@@ -585,16 +585,18 @@ def test_knn_ranks_a_class_of_distinct_items_where_centroids_do_not():
 def test_ranking_a_gallery_row_leaves_out_its_own_item(setup, tiny_demo):
     # Files that are rows of the gallery: with their own item left out they cannot find
     # themselves (an untrained model's nearest clip of the full gallery is the file itself).
-    from audioclf.embedding.gallery import rank_files
+    from audioclf.embedding.gallery import RankOptions, rank_files
     from audioclf.inference import load_embedder
 
     model = load_embedder(setup["model"], torch.device("cpu"))
     folder = tiny_demo.parent / "wav" / CLASSES[0]
-    common = dict(root=None, top=3, batch_size=16, use_cache=False, progress=False)
-    own = rank_files(model, [folder], tiny_demo, **common)
+    common = dict(root=None, batch_size=16, use_cache=False, progress=False)
+    own = rank_files(model, [folder], tiny_demo, RankOptions(top=3), **common)
     assert own.first_right() == (len(own.files), len(own.files))  # each finds itself
     assert (own.scores.max(axis=1) > 0.9999).all()
-    left_out = rank_files(model, [folder], tiny_demo, exclude_own_item=True, **common)
+    left_out = rank_files(
+        model, [folder], tiny_demo, RankOptions(top=3, exclude_own_item=True), **common
+    )
     assert all(left_out.own_item_left_out) and (left_out.scores.max(axis=1) < 0.9999).all()
     right, known = left_out.first_right()
     assert known == len(left_out.files) and 0 <= right <= known

@@ -381,7 +381,7 @@ def test_help_runs_as_a_module():
 
 
 def test_exact_search_equals_the_full_scan_to_the_last_bit():
-    from audioclf.evaluation.metrics import compute_metrics
+    from audioclf.evaluation.metrics import MetricOptions, compute_metrics
     from audioclf.metrics import retrieval_metrics
 
     rng = np.random.default_rng(0)
@@ -389,7 +389,7 @@ def test_exact_search_equals_the_full_scan_to_the_last_bit():
     emb = (rng.normal(size=(9, 24))[classes] + rng.normal(size=(400, 24))).astype(np.float32)
     names = np.array([f"c{c}" for c in classes], dtype=object)
     items = np.array([f"i{i % 5}" for i in range(400)], dtype=object)
-    evaluation = compute_metrics(emb, names, items=items, search="exact")
+    evaluation = compute_metrics(emb, names, MetricOptions(search="exact"), items=items)
     labels = evaluation.labels
     cross = retrieval_metrics(emb, labels, items=items, return_per_sample=True)
     loo = retrieval_metrics(emb, labels, return_per_sample=True)
@@ -498,14 +498,15 @@ def test_a_cohort_sheet_adds_normalised_verification_beside_the_raw(
 
 
 def test_a_cohort_without_spread_keeps_the_raw_figures_and_says_why_not_the_normalised():
-    from audioclf.evaluation.metrics import compute_metrics
+    from audioclf.evaluation.metrics import MetricOptions, compute_metrics
 
     rng = np.random.default_rng(0)
     names = np.repeat(np.array(["a", "b", "c"]), 4)
     emb = (rng.normal(size=(12, 8)) + 3 * np.eye(8)[np.repeat([0, 1, 2], 4)]).astype(np.float32)
     raw = compute_metrics(emb, names)
     one_clip = np.repeat(emb[:1], 3, axis=0)  # a cohort of three copies of one clip
-    evaluation = compute_metrics(emb, names, cohort_emb=one_clip, score_norm="asnorm")
+    asnorm = MetricOptions(score_norm="asnorm")
+    evaluation = compute_metrics(emb, names, asnorm, cohort_emb=one_clip)
     assert evaluation.verification is not None
     for key in ("eer", "min_dcf", "eer_threshold", "n_pairs"):
         assert evaluation.verification[key] == raw.verification[key], key
@@ -637,20 +638,19 @@ def test_score_norm_and_cohort_default_from_each_other():
 
 
 def test_asnorm_keeps_300_cohort_scores_or_a_fifth_of_a_small_cohort():
-    from audioclf.evaluation.metrics import asnorm_top, compute_metrics
+    from audioclf.evaluation.metrics import MetricOptions, asnorm_top, compute_metrics
 
     assert [asnorm_top(None, n) for n in (10_000, 1500, 1000, 108, 4)] == [300, 300, 200, 21, 2]
     assert asnorm_top(50, 1000) == 50 and asnorm_top(50, 20) == 20  # at most the cohort: S-norm
     rng = np.random.default_rng(0)
     emb = rng.normal(size=(40, 8)).astype(np.float32)
     names = np.array([f"c{i % 4}" for i in range(40)], dtype=object)
-    evaluation = compute_metrics(
-        emb, names, cohort_emb=rng.normal(size=(60, 8)), score_norm="asnorm"
-    )
+    asnorm = MetricOptions(score_norm="asnorm")
+    evaluation = compute_metrics(emb, names, asnorm, cohort_emb=rng.normal(size=(60, 8)))
     assert (evaluation.setup["n_cohort"], evaluation.setup["cohort_top"]) == (60, 12)
     assert {"eer_asnorm", "min_dcf_asnorm"} <= set(evaluation.verification)
     with pytest.raises(ValueError, match="use none, or snorm / asnorm with cohort_emb"):
-        compute_metrics(emb, names, score_norm="snorm")
+        compute_metrics(emb, names, MetricOptions(score_norm="snorm"))
 
 
 def test_evaluate_options_are_named_as_python_callers_give_them(tmp_path, capsys):

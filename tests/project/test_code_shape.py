@@ -1,8 +1,8 @@
 """The package's shape, kept by tests that each list every offender at once: functions fit in a
-screen, the root holds tools and shared parts, imports run down the layers and never into a
-tool's CLI, tests live in the room they test. A module's length follows its job and is not counted. Ruff checks complexity
-(C901 <= 12) and the rest of the lint; pylint's duplicate-code check (./run.sh test) finds
-copied code."""
+screen and take at most ten parameters, the root holds tools and shared parts, imports run down
+the layers and never into a tool's CLI, tests live in the room they test. A module's length
+follows its job and is not counted. Ruff checks complexity (C901 <= 12) and the rest of the lint;
+pylint's duplicate-code check (./run.sh test) finds copied code."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from tests.helpers import ROOT
 
 PACKAGE = ROOT / "audioclf"
 MAX_FUNCTION_LINES = 80
+# More: group the options into a small frozen dataclass their module owns (EvaluateOptions,
+# RankOptions), or pass the object the caller already has instead of its fields one by one.
+MAX_PARAMETERS = 10
 MAX_ROOT_MODULES = 14  # tools and the parts every job shares; a job's internals live in its package
 TOOLS = ("evaluate", "export", "embed", "prepare", "train")
 # Tools whose library is a package of the same name (`audioclf/search/`): their CLI is
@@ -86,6 +89,27 @@ def test_functions_fit_in_a_screen():
         for path in modules()
     }
     assert not offenders(long), f"over {MAX_FUNCTION_LINES} lines: {offenders(long)}"
+
+
+def parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's parameters but self / cls; *args and **kwargs count one each."""
+    args = node.args
+    named = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    starred = [a for a in (args.vararg, args.kwarg) if a is not None]
+    return len([n for n in named if n not in ("self", "cls")]) + len(starred)
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    wide = {
+        name_of(path): [
+            f"{node.name} ({parameters(node)} parameters, line {node.lineno})"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and parameters(node) > MAX_PARAMETERS
+        ]
+        for path in modules()
+    }
+    assert not offenders(wide), f"over {MAX_PARAMETERS} parameters: {offenders(wide)}"
 
 
 def test_the_root_holds_tools_and_shared_parts_only():

@@ -27,7 +27,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import audioclf
-from audioclf.embedding.index import embed_sheet
+from audioclf.embedding.index import EmbedSheetOptions, embed_sheet
 from audioclf.serve.app import Guard, build_app
 from audioclf.serve.batcher import MicroBatcher, Overloaded
 from audioclf.serve.cli import main as serve_main
@@ -55,7 +55,7 @@ def served(tiny_demo, tmp_path_factory) -> dict:
     model_path = make_checkpoint(tmp / "model.pt")
     model = audioclf.load(model_path, device="cpu")
     prefix = tmp / "collection"
-    embed_sheet(model.loaded, tiny_demo, prefix, num_workers=0, progress=False)
+    embed_sheet(model.loaded, tiny_demo, prefix, EmbedSheetOptions(num_workers=0), progress=False)
     options = ServeOptions(max_batch=8, max_wait_ms=30)
     service = Service.open(
         model_path, gallery=tiny_demo, collection=prefix, cohort=prefix, options=options
@@ -334,7 +334,9 @@ def test_a_collection_embedded_adapted_served_with_the_unadapted_model_is_a_warn
     adapted = audioclf.load(served["model_path"], device="cpu")
     adapted.adapt(served["files"][:4])
     prefix = tmp_path / "adapted"
-    embed_sheet(adapted.loaded, served["sheet"], prefix, num_workers=0, progress=False)
+    embed_sheet(
+        adapted.loaded, served["sheet"], prefix, EmbedSheetOptions(num_workers=0), progress=False
+    )
     with caplog.at_level("WARNING", logger="audioclf"):
         Service.open(served["model_path"], collection=prefix).close()
     warned = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import audioclf
-from audioclf.embedding.index import embed_sheet
+from audioclf.embedding.index import EmbedSheetOptions, embed_sheet
 from audioclf.serve.app import build_app
 from audioclf.serve.service import ServeOptions, Service
 from tests.helpers import make_checkpoint, offline_page, serving
@@ -24,7 +24,9 @@ def test_the_page_works_offline_and_shows_a_clips_classes_and_neighbours(
 ):
     model_path = make_checkpoint(tmp_path / "model.pt")
     model = audioclf.load(model_path, device="cpu")
-    embed_sheet(model.loaded, tiny_demo, tmp_path / "all", num_workers=0, progress=False)
+    embed_sheet(
+        model.loaded, tiny_demo, tmp_path / "all", EmbedSheetOptions(num_workers=0), progress=False
+    )
     service = Service.open(
         model_path, gallery=tiny_demo, collection=tmp_path / "all", options=ServeOptions(k=4)
     )
