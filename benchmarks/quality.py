@@ -286,9 +286,10 @@ FIXED_CUT = 0.3  # the cosine distance pseudo-labels were cut at before unlabell
 
 def compared_cuts(args, sheets: dict[str, Path], unlabelled: pd.DataFrame, checkpoint: Path):
     """The evaluated model's pseudo-labels of the unlabelled half, cut at a fixed cosine
-    distance (FIXED_CUT) and at the run's unlabelled.cluster_cut × the labelled classes' gap
-    (on the run's reference sample of the training split), each scored against the hidden
-    labels: {rule: scores}. The library's own clustering, so the rules are the shipped ones."""
+    distance (FIXED_CUT, every confident cluster kept: the rule before cluster_cut) and as the
+    run's config cuts them now (unlabelled.cluster_cut × the labelled classes' gap on the run's
+    reference sample of the training split; at most max_pseudo_classes per labelled class),
+    each scored against the hidden labels: {rule: scores}. The library's own clustering."""
     from audioclf.inference import LoadedEmbedder, embed_paths
     from audioclf.training.unlabelled import (
         cluster_pseudo_labels,
@@ -312,13 +313,17 @@ def compared_cuts(args, sheets: dict[str, Path], unlabelled: pd.DataFrame, check
     }
     fixed, _ = cluster_pseudo_labels(clips, threshold=FIXED_CUT, **options)
     at_gap, report = pseudo_labels_at_gap(
-        clips, reference, codes[rows], cut=cfg.unlabelled.cluster_cut, **options
+        clips,
+        reference,
+        codes[rows],
+        cut=cfg.unlabelled.cluster_cut,
+        max_clusters=max(1, int(cfg.unlabelled.max_pseudo_classes * (codes.max() + 1))),
+        **options,
     )
     compared = {
         f"fixed cosine {FIXED_CUT}": scored_labels(unlabelled, fixed),
-        f"{cfg.unlabelled.cluster_cut:g} x the class gap ({report['threshold']:.3f})": (
-            scored_labels(unlabelled, at_gap)
-        ),
+        f"{cfg.unlabelled.cluster_cut:g} x the class gap ({report['threshold']:.3f}), "
+        f"{report['kept']} of {report['confident']} clusters": (scored_labels(unlabelled, at_gap)),
     }
     for rule, scores in compared.items():
         say(

@@ -405,6 +405,7 @@ class Trainer:
             cfg,
             clips,
             reference,
+            labelled_classes=len(self.train.classes),
             apply=apply,
             metrics=self.metrics,
             device=self.env.device,

@@ -20,7 +20,10 @@ instead (what runs before cluster_cut did, at 0.3; their configs keep it). It ke
 sampler.m clips (a batch draws m distinct clips of a pseudo-class, each clip its own item)
 whose mean cosine to their centroid (the purity proxy, "cohesion") is at least
 unlabelled.min_cohesion, and at most unlabelled.max_cluster_share of the clips (an untrained
-model puts nearly every clip in one tight cluster: that is no class). The labels
+model puts nearly every clip in one tight cluster: that is no class); of those, the largest
+are kept, at most unlabelled.max_pseudo_classes per labelled class (pseudo-classes join the
+class draw like labelled ones: 140 of them beside 37 labelled classes drowned the labels). The
+labels
 reach every rank by one broadcast (inside dist.timeout_minutes) and go to the sampler and the
 loss (`apply`). Each round logs the gap, the cut, the cluster count, the kept share and the
 kept sizes, and writes them to TensorBoard (pseudo/*). The labels are checkpointed, so a resume
@@ -30,6 +33,7 @@ kept sizes, and writes them to TensorBoard (pseudo/*). The labels are checkpoint
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -80,32 +84,41 @@ def cluster_pseudo_labels(
     min_size: int,
     min_cohesion: float,
     max_share: float = 1.0,
+    max_clusters: int | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Pseudo-labels of `embeddings` [N, D] (-1: not in a kept cluster), numbered 0.. in
-    order of each kept cluster's first member, and a report: clusters found, kept, the share
-    of clips kept, the kept clusters' sizes (largest first) and mean cohesion. A cluster is
-    kept with min_size <= size <= max_share × N and a mean cosine to its centroid of at least
-    min_cohesion."""
+    order of each kept cluster's first member, and a report: clusters found, confident, kept,
+    the share of clips kept, the kept clusters' sizes (largest first) and mean cohesion. A
+    cluster is confident with min_size <= size <= max_share × N and a mean cosine to its
+    centroid of at least min_cohesion; the `max_clusters` largest confident ones are kept
+    (all without it)."""
     x = normalize(np.asarray(embeddings, dtype=np.float64))
     labels = np.full(len(x), -1, dtype=np.int64)
-    report = {"clusters": 0, "kept": 0, "kept_share": 0.0, "sizes": [], "cohesion": 0.0}
+    report = {"clusters": 0, "confident": 0, "kept": 0, "kept_share": 0.0, "sizes": [],
+              "cohesion": 0.0}  # fmt: skip
     if len(x) < 2:
         return labels, report
     found = AgglomerativeClustering(
         n_clusters=None, metric="cosine", linkage="average", distance_threshold=threshold
     ).fit_predict(x)
     _, first, counts = np.unique(found, return_index=True, return_counts=True)
-    kept, cohesions = 0, []
-    for cluster in found[np.sort(first)]:  # by first member: labels do not depend on sklearn's ids
+    confident = []  # (members, cohesion) by first member: labels do not depend on sklearn's ids
+    for cluster in found[np.sort(first)]:
         members = np.flatnonzero(found == cluster)
         if not min_size <= len(members) <= max_share * len(x):
             continue
         centroid = normalize(x[members].mean(axis=0, keepdims=True))[0]
         cohesion = float((x[members] @ centroid).mean())
         if cohesion >= min_cohesion:
-            labels[members] = kept
-            kept += 1
-            cohesions.append(cohesion)
+            confident.append((members, cohesion))
+    chosen = sorted(range(len(confident)), key=lambda i: -len(confident[i][0]))[:max_clusters]
+    cohesions = []
+    for kept, position in enumerate(sorted(chosen)):
+        members, cohesion = confident[position]
+        labels[members] = kept
+        cohesions.append(cohesion)
+    kept = len(chosen)
+    report["confident"] = len(confident)
     sizes = sorted(np.bincount(labels[labels >= 0]).tolist(), reverse=True) if kept else []
     report.update(
         clusters=len(counts),
@@ -144,12 +157,15 @@ class PseudoLabelRounds:
         clips: torch.utils.data.Dataset,
         reference: torch.utils.data.Dataset,
         *,
+        labelled_classes: int,
         apply: Callable[[np.ndarray], None],
         metrics,
         device: torch.device,
         loader_options: dict,
     ):
         self.cfg, self.clips, self.reference, self.apply = cfg, clips, reference, apply
+        # the most pseudo-classes a round keeps (unlabelled.max_pseudo_classes per labelled class)
+        self.max_clusters = max(1, math.floor(cfg.unlabelled.max_pseudo_classes * labelled_classes))
         self.metrics, self.device, self.loader_options = metrics, device, loader_options
         self.labels = np.full(len(clips), -1, dtype=np.int64)
         self.round_epoch = -1  # the epoch whose start made the labels; -1: none yet
@@ -175,6 +191,7 @@ class PseudoLabelRounds:
             min_size=self.cfg.sampler.m,
             min_cohesion=unl.min_cohesion,
             max_share=unl.max_cluster_share,
+            max_clusters=self.max_clusters,
         )
         self._set(labels, epoch)
         self.rounds.append({"epoch": epoch + 1, **report})
@@ -201,14 +218,16 @@ class PseudoLabelRounds:
         shown = ", ".join(map(str, sizes[:10])) + (" ..." if len(sizes) > 10 else "")
         log.info(
             "pseudo-labels, epoch %d: labelled classes' gap %.3f, cut at %.3f: %d clusters of "
-            "%d unlabelled clips, %d kept (%d to %d clips, cohesion >= %.2f: mean %.3f), %.1f%% "
-            "of the clips; sizes %s",
+            "%d unlabelled clips, %d confident, %d kept (at most %d; %d to %d clips, cohesion "
+            ">= %.2f: mean %.3f), %.1f%% of the clips; sizes %s",
             epoch + 1,
             report["gap"],
             report["threshold"],
             report["clusters"],
             len(self.clips),
+            report["confident"],
             report["kept"],
+            self.max_clusters,
             self.cfg.sampler.m,
             int(self.cfg.unlabelled.max_cluster_share * len(self.clips)),
             self.cfg.unlabelled.min_cohesion,
@@ -216,7 +235,7 @@ class PseudoLabelRounds:
             100 * report["kept_share"],
             shown or "-",
         )
-        for key in ("gap", "threshold", "clusters", "kept", "kept_share", "cohesion"):
+        for key in ("gap", "threshold", "clusters", "confident", "kept", "kept_share", "cohesion"):
             self.metrics.scalar(f"pseudo/{key}", report[key], step)
         if sizes:
             self.metrics.scalar("pseudo/largest", sizes[0], step)

@@ -171,7 +171,7 @@ def test_quality_smoke_with_unlabelled_audio():
         r"^\| quality_demo_cnn \| [\d.]+ min \| ",
         r"^quality: pseudo-labels of quality_demo_cnn's model cut at fixed cosine 0\.3: NMI ",
         r"^quality: pseudo-labels of quality_demo_cnn's model cut at 0\.5 x the class gap "
-        r"\(\d\.\d{3}\): NMI [\d.]+, purity [\d.]+, [\d.]+% of the clips kept",
+        r"\(\d\.\d{3}\), \d+ of \d+ clusters: NMI [\d.]+, purity [\d.]+, [\d.]+% of the clips kept",
         r"^quality: wrote ",
     ):
         assert re.search(line, done.stdout, re.M), f"{line} not in the output:\n{shown}"

@@ -62,6 +62,21 @@ def test_clustering_keeps_only_confident_clusters():
     assert report["kept"] == 0 and (labels == -1).all()
 
 
+def test_the_largest_confident_clusters_are_kept_up_to_max_clusters():
+    points, truth = _planted(classes=5, per_class=12)
+    small, _ = _planted(classes=1, per_class=5, seed=2)  # a sixth class of 5: the smallest
+    everything = np.concatenate([small, points])
+    labels, report = cluster_pseudo_labels(everything, threshold=0.3, min_size=4, min_cohesion=0.7)
+    assert (report["confident"], report["kept"]) == (6, 6)
+    labels, report = cluster_pseudo_labels(
+        everything, threshold=0.3, min_size=4, min_cohesion=0.7, max_clusters=5
+    )
+    assert (report["confident"], report["kept"]) == (6, 5) and report["sizes"] == [12] * 5
+    assert (labels[:5] == -1).all()  # the small cluster goes, though its clips come first
+    assert labels[5:].tolist() == np.repeat(np.arange(5), 12).tolist()  # numbered in order
+    assert normalized_mutual_info_score(truth, labels[5:]) > 0.99
+
+
 def test_the_class_gap_is_the_median_distance_to_the_nearest_other_class():
     # centroids at 0, 60 and 180 degrees: nearest-other distances 0.5, 0.5 and 1.5
     angles = np.radians([0, 0, 60, 60, 180, 180])
