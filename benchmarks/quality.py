@@ -288,7 +288,8 @@ def compared_cuts(args, sheets: dict[str, Path], unlabelled: pd.DataFrame, check
     """The evaluated model's pseudo-labels of the unlabelled half, cut at a fixed cosine
     distance (FIXED_CUT, every confident cluster kept: the rule before cluster_cut) and as the
     run's config cuts them now (unlabelled.cluster_cut × the labelled classes' gap on the run's
-    reference sample of the training split; at most max_pseudo_classes per labelled class),
+    reference sample of the training split, none below min_reference_p1; at most
+    max_pseudo_classes per labelled class),
     each scored against the hidden labels: {rule: scores}. The library's own clustering."""
     from audioclf.inference import LoadedEmbedder, embed_paths
     from audioclf.training.unlabelled import (
@@ -317,6 +318,7 @@ def compared_cuts(args, sheets: dict[str, Path], unlabelled: pd.DataFrame, check
         reference,
         codes[rows],
         cut=cfg.unlabelled.cluster_cut,
+        min_reference_p1=cfg.unlabelled.min_reference_p1,
         max_clusters=max(1, int(cfg.unlabelled.max_pseudo_classes * (codes.max() + 1))),
         **options,
     )

@@ -153,6 +153,7 @@ class UnlabelledConfig:
     cluster_threshold: float = 0.0  # a fixed cosine distance to cut at instead of cluster_cut (0 = off; runs before cluster_cut cut at 0.3, and their configs keep it)
     cluster_cut: float = 0.5  # agglomerative clustering (cosine, average linkage) stops merging clips at this fraction of the labelled classes' gap: the median cosine distance from a class's centroid to its nearest other class, measured each round with the current model on a fixed sample of training clips (up to 256 classes x sampler.m)
     min_cohesion: float = 0.7  # a cluster becomes a pseudo-class when it has at least sampler.m clips and their mean cosine to its centroid is at least this
+    min_reference_p1: float = 0.8  # a round labels clips only once the model tells known classes apart: the nearest-neighbour accuracy (P@1) of the labelled reference sample is at least this (an untrained network's tight clusters are collapse, not classes)
     max_pseudo_classes: float = 1.0  # ...and at most this many pseudo-classes per labelled class are kept, the largest: they join the class draw like labelled classes, and more of them than labelled classes drowns the labels (benchmarks/RESULTS.md)
     max_cluster_share: float = 0.25  # ...and holds at most this share of the unlabelled clips (a cluster that swallows more is a model that cannot yet tell them apart, e.g. untrained)
 
@@ -168,6 +169,8 @@ class UnlabelledConfig:
                "a fraction of the labelled classes' gap in (0, 2]")
         _check(-1.0 <= self.min_cohesion <= 1.0, "unlabelled.min_cohesion", self.min_cohesion,
                "a cosine in [-1, 1]")
+        _check(0.0 <= self.min_reference_p1 <= 1.0, "unlabelled.min_reference_p1",
+               self.min_reference_p1, "in [0, 1] (0 = label from the first round)")
         _check(self.max_pseudo_classes > 0, "unlabelled.max_pseudo_classes",
                self.max_pseudo_classes, "> 0 (pseudo-classes per labelled class)")
         _check(0.0 < self.max_cluster_share <= 1.0, "unlabelled.max_cluster_share",

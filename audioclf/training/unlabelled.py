@@ -94,8 +94,7 @@ def cluster_pseudo_labels(
     (all without it)."""
     x = normalize(np.asarray(embeddings, dtype=np.float64))
     labels = np.full(len(x), -1, dtype=np.int64)
-    report = {"clusters": 0, "confident": 0, "kept": 0, "kept_share": 0.0, "sizes": [],
-              "cohesion": 0.0}  # fmt: skip
+    report = _no_clusters()
     if len(x) < 2:
         return labels, report
     found = AgglomerativeClustering(
@@ -137,15 +136,38 @@ def pseudo_labels_at_gap(
     *,
     cut: float,
     fixed: float = 0.0,
+    min_reference_p1: float = 0.0,
     **options,
 ) -> tuple[np.ndarray, dict]:
     """cluster_pseudo_labels(embeddings, **options) cut at `cut` × the class gap of the
     labelled `reference` embeddings (at the cosine distance `fixed` instead when it is > 0:
-    unlabelled.cluster_threshold); the report adds the gap and the threshold used."""
+    unlabelled.cluster_threshold); the report adds the gap, the threshold used and the
+    reference's leave-one-out nearest-neighbour accuracy ("reference_p1"). While that is below
+    `min_reference_p1` the model cannot yet tell known classes apart, and no clip is labelled
+    (its tight clusters are an untrained network's collapse, not classes)."""
     gap = class_gap(reference, reference_labels)
     threshold = fixed if fixed > 0 else cut * gap
-    labels, report = cluster_pseudo_labels(embeddings, threshold=threshold, **options)
-    return labels, {"gap": gap, "threshold": threshold, **report}
+    reference_p1 = nearest_neighbour_accuracy(reference, reference_labels)
+    if reference_p1 < min_reference_p1:
+        labels, report = np.full(len(embeddings), -1, dtype=np.int64), _no_clusters()
+    else:
+        labels, report = cluster_pseudo_labels(embeddings, threshold=threshold, **options)
+    return labels, {"gap": gap, "threshold": threshold, "reference_p1": reference_p1, **report}
+
+
+def _no_clusters() -> dict:
+    """The report of a round that labels nothing."""
+    return {"clusters": 0, "confident": 0, "kept": 0, "kept_share": 0.0, "sizes": [],
+            "cohesion": 0.0}  # fmt: skip
+
+
+def nearest_neighbour_accuracy(embeddings: np.ndarray, labels: np.ndarray) -> float:
+    """The share of rows whose nearest other row (cosine) has their label."""
+    x = normalize(np.asarray(embeddings, dtype=np.float64))
+    similarity = x @ x.T
+    np.fill_diagonal(similarity, -np.inf)
+    labels = np.asarray(labels)
+    return float((labels[similarity.argmax(axis=1)] == labels).mean())
 
 
 class PseudoLabelRounds:
@@ -188,6 +210,7 @@ class PseudoLabelRounds:
             (len(self.clips), len(self.reference)),
             cut=unl.cluster_cut,
             fixed=unl.cluster_threshold,
+            min_reference_p1=unl.min_reference_p1,
             min_size=self.cfg.sampler.m,
             min_cohesion=unl.min_cohesion,
             max_share=unl.max_cluster_share,
@@ -214,13 +237,16 @@ class PseudoLabelRounds:
         self.apply(self.labels)
 
     def _log(self, epoch: int, step: int, report: dict) -> None:
-        sizes = report["sizes"]
+        sizes, unl = report["sizes"], self.cfg.unlabelled
         shown = ", ".join(map(str, sizes[:10])) + (" ..." if len(sizes) > 10 else "")
+        waiting = report["reference_p1"] < unl.min_reference_p1
         log.info(
-            "pseudo-labels, epoch %d: labelled classes' gap %.3f, cut at %.3f: %d clusters of "
-            "%d unlabelled clips, %d confident, %d kept (at most %d; %d to %d clips, cohesion "
-            ">= %.2f: mean %.3f), %.1f%% of the clips; sizes %s",
+            "pseudo-labels, epoch %d: labelled reference P@1 %.3f%s, gap %.3f, cut at %.3f: "
+            "%d clusters of %d unlabelled clips, %d confident, %d kept (at most %d; %d to %d "
+            "clips, cohesion >= %.2f: mean %.3f), %.1f%% of the clips; sizes %s",
             epoch + 1,
+            report["reference_p1"],
+            f" (< {unl.min_reference_p1:g}: none kept)" if waiting else "",
             report["gap"],
             report["threshold"],
             report["clusters"],
@@ -229,13 +255,14 @@ class PseudoLabelRounds:
             report["kept"],
             self.max_clusters,
             self.cfg.sampler.m,
-            int(self.cfg.unlabelled.max_cluster_share * len(self.clips)),
-            self.cfg.unlabelled.min_cohesion,
+            int(unl.max_cluster_share * len(self.clips)),
+            unl.min_cohesion,
             report["cohesion"],
             100 * report["kept_share"],
             shown or "-",
         )
-        for key in ("gap", "threshold", "clusters", "confident", "kept", "kept_share", "cohesion"):
+        for key in ("reference_p1", "gap", "threshold", "clusters", "confident", "kept",
+                    "kept_share", "cohesion"):  # fmt: skip
             self.metrics.scalar(f"pseudo/{key}", report[key], step)
         if sizes:
             self.metrics.scalar("pseudo/largest", sizes[0], step)

@@ -129,6 +129,18 @@ def test_a_fixed_cluster_threshold_cuts_there_and_older_runs_keep_theirs():
     assert Config().unlabelled.cluster_threshold == 0.0  # new runs cut at the gap
 
 
+def test_no_clip_is_labelled_while_the_model_cannot_tell_known_classes_apart():
+    clips, _ = _planted(classes=6, per_class=12)
+    reference, reference_labels = _planted(classes=4, per_class=6, seed=9)
+    options = {"cut": 0.5, "min_size": 4, "min_cohesion": 0.7, "min_reference_p1": 0.8}
+    labels, report = pseudo_labels_at_gap(clips, reference, reference_labels, **options)
+    assert report["reference_p1"] == 1.0 and report["kept"] == 6
+    shuffled = np.random.default_rng(0).permutation(reference_labels)  # known classes mixed up
+    labels, report = pseudo_labels_at_gap(clips, reference, shuffled, **options)
+    assert report["reference_p1"] < 0.8 and report["kept"] == 0 and (labels == -1).all()
+    assert labels.shape == (len(clips),)
+
+
 def test_the_reference_sample_is_a_fixed_draw_of_classes_with_two_rows():
     codes = np.concatenate([np.repeat(np.arange(300), 6), [300]])  # class 300: one row
     rows = reference_rows(codes, per_class=4, seed=7)
@@ -168,6 +180,7 @@ def _config(tiny_demo: Path, runs: Path, new_source: Path, *extra: str) -> Confi
         "unlabelled.share=0.35",
         "unlabelled.cluster_every=1",
         "unlabelled.cluster_cut=1.0",
+        "unlabelled.min_reference_p1=0",  # the tiny model labels from its first round
         "unlabelled.min_cohesion=0.5",
         # the tiny model's first clusters are large: kept here, so the rounds have labels to test
         "unlabelled.max_cluster_share=1.0",
