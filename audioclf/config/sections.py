@@ -152,10 +152,10 @@ class UnlabelledConfig:
     cluster_every: int = 2  # epochs between pseudo-label rounds (embed the unlabelled clips, cluster, add the confident clusters to the sampler as classes), the first at the start of training; 0 = no pseudo-labels
     cluster_threshold: float = 0.0  # a fixed cosine distance to cut at instead of cluster_cut (0 = off; runs before cluster_cut cut at 0.3, and their configs keep it)
     cluster_cut: float = 0.5  # agglomerative clustering (cosine, average linkage) stops merging clips at this fraction of the labelled classes' gap: the median cosine distance from a class's centroid to its nearest other class, measured each round with the current model on a fixed sample of training clips (up to 256 classes x sampler.m)
-    min_cohesion: float = 0.7  # a cluster becomes a pseudo-class when it has at least sampler.m clips and their mean cosine to its centroid is at least this
-    min_reference_p1: float = 0.8  # a round labels clips only once the model tells known classes apart: the nearest-neighbour accuracy (P@1) of the labelled reference sample is at least this (an untrained network's tight clusters are collapse, not classes)
-    max_pseudo_classes: float = 1.0  # ...and at most this many pseudo-classes per labelled class are kept, the largest: they join the class draw like labelled classes, and more of them than labelled classes drowns the labels (benchmarks/RESULTS.md)
+    min_cohesion: float = 0.7  # a cluster is confident when it has at least sampler.m clips and their mean cosine to its centroid is at least this
     max_cluster_share: float = 0.25  # ...and holds at most this share of the unlabelled clips (a cluster that swallows more is a model that cannot yet tell them apart, e.g. untrained)
+    max_pseudo_classes: float = 1.0  # of the confident clusters, the largest become pseudo-classes, at most this many per labelled class: they join the class draw like labelled classes, and more of them than labelled classes drowns the labels (benchmarks/RESULTS.md)
+    min_reference_p1: float = 0.8  # a round labels clips only once the model tells known classes apart: the nearest-neighbour accuracy (P@1) of the labelled reference sample is at least this (an untrained network's tight clusters are collapse, not classes)
 
     def __post_init__(self) -> None:
         _check(0.0 < self.share < 1.0, "unlabelled.share", self.share, "in (0, 1)")
