@@ -2,7 +2,7 @@
 
     labels, report = pseudo_labels_at_gap(embeddings, reference, reference_labels, cut=0.5,
                                           min_size=4, min_cohesion=0.7)
-    rounds = PseudoLabelRounds(cfg, clips, reference, apply=..., metrics=...)
+    rounds = PseudoLabelRounds(cfg, clips, reference, labelled_classes=37, apply=..., ...)
     rounds.start_epoch(epoch, model)     # every rank: a round when one is due
     rounds.state_dict() / load_state_dict(state)   # the checkpoint's "pseudo_labels"
 
