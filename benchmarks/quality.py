@@ -296,6 +296,7 @@ def compared_cuts(args, sheets: dict[str, Path], unlabelled: pd.DataFrame, check
         cluster_pseudo_labels,
         pseudo_labels_at_gap,
         reference_rows,
+        round_options,
     )
 
     model = LoadedEmbedder.from_checkpoint(checkpoint, torch.device("cpu"))
@@ -307,21 +308,11 @@ def compared_cuts(args, sheets: dict[str, Path], unlabelled: pd.DataFrame, check
     batch = {"batch_size": args.batch_size}
     _, clips, _ = embed_paths(model, unlabelled["path"].tolist(), **batch)
     _, reference, _ = embed_paths(model, train["path"].iloc[rows].tolist(), **batch)
-    options = {
-        "min_size": cfg.sampler.m,
-        "min_cohesion": cfg.unlabelled.min_cohesion,
-        "max_share": cfg.unlabelled.max_cluster_share,
-    }
-    fixed, _ = cluster_pseudo_labels(clips, threshold=FIXED_CUT, **options)
-    at_gap, report = pseudo_labels_at_gap(
-        clips,
-        reference,
-        codes[rows],
-        cut=cfg.unlabelled.cluster_cut,
-        min_reference_p1=cfg.unlabelled.min_reference_p1,
-        max_clusters=max(1, int(cfg.unlabelled.max_pseudo_classes * (codes.max() + 1))),
-        **options,
-    )
+    options = round_options(cfg, codes.max() + 1)
+    confident = {key: options[key] for key in ("min_size", "min_cohesion", "max_share")}
+    fixed, _ = cluster_pseudo_labels(clips, threshold=FIXED_CUT, **confident)
+    # the gap rule even for a run that set a fixed cut (an older checkpoint's 0.3)
+    at_gap, report = pseudo_labels_at_gap(clips, reference, codes[rows], **options | {"fixed": 0})
     compared = {
         f"fixed cosine {FIXED_CUT}": scored_labels(unlabelled, fixed),
         f"{cfg.unlabelled.cluster_cut:g} x the class gap ({report['threshold']:.3f}), "

@@ -170,6 +170,22 @@ def nearest_neighbour_accuracy(embeddings: np.ndarray, labels: np.ndarray) -> fl
     return float((labels[similarity.argmax(axis=1)] == labels).mean())
 
 
+def round_options(cfg: Config, labelled_classes: int) -> dict:
+    """pseudo_labels_at_gap's settings for a run's rounds (beside the embeddings): the cut, the
+    fixed cut, the wait, the confident-cluster rules and the most pseudo-classes to keep
+    (unlabelled.max_pseudo_classes per labelled class, at least one)."""
+    unl = cfg.unlabelled
+    return {
+        "cut": unl.cluster_cut,
+        "fixed": unl.cluster_threshold,
+        "min_reference_p1": unl.min_reference_p1,
+        "min_size": cfg.sampler.m,
+        "min_cohesion": unl.min_cohesion,
+        "max_share": unl.max_cluster_share,
+        "max_clusters": max(1, math.floor(unl.max_pseudo_classes * labelled_classes)),
+    }
+
+
 class PseudoLabelRounds:
     """The pseudo-labels of a run and when they were made; checkpointed (state_dict)."""
 
@@ -186,8 +202,7 @@ class PseudoLabelRounds:
         loader_options: dict,
     ):
         self.cfg, self.clips, self.reference, self.apply = cfg, clips, reference, apply
-        # the most pseudo-classes a round keeps (unlabelled.max_pseudo_classes per labelled class)
-        self.max_clusters = max(1, math.floor(cfg.unlabelled.max_pseudo_classes * labelled_classes))
+        self.options = round_options(cfg, labelled_classes)
         self.metrics, self.device, self.loader_options = metrics, device, loader_options
         self.labels = np.full(len(clips), -1, dtype=np.int64)
         self.round_epoch = -1  # the epoch whose start made the labels; -1: none yet
@@ -203,18 +218,8 @@ class PseudoLabelRounds:
             return
         embedded = [self._embed_shard(dataset, model) for dataset in (self.clips, self.reference)]
         gathered = distributed.gather_to_primary(embedded)
-        unl = self.cfg.unlabelled
         labels, report = distributed.primary_only(
-            _cluster_gathered,
-            gathered,
-            (len(self.clips), len(self.reference)),
-            cut=unl.cluster_cut,
-            fixed=unl.cluster_threshold,
-            min_reference_p1=unl.min_reference_p1,
-            min_size=self.cfg.sampler.m,
-            min_cohesion=unl.min_cohesion,
-            max_share=unl.max_cluster_share,
-            max_clusters=self.max_clusters,
+            _cluster_gathered, gathered, (len(self.clips), len(self.reference)), **self.options
         )
         self._set(labels, epoch)
         self.rounds.append({"epoch": epoch + 1, **report})
@@ -253,7 +258,7 @@ class PseudoLabelRounds:
             len(self.clips),
             report["confident"],
             report["kept"],
-            self.max_clusters,
+            self.options["max_clusters"],
             self.cfg.sampler.m,
             int(unl.max_cluster_share * len(self.clips)),
             unl.min_cohesion,
