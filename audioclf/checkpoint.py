@@ -256,17 +256,6 @@ TRUST_HINT = (
 )
 
 
-def add_trust_flag(parser) -> None:
-    """--trust-checkpoint, the opt-in TRUST_HINT names, on a tool's argparse parser."""
-    parser.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="load a checkpoint that holds more than tensors and plain data "
-        "(its Python objects can run code while loading): only for a file you "
-        "trust",
-    )
-
-
 _SHEET = "a sheet (an index of clips?)"
 # Files handed over as a model that are something else: (their first bytes, suffixes, what they
 # are). A file is taken for one of these by its first bytes or its suffix, whichever says so.

@@ -48,16 +48,14 @@ import sys
 from pathlib import Path
 
 from audioclf import distributed
-from audioclf.checkpoint import add_trust_flag
 from audioclf.embedding.gallery import RANK_RULES, RankOptions, check_ranking_request, rank_files
 from audioclf.embedding.index import EmbedSheetOptions, check_index_request, embed_sheet
-from audioclf.errors import run_cli
+from audioclf.errors import SKIP_HINT, add_adapt_flag, add_trust_flag, run_cli
 from audioclf.inference import LoadedEmbedder, load_embedder, resolve_device
-from audioclf.inference.adapt import adapt_across_ranks, add_adapt_flag
+from audioclf.inference.adapt import adapt_across_ranks
 from audioclf.inference.extract import check_loader_options
 
 PROG = "python -m audioclf.embed"
-SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them
 MISSING_FILES_HINT = "pass --skip-bad-files to leave them out"  # the index check's hint
 RANKING = RankOptions()  # the defaults
 SHEET_FLAGS = [field.name for field in dataclasses.fields(EmbedSheetOptions)]  # --name each

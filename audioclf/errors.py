@@ -10,10 +10,14 @@ Error policy (one for all tools): bad input — a ValueError or OSError anywhere
 raised by audioclf's own code — prints one line `<prog>: error: <message>` and exits 2. An
 error raised inside a library (torch, numpy, ...) for another reason keeps its traceback, as a
 bug should. AUDIOCLF_DEBUG=1 shows every traceback.
+
+The flags several tools share sit here too (--trust-checkpoint, --adapt, the skip hint), so a
+tool's parser needs nothing but this module before its body runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
@@ -22,6 +26,7 @@ from pathlib import Path
 
 DEBUG_ENV = "AUDIOCLF_DEBUG"  # set to 1 to get tracebacks instead of one-line errors
 PACKAGE_DIR = Path(__file__).resolve().parent
+SKIP_HINT = "pass --skip-bad-files"  # how a tool's unreadable-file message says to skip them
 
 
 class AlreadyReported(Exception):
@@ -69,3 +74,37 @@ def run_cli(prog: str, run: Callable[[], int]) -> int:
         fresh_line = "\n" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"{fresh_line}{prog}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+
+
+# The flags several tools share, beside the runner they all use.
+
+
+def add_trust_flag(parser) -> None:
+    """--trust-checkpoint, the opt-in checkpoint.TRUST_HINT names, on a tool's argparse parser."""
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load a checkpoint that holds more than tensors and plain data "
+        "(its Python objects can run code while loading): only for a file you "
+        "trust",
+    )
+
+
+ADAPT_HELP = (
+    "AdaBN first: a checkpoint's BatchNorm statistics from this folder (or file) of unlabelled "
+    "audio of the new source; repeatable"
+)
+
+
+def add_adapt_flag(parser) -> None:
+    """`--adapt DIR` (repeatable) for embed, evaluate and export. An empty DIR is refused by
+    argparse with one line: Path('') would be the working folder, adapted on silently."""
+    parser.add_argument("--adapt", action="append", type=_source, metavar="DIR", help=ADAPT_HELP)
+
+
+def _source(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "got an empty path (''); pass the files or folders of unlabelled audio of the new source"
+        )
+    return Path(text)

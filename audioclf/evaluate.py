@@ -62,17 +62,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from audioclf.checkpoint import add_trust_flag
 from audioclf.config import ModelConfig, choices
-from audioclf.errors import run_cli
+from audioclf.errors import SKIP_HINT, add_adapt_flag, add_trust_flag, run_cli
 from audioclf.evaluation import EvaluateOptions, evaluate
 from audioclf.evaluation.metrics import SEARCH_METHODS
-from audioclf.inference.adapt import add_adapt_flag
 from audioclf.metrics import SCORE_NORMS
 from audioclf.training.trackers import attach_report
 
 PROG = "python -m audioclf.evaluate"
-SKIP_HINT = "pass --skip-bad-files"  # how an unreadable file's message says to skip them
 DEFAULTS = EvaluateOptions()
 OPTION_FLAGS = [field.name for field in dataclasses.fields(EvaluateOptions)]  # --name each
 

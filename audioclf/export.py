@@ -46,10 +46,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from audioclf.checkpoint import add_trust_flag
 from audioclf.config import ModelConfig, choices
-from audioclf.errors import UsageError, run_cli
-from audioclf.inference.adapt import add_adapt_flag
+from audioclf.errors import UsageError, add_adapt_flag, add_trust_flag, run_cli
 from audioclf.inference.artefacts import describe_adaptation
 from audioclf.inference.exporting import (
     DEFAULT_OPSET,

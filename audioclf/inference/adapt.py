@@ -19,7 +19,6 @@ a training in the same process left on.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import datetime
@@ -34,25 +33,6 @@ from audioclf.inference.artefacts import LoadedEmbedder, describe_adaptation
 from audioclf.inference.extract import find_files, read_clips
 from audioclf.models.adapt import adapt_batchnorm, batchnorm_layers
 from audioclf.precision import exact_arithmetic
-
-ADAPT_HELP = (
-    "AdaBN first: a checkpoint's BatchNorm statistics from this folder (or file) of unlabelled "
-    "audio of the new source; repeatable"
-)
-
-
-def add_adapt_flag(parser) -> None:
-    """`--adapt DIR` (repeatable) for embed, evaluate and export. An empty DIR is refused by
-    argparse with one line: Path('') would be the working folder, adapted on silently."""
-    parser.add_argument("--adapt", action="append", type=_source, metavar="DIR", help=ADAPT_HELP)
-
-
-def _source(text: str) -> Path:
-    if not text.strip():
-        raise argparse.ArgumentTypeError(
-            "got an empty path (''); pass the files or folders of unlabelled audio of the new source"
-        )
-    return Path(text)
 
 
 def adapt(

@@ -41,8 +41,7 @@ from pathlib import Path
 
 import torch
 
-from audioclf.checkpoint import add_trust_flag
-from audioclf.errors import UsageError, run_cli
+from audioclf.errors import UsageError, add_trust_flag, run_cli
 from audioclf.inference import load_embedder, resolve_device
 from audioclf.metrics import SCORE_NORMS
 from audioclf.search.collection import Collection, build_saved, record_for

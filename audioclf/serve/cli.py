@@ -27,8 +27,7 @@ from dataclasses import fields
 
 import torch
 
-from audioclf.checkpoint import add_trust_flag
-from audioclf.errors import UsageError, run_cli
+from audioclf.errors import UsageError, add_trust_flag, run_cli
 from audioclf.metrics import SCORE_NORMS
 
 PROG = "audioclf serve"
