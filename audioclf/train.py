@@ -15,7 +15,6 @@ import argparse
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 PROG = "python -m audioclf.train"
@@ -128,11 +127,7 @@ def run(args: argparse.Namespace, hooks=None) -> int:
 def launch(args: argparse.Namespace, cfg) -> int:
     """--nproc-per-node N: the ranks, each `python -m audioclf.train` without the flag, once
     the input is known to be good (every rank would refuse it alike)."""
-    from audioclf.distributed.launch import (  # noqa: PLC0415
-        LaunchStopped,
-        check_local_gpus,
-        launch_ranks,
-    )
+    from audioclf.distributed.launch import check_local_gpus, launch_tool  # noqa: PLC0415
     from audioclf.errors import UsageError  # noqa: PLC0415
     from audioclf.training.rundir import check_before_ranks  # noqa: PLC0415
 
@@ -143,39 +138,13 @@ def launch(args: argparse.Namespace, cfg) -> int:
         )
     check_local_gpus(args.nproc, cfg.train.device)  # before any rank starts
     check_before_ranks(cfg)
-    argv = [*(["--config", args.config] if args.config else []), *args.overrides]
-    last = Path(cfg.train.runs_dir) / cfg.train.name / "last.pt"
-    started = time.time()
-
-    def said(signal_name: str, at_once: bool = False) -> None:
-        print(f"{PROG}: {stopped_line(signal_name, last, started, at_once)}", file=sys.stderr)
-
     if (code := EarlyStop.stopped()) is not None:
         return code
-    try:
-        launch_ranks(
-            args.nproc,
-            "audioclf.train",
-            argv,
-            at_once=lambda n: said(n, True),
-            noted=lambda: EarlyStop.signal,
-        )
-    except LaunchStopped as stop:
-        said(stop.signal_name)
-        return 130 if stop.signal_name == "SIGINT" else 143
-    return 0
-
-
-def stopped_line(signal_name: str, last: Path, started: float, at_once: bool) -> str:
-    """What a stopped launch says: last.pt only when it exists, and whether this run wrote it."""
-    how = f"stopped at once by a second {signal_name}" if at_once else f"stopped by {signal_name}"
-    if not last.is_file():
-        return (
-            f"{how} before the first checkpoint: nothing to resume; run the same command "
-            "again to start over"
-        )
-    before = " (from before this launch)" if last.stat().st_mtime < started else ""
-    return f"{how}; {last}{before} is the last checkpoint saved; resume with checkpoint.resume=auto"
+    argv = [*(["--config", args.config] if args.config else []), *args.overrides]
+    last = Path(cfg.train.runs_dir) / cfg.train.name / "last.pt"
+    return launch_tool(
+        PROG, args.nproc, "audioclf.train", argv, last, noted=lambda: EarlyStop.signal
+    )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -310,3 +312,34 @@ def launch_ranks(
         ) from None
     finally:
         interrupts.uninstall()
+
+
+def launch_tool(
+    prog: str, nproc: int, module: str, argv: list[str], last: Path, noted=lambda: None
+) -> int:
+    """`launch_ranks` for the tool `prog` (python -m audioclf.train --nproc-per-node N): its
+    exit status, 0, or 130 (SIGINT) / 143 after one line saying what a stop left (`last`, the
+    run's last.pt, and whether this launch wrote it)."""
+    started = time.time()
+
+    def said(signal_name: str, at_once: bool = False) -> None:
+        print(f"{prog}: {stopped_line(signal_name, last, started, at_once)}", file=sys.stderr)
+
+    try:
+        launch_ranks(nproc, module, argv, at_once=lambda n: said(n, True), noted=noted)
+    except LaunchStopped as stop:
+        said(stop.signal_name)
+        return 130 if stop.signal_name == "SIGINT" else 143
+    return 0
+
+
+def stopped_line(signal_name: str, last: Path, started: float, at_once: bool) -> str:
+    """What a stopped launch says: last.pt only when it exists, and whether this run wrote it."""
+    how = f"stopped at once by a second {signal_name}" if at_once else f"stopped by {signal_name}"
+    if not last.is_file():
+        return (
+            f"{how} before the first checkpoint: nothing to resume; run the same command "
+            "again to start over"
+        )
+    before = " (from before this launch)" if last.stat().st_mtime < started else ""
+    return f"{how}; {last}{before} is the last checkpoint saved; resume with checkpoint.resume=auto"
