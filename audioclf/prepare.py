@@ -74,10 +74,10 @@ from pathlib import Path
 
 from audioclf.config import load_config
 from audioclf.data.formats import add_import_arguments, import_sheet
-from audioclf.data.pack import DTYPES
+from audioclf.data.pack.format import DTYPES
+from audioclf.data.pack.write import pack_features
 from audioclf.errors import UsageError, run_cli
 from audioclf.precompute import Shard, prepare, train_command
-from audioclf.precompute.pack import pack_features
 
 PROG = "python -m audioclf.prepare"
 

@@ -67,10 +67,10 @@ from audioclf.config import load_config  # noqa: E402
 from audioclf.data.dataset import collate_padded, split_datasets  # noqa: E402
 from audioclf.data.index import load_index  # noqa: E402
 from audioclf.data.loader import SeededBatches, TrainLoader, loader_kwargs  # noqa: E402
-from audioclf.data.pack import PackedFeatures  # noqa: E402
+from audioclf.data.pack.read import PackedFeatures  # noqa: E402
+from audioclf.data.pack.write import pack_features  # noqa: E402
 from audioclf.data.readers import read_npy_crop, window_starts  # noqa: E402
 from audioclf.data.sampler import MPerClassSampler  # noqa: E402
-from audioclf.precompute.pack import pack_features  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from feature_read import drop_from_page_cache  # noqa: E402

@@ -62,8 +62,8 @@ sys.path.insert(0, str(ROOT))
 
 from audioclf import distributed  # noqa: E402
 from audioclf.config import Config, load_config  # noqa: E402
+from audioclf.data.pack.write import pack_features  # noqa: E402
 from audioclf.precision import auto_precision, resolve_precision  # noqa: E402
-from audioclf.precompute.pack import pack_features  # noqa: E402
 from audioclf.training.rundir import StopRequested  # noqa: E402
 from audioclf.training.trainer import Trainer, TrainHooks  # noqa: E402
 
@@ -118,7 +118,7 @@ def write_feature_set(cfg: Config, folder: Path, files: int) -> Path:
 
 
 def pack_feature_set(cfg: Config, index: Path) -> Path:
-    """The feature set of `index` as a feature pack (audioclf.precompute.pack); its index."""
+    """The feature set of `index` as a feature pack (audioclf.data.pack.write); its index."""
     settings = ["features.kind=npy", f"features.n_mels={cfg.features.n_mels}"]
     pack_cfg = load_config(None, [f"data.index={index}", *settings])
     summary = pack_features(

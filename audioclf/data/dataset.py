@@ -23,7 +23,7 @@ from torch import Tensor
 from audioclf.config import ClipsConfig, Config, FeaturesConfig
 from audioclf.data.augment import Augmenter
 from audioclf.data.index import Index, split_index
-from audioclf.data.pack import PackedFeatures
+from audioclf.data.pack.read import PackedFeatures
 from audioclf.data.readers import (
     AudioReadError,
     FeatureFileError,

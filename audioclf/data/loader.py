@@ -7,7 +7,7 @@ carry the epoch's crop length: the batch sampler runs in the main process, while
 worker's dataset is the copy it was given at its start and never hears of a new epoch.
 `TrainLoader` is stateful: it counts the batches it has handed out, so a checkpoint resumes at
 the very next batch (torchtitan's stateful loader). Over a feature pack it reads whole batches
-in its workers (audioclf.data.batches), from the same keys.
+in its workers (audioclf.data.pack.batches), from the same keys.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from audioclf.config import Config
-from audioclf.data.batches import (
+from audioclf.data.dataset import AudioDataset, collate_padded
+from audioclf.data.index import Index
+from audioclf.data.pack.batches import (
     BufferLeases,
     PackedBatchReader,
     Units,
     batches_of,
     unit_as_is,
 )
-from audioclf.data.dataset import AudioDataset, collate_padded
-from audioclf.data.index import Index
 from audioclf.data.sampler import MixedBatchSampler, MPerClassSampler
 
 log = logging.getLogger("audioclf")
@@ -140,7 +140,7 @@ class TrainLoader:
         # resumed run would see different SpecAugment masks and dropout than a straight one.
         generator = torch.Generator().manual_seed(seed)
         batches = SeededBatches(sampler, seed, crop_samples)
-        # A packed training set is read a unit of batches at a time (audioclf.data.batches).
+        # A packed training set is read a unit of batches at a time (audioclf.data.pack.batches).
         self.packed = getattr(dataset, "pack", None) is not None
         self.leases = None
         if self.packed:

@@ -27,8 +27,8 @@ import pandas as pd
 
 from audioclf.config import Config, DataConfig, load_config
 from audioclf.data.index import Index, load_index, read_table
-from audioclf.data.index.table import FIRST_DATA_ROW, rows_text
-from audioclf.data.pack import feature_settings
+from audioclf.data.index.table import FIRST_DATA_ROW, path_suffixes, rows_text
+from audioclf.data.pack.format import feature_settings
 from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError
 from audioclf.fileio import atomic_write, atomic_write_bytes, remove_temporaries
 from audioclf.outputs import (
@@ -102,11 +102,6 @@ def _run_key(source: Path, cfg: Config) -> str:
     digest = hashlib.blake2b(source.read_bytes(), digest_size=16)
     digest.update(json.dumps(shaping, sort_keys=True).encode())
     return digest.hexdigest()
-
-
-def path_suffixes(paths: pd.Series) -> pd.Series:
-    """Each path's suffix, lower-cased ("" without one)."""
-    return paths.str.extract(r"(\.[^./\\]*)$", expand=False).fillna("").str.lower()
 
 
 def _check_sources(index: Index, skip_bad: bool) -> dict[int, str]:

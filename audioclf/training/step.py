@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from audioclf import distributed
-from audioclf.data.batches import model_input
+from audioclf.data.pack.batches import model_input
 from audioclf.precision import Precision
 
 

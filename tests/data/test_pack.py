@@ -18,14 +18,14 @@ import torch
 
 from audioclf.config import load_config
 from audioclf.data.augment import Augmenter
-from audioclf.data.batches import model_input
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index
 from audioclf.data.loader import TrainLoader, loader_kwargs
-from audioclf.data.pack import PackError
+from audioclf.data.pack.batches import model_input
+from audioclf.data.pack.format import PackError
+from audioclf.data.pack.write import pack_features
 from audioclf.data.sampler import MPerClassSampler
 from audioclf.outputs import FolderBusy
-from audioclf.precompute.pack import pack_features
 from audioclf.prepare import main as prepare_main
 from tests.helpers import ROOT, LockHolder, child_env, run_in_group, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
@@ -322,7 +322,7 @@ def test_prepare_pack_command(tmp_path, capsys):
 KILLER = """
 import os, signal, sys
 from pathlib import Path
-from audioclf.precompute import pack as packing
+from audioclf.data.pack import write as packing
 from tests.data.test_pack import npy_config
 packing.CHUNK_ROWS = 4
 sheet, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -148,3 +148,8 @@ def gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def path_suffixes(paths: pd.Series) -> pd.Series:
+    """Each path's suffix, lower-cased ("" without one)."""
+    return paths.str.extract(r"(\.[^./\\]*)$", expand=False).fillna("").str.lower()

@@ -1,4 +1,4 @@
-"""Writing a feature pack (audioclf.data.pack): the library under `prepare --pack`.
+"""Writing a feature pack (its format: audioclf.data.pack): the library under `prepare --pack`.
 
     summary = pack_features(Path("in.xlsx"), Path("DIR"), cfg, workers=8, skip_bad=False)
 
@@ -44,8 +44,14 @@ from tqdm import tqdm
 
 from audioclf.config import Config
 from audioclf.data.index import Index, load_index, read_table
-from audioclf.data.index.table import FIRST_DATA_ROW, PACK_COLUMNS, SPAN_COLUMNS, rows_text
-from audioclf.data.pack import (
+from audioclf.data.index.table import (
+    FIRST_DATA_ROW,
+    PACK_COLUMNS,
+    SPAN_COLUMNS,
+    path_suffixes,
+    rows_text,
+)
+from audioclf.data.pack.format import (
     DTYPES,
     FORMAT,
     INDEX,
@@ -63,7 +69,6 @@ from audioclf.data.pack import (
 from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError, load_audio
 from audioclf.fileio import DiskWriteError, atomic_write_bytes, file_stamp, write_failure_message
 from audioclf.outputs import FolderLock, write_skipped
-from audioclf.precompute.run import path_suffixes
 from audioclf.spectrogram import log_mel
 
 PROGRESS = ".pack-progress.json"

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from audioclf.data.dataset import AudioDataset, unpack_key
-from audioclf.data.pack import PackError
+from audioclf.data.pack.format import PackError
 from audioclf.data.readers import pad_window, window_starts
 
 # A unit: x [K, B, T, F], small [K, 3, B] int64 (lengths, labels, positions), offsets [K, B, F]

@@ -1,36 +1,10 @@
-"""A feature pack: many samples' log-mel frames in a few large files, read a crop at a time.
+"""Reading a feature pack: `PackedFeatures`, the checked pack behind a packed index table.
 
-    python -m audioclf.prepare --index SHEET --out DIR --pack      # writes it (precompute.pack)
-    data.index=DIR/index.parquet features.kind=npy                 # trains on it like any sheet
-
-A pack folder holds:
-    data-00000.bin ...  the samples' frames, back to back, class-major (class, item, id), each a
-                        C-order [frames, bins] array of the pack's dtype (float16 by default), no
-                        headers: a crop of a sample is one positioned read;
-    rows.npy            int64 [N, 6]: (data file, byte offset, frames, the row's position in
-                        the source sheet, its source file's bytes and mtime_ns when packed) of
-                        every packed sample;
-    pack.json           the manifest: format version, dtype, bins, the data files and their sizes,
-                        the feature settings (when packed from audio), the source sheet, the
-                        checksum of rows.npy and one of itself (an edited pack.json or rows.npy
-                        is refused when the pack is opened);
-    index.parquet       a sheet like any other (a_cls, a_item, a_id, ...; path = the sample's data
-                        file) with two more columns, pack_offset and pack_frames. Written last.
-
-An index whose table has those two columns is packed; `PackedFeatures.of(table, features)` opens
-its pack, checked: pack.json and rows.npy match their checksums, every data file has the
-manifest's size (a file cut short is one line), every row of the sheet is a sample of rows.npy (a
-sheet edited to point elsewhere is one line; rows left out or re-split are fine), the bins and the
-feature settings are the config's. A pack of another format version (an older audioclf's) is
-refused with one line: pack again. Reading never parses a header or opens a file per crop: each
-process opens the data files once, and every check above runs once, when the pack is opened.
+The format: audioclf.data.pack.format; the batches of a training run: audioclf.data.pack.batches.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
 from pathlib import Path
 
@@ -38,43 +12,14 @@ import numpy as np
 import pandas as pd
 
 from audioclf.config import FeaturesConfig
-from audioclf.data.index.table import PACK_COLUMNS, PACK_MANIFEST
-from audioclf.data.readers import FeatureFileError, pad_window, seeded_or_centred
-
-MANIFEST = PACK_MANIFEST
-ROWS = "rows.npy"
-INDEX = "index.parquet"
-FORMAT = "audioclf-pack"
-VERSION = 2  # 2: checksums of pack.json and rows.npy, source stamps in rows.npy
-ROW_FIELDS = 6  # rows.npy's columns: file, offset, frames, sheet position, source bytes, mtime_ns
-AGAIN = "pack again with python -m audioclf.prepare --pack"
-DTYPES = ("float16", "float32")
-# the feature settings a pack made from audio records; training must use the same
-FEATURE_KEYS = ("sample_rate", "n_fft", "win_length", "hop_length", "n_mels", "f_min", "f_max")
-
-
-class PackError(FeatureFileError):
-    """A pack that cannot be read as the sheet and the config say; the message names the fix."""
-
-
-def data_file_name(number: int) -> str:
-    return f"data-{number:05d}.bin"
-
-
-def checksum(data: bytes) -> str:
-    """The checksum a pack records of a file's bytes (128-bit BLAKE2b, hex)."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def manifest_checksum(manifest: dict) -> str:
-    """The checksum of a manifest's content (all but its own "checksum" key, as sorted JSON)."""
-    content = {key: value for key, value in manifest.items() if key != "checksum"}
-    return checksum(json.dumps(content, sort_keys=True).encode())
-
-
-def feature_settings(features: FeaturesConfig) -> dict:
-    """The settings that shape log-mel features (what a pack made from audio records)."""
-    return {key: getattr(features, key) for key in FEATURE_KEYS}
+from audioclf.data.index.table import PACK_COLUMNS
+from audioclf.data.pack.format import (
+    PackError,
+    feature_settings,
+    read_manifest,
+    read_rows,
+)
+from audioclf.data.readers import pad_window, seeded_or_centred
 
 
 class PackedFeatures:
@@ -248,52 +193,6 @@ class PackedFeatures:
         if getattr(self, "_pid", -1) == os.getpid():
             for fd in self._fds:
                 os.close(fd)
-
-
-def read_manifest(folder: Path) -> dict:
-    """pack.json of a pack folder, checked against its checksum; PackError when it is missing,
-    not a pack's, of another format version, or edited since packing."""
-    path = folder / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise ValueError("not a feature pack manifest")
-    except (OSError, ValueError) as exc:
-        raise PackError(
-            f"the index names a feature pack in {folder}, but {path} cannot be read ({exc}); "
-            f"the pack is incomplete or damaged: {AGAIN}"
-        ) from None
-    version = manifest.get("version")
-    if version != VERSION:
-        made = "an older" if isinstance(version, int) and version < VERSION else "another"
-        raise PackError(
-            f"feature pack {folder} was made by {made} audioclf (format version {version}; this "
-            f"one reads version {VERSION}): {AGAIN} into a new folder"
-        )
-    if manifest.get("checksum") != manifest_checksum(manifest):
-        raise PackError(
-            f"feature pack {folder}: {path} does not match its checksum (edited or damaged since "
-            f"packing); {AGAIN} into a new folder"
-        )
-    return manifest
-
-
-def read_rows(folder: Path, manifest: dict) -> np.ndarray:
-    """rows.npy of a pack folder (int64 [rows, ROW_FIELDS]), checked against the manifest's
-    checksum; PackError naming the file when it is missing, cut short or edited."""
-    path = folder / ROWS
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise PackError(
-            f"feature pack {folder}: cannot read {path} ({exc.strerror or exc}); {AGAIN}"
-        ) from None
-    if checksum(data) != manifest.get("rows_checksum"):
-        raise PackError(
-            f"feature pack {folder}: {path} does not match the checksum in {MANIFEST} (cut short "
-            f"or edited since packing); {AGAIN} into a new folder"
-        )
-    return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 def _folder_of(paths) -> Path:
