@@ -6,6 +6,7 @@
     python -m audioclf.prepare --from kaldi data/train --out train.csv  # import (docs/data.md)
     python -m audioclf.prepare --index IN --out DIR --pack             # one feature pack
     python -m audioclf.prepare --index FEATS.xlsx --out DIR --pack features.kind=npy
+    python -m audioclf.prepare --unlabelled new_source/ --out DIR  # data.unlabelled's clips
 
 --pack writes a feature pack instead of one .npy per row (audioclf.data.pack; docs/data.md,
 "Large datasets"): a few large data files of float16 frames (--pack-dtype float32 keeps fp32),
@@ -78,6 +79,7 @@ from audioclf.data.pack.format import DTYPES
 from audioclf.data.pack.write import pack_features
 from audioclf.errors import UsageError, run_cli
 from audioclf.precompute import Shard, prepare, train_command
+from audioclf.precompute.unlabelled import prepare_unlabelled, unlabelled_command
 
 PROG = "python -m audioclf.prepare"
 
@@ -90,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--index",
         type=Path,
         help="index sheet of the audio files (.xlsx .csv .parquet)",
+    )
+    unlabelled_or_pack = parser.add_mutually_exclusive_group()
+    unlabelled_or_pack.add_argument(
+        "--unlabelled",
+        metavar="SOURCE",
+        help="unlabelled audio (a folder, or a sheet with a path column) to write as "
+        "DIR/unlabelled/*.npy and DIR/unlabelled.csv, for data.unlabelled with features.kind=npy",
     )
     parser.add_argument(
         "--out",
@@ -132,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="folder that relative paths in the sheet resolve against "
         "(default: data.root of the config, else the sheet's folder)",
     )
-    parser.add_argument(
+    unlabelled_or_pack.add_argument(
         "--pack",
         action="store_true",
         help="write a feature pack (a few large files, one read per crop) instead of one .npy "
@@ -159,19 +168,24 @@ def run(args: argparse.Namespace) -> int:
                                run_commands=args.run_commands, progress=not args.quiet)  # fmt: skip
         print("\n".join(summary.lines()))
         return 0
-    if args.index is None:
-        raise UsageError("give --index SHEET (features) or --from FORMAT SOURCE (an import)")
+    if (args.index is None) == (args.unlabelled is None):
+        raise UsageError("give one of --index SHEET, --unlabelled SOURCE or --from FORMAT SOURCE")
     if args.root is not None:
         cfg.data.root = args.root
-    if args.pack and shard.count > 1:
-        raise UsageError("--pack writes one pack in one run: drop --shard")
+    if shard.count > 1 and (args.pack or args.unlabelled is not None):
+        what = "--pack writes one pack" if args.pack else "--unlabelled writes its files"
+        raise UsageError(f"{what} in one run: drop --shard")
     common = dict(workers=args.workers, skip_bad=args.skip_bad, progress=not args.quiet)
-    if args.pack:
+    if args.unlabelled is not None:
+        summary = prepare_unlabelled(args.unlabelled, args.out, cfg, **common)
+    elif args.pack:
         summary = pack_features(args.index, args.out, cfg, dtype=args.pack_dtype, **common)
     else:
         summary = prepare(args.index, args.out, cfg, shard=shard, **common)
     # the last shard to finish writes the index: before that there is nothing to train on
     command = train_command(summary.index_path, cfg, args.config) if summary.index_path else ""
+    if args.unlabelled is not None:
+        command = unlabelled_command(summary.index_path)
     print("\n".join(summary.lines(command)))
     return 0
 

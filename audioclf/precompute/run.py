@@ -136,7 +136,7 @@ def _check_sources(index: Index, skip_bad: bool) -> dict[int, str]:
 # The output folder, shard records, skipped lists, the output index
 
 
-def _prepare_out_dir(
+def prepare_out_dir(
     out_dir: Path, settings: dict, index_path: Path, source: Path, shard: Shard
 ) -> FolderLock:
     """Check DIR holds features with these settings (or none), then take the shard's lock and
@@ -185,7 +185,7 @@ def _prepare_out_dir(
 
 
 def shard_lock(out_dir: Path, shard: Shard) -> FolderLock:
-    """DIR/.prepare-I-of-N.lock: one prepare per shard (hidden: see _prepare_out_dir)."""
+    """DIR/.prepare-I-of-N.lock: one prepare per shard (hidden: see prepare_out_dir)."""
     return FolderLock(
         out_dir / f".prepare-{shard.name}.lock",
         what=f"--out {out_dir} (shard {shard.index}/{shard.count})",
@@ -337,7 +337,7 @@ def prepare(
     out_index = out_dir / index_name(index.source)
     settings = feature_settings(cfg.features)
     # the shards of one folder run side by side, each shard once
-    with _prepare_out_dir(out_dir, settings, out_index, index.source, shard):
+    with prepare_out_dir(out_dir, settings, out_index, index.source, shard):
         remove_temporaries(_record_path(out_dir, shard), _skipped_path(out_dir, shard))
         key = _run_key(index.source, cfg)
         _record_path(out_dir, shard).unlink(missing_ok=True)  # this shard is not finished any more

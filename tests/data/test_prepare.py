@@ -437,3 +437,61 @@ def test_shard_records_of_another_sheet_do_not_make_an_index(demo, tmp_path, cap
                                       "--workers", 1, "--root", demo.parent)  # fmt: skip
         assert code == 0, err
     assert "waiting for shard(s) 1/2" in out_text and not (out / "index.csv").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --unlabelled: data.unlabelled's clips
+
+
+def test_unlabelled_clips_get_the_labelled_features_and_a_sheet_training_reads(
+    demo, tmp_path, capsys
+):
+    from audioclf.config import FeaturesConfig
+    from audioclf.data.unlabelled import load_unlabelled
+    from audioclf.spectrogram import log_mel
+
+    source = tmp_path / "new"
+    shutil.copytree(demo.parent / "wav" / "c00", source / "c00")
+    out = tmp_path / "out"
+    code, stdout, _ = prepare(capsys, "--index", demo, "--out", out, "--workers", 1)
+    assert code == 0
+    code, stdout, _ = prepare(capsys, "--unlabelled", source, "--out", out, "--workers", 2)
+    clips = sorted(source.rglob("*.wav"))
+    assert code == 0 and len(clips) == 6
+    assert "6 rows: 6 files written, 0 already present, 0 skipped" in stdout
+    assert f"train on it: data.unlabelled={out / 'unlabelled.csv'} features.kind=npy" in stdout
+    listed = pd.read_csv(out / "unlabelled.csv")
+    assert list(listed.columns) == ["path"] and listed["path"].str.startswith("unlabelled/").all()
+    npy = load_unlabelled(str(out / "unlabelled.csv"), FeaturesConfig(kind="npy"))
+    features = FeaturesConfig()
+    for clip, feature in zip(clips, npy.paths, strict=True):  # the source's (sorted) order
+        assert Path(feature).name.startswith(clip.stem + "-")
+        wave = load_audio(str(clip), features.sample_rate)
+        np.testing.assert_array_equal(np.load(feature), log_mel(wave, features))
+    assert (out / "index.xlsx").is_file() and len(npy_files(out)) == ROWS + 6  # both in one DIR
+
+    extra = source / "later.wav"
+    shutil.copy(clips[0], extra)  # a clip added to the source: only it is written
+    code, stdout, _ = prepare(capsys, "--unlabelled", source, "--out", out, "--workers", 1)
+    assert code == 0 and "7 rows: 1 files written, 6 already present, 0 skipped" in stdout
+    assert len(pd.read_csv(out / "unlabelled.csv")) == 7
+
+
+def test_unlabelled_bad_input_is_one_line(demo, tmp_path, capsys):
+    source = tmp_path / "new"
+    shutil.copytree(demo.parent / "wav" / "c01", source)
+    out = tmp_path / "out"
+    code, _, err = prepare(capsys, "--unlabelled", source, "--out", out, "--shard", "0/2")
+    assert code == 2 and err.strip().endswith(
+        "--unlabelled writes its files in one run: drop --shard"
+    )
+    with pytest.raises(SystemExit) as stop:
+        prepare(capsys, "--unlabelled", source, "--out", out, "--pack")
+    assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    code, _, err = prepare(capsys, "--unlabelled", tmp_path / "nowhere", "--out", out)
+    assert code == 2 and f"data.unlabelled={tmp_path / 'nowhere'} does not exist" in err
+    assert not out.exists()  # nothing written before the source was known good
+    assert prepare(capsys, "--unlabelled", source, "--out", out, "--workers", 1)[0] == 0
+    code, _, err = prepare(capsys, "--unlabelled", source, "--out", out, "features.n_mels=40")
+    assert code == 2 and "holds features made with other settings" in err
+    assert len(err.strip().splitlines()) == 1

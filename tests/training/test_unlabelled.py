@@ -224,6 +224,23 @@ def test_a_run_with_unlabelled_audio_resumes_mid_epoch_exactly(tmp_path, tiny_de
     assert len(events.Scalars("pseudo/kept")) == 2  # one a round
 
 
+@pytest.mark.slow
+def test_prepared_unlabelled_features_train_like_the_audio(tmp_path, tiny_demo, new_source):
+    """prepare --index and --unlabelled into one folder, then train on both as .npy."""
+    from audioclf.prepare import main as prepare_main
+
+    out = tmp_path / "feats"
+    for source in (["--index", tiny_demo], ["--unlabelled", new_source]):
+        argv = [*map(str, source), "--out", str(out), "--workers", "1", "--quiet"]
+        assert prepare_main([*argv, "features.n_mels=32"]) == 0
+    sheet = out / "unlabelled.csv"
+    npy = _config(out / "index.xlsx", tmp_path / "runs", sheet, "features.kind=npy")
+    summary = _fit(npy)
+    assert summary["unlabelled"] == {"source": str(sheet), "clips": 48}
+    log = (tmp_path / "runs" / "t" / "train.log").read_text()
+    assert "48 usable unlabelled clips" in log and "pseudo-labels, epoch 2:" in log
+
+
 def _rank_batches(rank, world, cfg: Config) -> dict:
     """A 2-rank run that records every batch's positions and the pseudo-labels it saw."""
     from audioclf.training.trainer import TrainHooks, fit

@@ -1,0 +1,92 @@
+"""Log-mel features of unlabelled audio (data.unlabelled): the library under `prepare --unlabelled`.
+
+    summary = prepare_unlabelled("new_source/", Path("DIR"), cfg, workers=8, skip_bad=False)
+    # then train with data.unlabelled=DIR/unlabelled.csv features.kind=npy
+
+The clips are those training would take from the source (audioclf.data.unlabelled: a folder
+searched recursively, or a sheet with `path` and an optional `split`), checked the same way.
+Each gets DIR/unlabelled/<name>-<hash>.npy, the log-mel prepare writes for a labelled row; the
+hash is of the clip's resolved path, so clips added to the source later are written by a rerun
+and nothing else is. DIR/unlabelled.csv lists the files (`path`, relative to DIR) in the
+source's order and is written last. The folder's rules are prepare's: prepare.json holds the
+feature settings (a run with others is refused), one run at a time, files written atomically,
+a killed run resumed, and labelled features can share DIR.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from audioclf.config import Config
+from audioclf.data.readers import AudioReadError
+from audioclf.data.unlabelled import load_unlabelled
+from audioclf.fileio import atomic_write_bytes
+from audioclf.outputs import write_skipped
+from audioclf.precompute.files import SKIPPED, make_tasks, run_tasks
+from audioclf.precompute.names import quote_name
+from audioclf.precompute.run import Shard, Summary, feature_settings, prepare_out_dir
+
+FOLDER = "unlabelled"  # DIR/unlabelled/: never a class folder, which live under DIR/features/
+SHEET = "unlabelled.csv"
+SKIPPED_LIST = "skipped-unlabelled.csv"
+
+
+def feature_name(path: str) -> str:
+    """DIR-relative .npy of the clip at `path`: its quoted stem and a hash of its resolved path."""
+    resolved = str(Path(path).resolve())
+    digest = hashlib.blake2b(resolved.encode("utf-8"), digest_size=6).hexdigest()
+    return f"{FOLDER}/{quote_name(Path(path).stem)[:80]}-{digest}.npy"
+
+
+def prepare_unlabelled(
+    source: str, out_dir: Path, cfg: Config, *, workers: int, skip_bad: bool, progress: bool = True
+) -> Summary:
+    """Write the log-mel of every clip of `source` into `out_dir` and list them in
+    DIR/unlabelled.csv (see the module); returns prepare's counts. ValueError on bad input."""
+    start = time.perf_counter()
+    features = dataclasses.replace(cfg.features, kind="audio")
+    clips = load_unlabelled(source, features)
+    table = pd.DataFrame({"path": list(clips.paths)})
+    table["row"], table["id"] = range(len(table)), table["path"]  # for skipped-unlabelled.csv
+    targets = [feature_name(p) for p in clips.paths]
+    sheet = out_dir / SHEET
+    whole = Shard(0, 1)
+    with prepare_out_dir(out_dir, feature_settings(cfg.features), sheet, Path(source), whole):
+        (out_dir / FOLDER).mkdir(exist_ok=True)
+        summary = Summary(whole, rows=len(table))
+        skipped: dict[int, str] = {}
+        tasks = make_tasks(table, targets, range(len(table)), excluded=())
+        outcomes = run_tasks(tasks, out_dir, cfg.features, workers=workers, progress=progress)
+        with contextlib.closing(outcomes):
+            for outcome in outcomes:
+                if outcome.status != SKIPPED:
+                    summary.count(outcome)
+                elif skip_bad:
+                    skipped[outcome.position] = outcome.reason
+                else:
+                    raise AudioReadError(
+                        f"unlabelled clip {table['path'].iat[outcome.position]}: "
+                        f"{outcome.reason}. Fix or remove it, or pass --skip-bad to leave it out"
+                    )
+        summary.skipped = len(skipped)
+        summary.skipped_path = write_skipped(out_dir / SKIPPED_LIST, table, skipped)
+        kept = [target for position, target in enumerate(targets) if position not in skipped]
+        listing = pd.DataFrame({"path": kept}).to_csv(index=False)
+        summary.index_path = atomic_write_bytes(sheet, listing.encode("utf-8"))
+        summary.index_rows = len(kept)
+    summary.elapsed = time.perf_counter() - start
+    return summary
+
+
+def unlabelled_command(sheet: Path) -> str:
+    """How to train on what prepare_unlabelled wrote (its `train on it:` line)."""
+    return (
+        f"data.unlabelled={sheet} features.kind=npy, beside a data.index prepared with the "
+        "same settings (python -m audioclf.prepare --index SHEET --out DIR)"
+    )
