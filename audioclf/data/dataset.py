@@ -15,6 +15,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -342,10 +343,29 @@ class PackedStrings:
         return (self[i] for i in range(len(self)))
 
 
-def collate_padded(batch: Sequence[Item | None]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+class Batch(NamedTuple):
+    """A batch of clips, as every loader yields it: the per-file path (collate_padded) and the
+    packed one (audioclf.data.pack.batches) alike. x is [B, L] samples or [B, T, F] features
+    (a pack's in its dtype, e.g. float16); lengths, labels and positions are int64 [B];
+    bin_offsets [B, F] is a pack's feature-domain augmentation, added on the device."""
+
+    x: Tensor
+    lengths: Tensor
+    labels: Tensor
+    positions: Tensor
+    bin_offsets: Tensor | None = None
+
+    def model_input(self, device: torch.device) -> Tensor:
+        """x on the device as float32, with the augmentation offsets added there."""
+        x = self.x.to(device, non_blocking=True).float()
+        if self.bin_offsets is not None:
+            x = x + self.bin_offsets.to(device, non_blocking=True)[:, None, :]
+        return x
+
+
+def collate_padded(batch: Sequence[Item | None]) -> Batch:
     """Stack items, zero-padding along their first axis; drops None (skipped) items.
 
-    Returns (x [B, L] or [B, T, F], lengths [B], labels [B], positions [B]), all int64 except x.
     A batch whose items were all skipped gives B = 0 (x of shape [0, 0]).
     """
     items = [item for item in batch if item is not None]
@@ -354,7 +374,7 @@ def collate_padded(batch: Sequence[Item | None]) -> tuple[Tensor, Tensor, Tensor
         log.warning("dropped %d unreadable item(s) from a batch of %d", dropped, len(batch))
     if not items:
         empty = torch.zeros(0, dtype=torch.int64)
-        return torch.zeros(0, 0), empty, empty.clone(), empty.clone()
+        return Batch(torch.zeros(0, 0), empty, empty.clone(), empty.clone())
     xs = [x for x, _, _ in items]
     lengths = torch.tensor([x.shape[0] for x in xs], dtype=torch.int64)
     padded = _batch_buffer(xs[0], (len(xs), int(lengths.max()), *xs[0].shape[1:]))
@@ -363,7 +383,7 @@ def collate_padded(batch: Sequence[Item | None]) -> tuple[Tensor, Tensor, Tensor
         padded[i, x.shape[0] :] = 0
     labels = torch.tensor([label for _, label, _ in items], dtype=torch.int64)
     positions = torch.tensor([position for _, _, position in items], dtype=torch.int64)
-    return padded, lengths, labels, positions
+    return Batch(padded, lengths, labels, positions)
 
 
 def _batch_buffer(like: Tensor, shape: tuple[int, ...]) -> Tensor:

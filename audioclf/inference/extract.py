@@ -11,7 +11,7 @@ embeddings`, e.g. a TorchScript export, over a dataset in ordered batches. `embe
 each file as evaluation does (AudioDataset: the whole clip, cut centred to
 clips.eval_max_seconds, or a centred crop with clips.eval_crop=center), and `embed_waves` cuts
 in-memory audio the same way. `dataset_for_input` gives a model what it takes: waveforms, or the
-log-mel of each file for an export without a front end (not `data.pack.batches.model_input`, a
+log-mel of each file for an export without a front end (not `data.dataset.Batch.model_input`, a
 training batch on the device).
 """
 
@@ -103,7 +103,7 @@ def embed_dataset(
     )
     try:
         with exact_arithmetic():  # the same numbers in validation, evaluate and embed
-            for x, lengths, labels, batch_positions in batches:
+            for x, lengths, labels, batch_positions, _ in batches:
                 with precision.autocast():
                     x, lengths = (
                         x.to(device, non_blocking=True),

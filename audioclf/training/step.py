@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from audioclf import distributed
-from audioclf.data.pack.batches import model_input
+from audioclf.data.dataset import Batch
 from audioclf.precision import Precision
 
 
@@ -184,7 +184,8 @@ class TrainStep:
         """(x, lengths, labels, positions) on the device (copies that do not block the host
         from pinned memory), and whether the batch had no readable item (its x and lengths are
         then the placeholder's)."""
-        x, lengths, labels, positions, *bin_offsets = batch  # a packed batch has offsets
+        batch = Batch(*batch)  # also a plain (x, lengths, labels, positions) tuple
+        lengths, labels, positions = batch.lengths, batch.labels, batch.positions
         rows = labels.numel()
         if self.batch_size:
             self._totals[2] += self.batch_size - rows
@@ -192,9 +193,10 @@ class TrainStep:
         if empty:
             if self.placeholder is None:
                 raise RuntimeError("a batch with no readable item and no placeholder input")
-            x, lengths = self.placeholder
+            batch = Batch(*self.placeholder, labels, positions)
+            lengths = batch.lengths
             self._totals[3] += 1
-        x = model_input(x, bin_offsets[0] if bin_offsets else None, self.device)
+        x = batch.model_input(self.device)
         lengths, labels, positions = (
             t.to(self.device, non_blocking=True) for t in (lengths, labels, positions)
         )

@@ -109,8 +109,8 @@ def test_crops_do_not_depend_on_workers(npy_files):
     keys = [[(0, 11), (1, 12), (2, 13)], [(0, 14), (1, 15), (2, 16)]]
     in_process = [collate_padded([ds[k] for k in batch])[0] for batch in keys]
     loader = DataLoader(ds, batch_sampler=keys, num_workers=2, collate_fn=collate_padded)
-    for expected, (x, _, _, _) in zip(in_process, loader, strict=True):
-        assert torch.equal(expected, x)
+    for expected, batch in zip(in_process, loader, strict=True):
+        assert torch.equal(expected, batch.x)
 
 
 def test_npy_items(npy_files):
@@ -127,12 +127,12 @@ def test_npy_items(npy_files):
 
 def test_collate_pads_and_reports_lengths(npy_files, audio_files):
     ds = AudioDataset(npy_files, LABELS, *npy_cfg(), train=False)
-    x, lengths, labels, positions = collate_padded([ds[2], ds[1]])
+    x, lengths, labels, positions, _ = collate_padded([ds[2], ds[1]])
     assert x.shape == (2, 101, 16) and lengths.tolist() == [10, 101]
     assert not x[0, 10:].any() and labels.tolist() == [1, 1] and positions.tolist() == [2, 1]
     assert lengths.dtype == labels.dtype == positions.dtype == torch.int64
     ads = AudioDataset(audio_files, LABELS, *audio_cfg(), train=False)
-    x, lengths, _, _ = collate_padded([ads[0], ads[2]])
+    x, lengths, _, _, _ = collate_padded([ads[0], ads[2]])
     assert x.shape == (2, 6000) and lengths.tolist() == [6000, 800] and not x[1, 800:].any()
 
 
@@ -169,10 +169,10 @@ def test_skip_mode_skips_counts_and_collate_drops(tmp_path, npy_files, caplog):
     with caplog.at_level(logging.WARNING, logger="audioclf"):
         items = [ds[(i, i)] for i in range(3)]
         assert items[1] is None and ds.skipped == 1
-        x, lengths, labels, positions = collate_padded(items)
+        x, lengths, labels, positions, _ = collate_padded(items)
     assert x.shape[0] == 2 and positions.tolist() == [0, 2] and labels.tolist() == [0, 1]
     assert "row 3" in caplog.text and "missing.npy" in caplog.text and "dropped 1" in caplog.text
-    x, lengths, labels, positions = collate_padded([None, None])
+    x, lengths, labels, positions, _ = collate_padded([None, None])
     assert x.shape[0] == lengths.shape[0] == labels.shape[0] == positions.shape[0] == 0
 
 
@@ -236,7 +236,7 @@ class _Ragged(torch.utils.data.Dataset):
 
 def test_a_worker_builds_padded_batches_in_shared_memory_with_zero_padding():
     loader = DataLoader(_Ragged(), batch_size=3, num_workers=1, collate_fn=collate_padded)
-    for x, lengths, labels, _ in loader:
+    for x, lengths, labels, _, _ in loader:
         assert x.is_shared()
         for row, length in enumerate(lengths.tolist()):
             assert torch.all(x[row, :length] == labels[row] + 1)

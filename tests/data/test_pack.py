@@ -21,7 +21,6 @@ from audioclf.data.augment import Augmenter
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index
 from audioclf.data.loader import TrainLoader, loader_kwargs
-from audioclf.data.pack.batches import model_input
 from audioclf.data.pack.format import PackError
 from audioclf.data.pack.write import pack_features
 from audioclf.data.sampler import MPerClassSampler
@@ -90,9 +89,8 @@ def loader_batches(index: Path, *extra: str, workers=0, read_batches=3, epoch=1)
     loader.set_epoch(epoch)
     ids = index.table["id"].to_numpy()
     out = []
-    for batch in loader:
-        offsets = batch[4] if len(batch) > 4 else None
-        out.append((model_input(batch[0], offsets, torch.device("cpu")), ids[batch[3].numpy()]))
+    for batch in loader:  # a Batch on both paths
+        out.append((batch.model_input(torch.device("cpu")), ids[batch.positions.numpy()]))
     return loader, out
 
 

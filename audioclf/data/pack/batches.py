@@ -10,8 +10,8 @@ unit's uncached crops in parallel), straight into one shared-memory buffer [K, B
 reused once the main process has let go of it (`BufferLeases`). The main process gets the buffer
 without a copy and hands out its K batches in sampler order.
 
-A batch is (x, lengths, labels, positions, bin_offsets): x in the pack's dtype (float16: half
-the bytes to move to a GPU), made float32 on the device by `model_input`, which also adds the
+A batch is a data.dataset.Batch with bin_offsets: x in the pack's dtype (float16: half
+the bytes to move to a GPU), made float32 on the device by `Batch.model_input`, which also adds the
 feature-domain augmentation's per-bin offsets (`Augmenter.log_mel_offsets`, drawn in the worker
 from each crop's seed, as the per-file reader draws them) — so a crop is the per-file reader's
 crop to fp16 rounding, and exactly it for features that fp16 holds exactly.
@@ -37,14 +37,13 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from audioclf.data.dataset import AudioDataset, unpack_key
+from audioclf.data.dataset import AudioDataset, Batch, unpack_key
 from audioclf.data.pack.format import PackError
 from audioclf.data.readers import pad_window, window_starts
 
 # A unit: x [K, B, T, F], small [K, 3, B] int64 (lengths, labels, positions), offsets [K, B, F]
 # float32 or None (tensors on one storage), and its buffer's lease, numpy [2] (worker, buffer)
 Unit = tuple[Tensor, Tensor, Tensor | None, np.ndarray]
-Batch = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]
 
 
 class Units:
@@ -78,15 +77,7 @@ def batches_of(unit: Unit) -> Iterator[Batch]:
     x, small, offsets, _lease = unit
     for k in range(x.shape[0]):
         lengths, labels, positions = small[k]  # contiguous rows
-        yield x[k], lengths, labels, positions, None if offsets is None else offsets[k]
-
-
-def model_input(x: Tensor, bin_offsets: Tensor | None, device: torch.device) -> Tensor:
-    """A batch's x on the device as float32, with its augmentation offsets added there."""
-    x = x.to(device, non_blocking=True).float()
-    if bin_offsets is not None:
-        x = x + bin_offsets.to(device, non_blocking=True)[:, None, :]
-    return x
+        yield Batch(x[k], lengths, labels, positions, None if offsets is None else offsets[k])
 
 
 class BufferLeases:
