@@ -19,13 +19,14 @@ import json
 import os
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from audioclf.config import Config, DataConfig, load_config
+from audioclf.config import Config, DataConfig, FeaturesConfig, load_config
 from audioclf.data.index import Index, load_index, read_table
 from audioclf.data.index.table import FIRST_DATA_ROW, path_suffixes, rows_text
 from audioclf.data.pack.format import feature_settings
@@ -38,7 +39,15 @@ from audioclf.outputs import (
     write_manifest,
     write_skipped,
 )
-from audioclf.precompute.files import PRESENT, SKIPPED, WRITTEN, Outcome, make_tasks, run_tasks
+from audioclf.precompute.files import (
+    PRESENT,
+    SKIPPED,
+    WRITTEN,
+    Outcome,
+    Task,
+    make_tasks,
+    run_tasks,
+)
 from audioclf.precompute.names import feature_paths
 
 SHARDS_DIR = "shards"
@@ -350,20 +359,37 @@ def prepare(
             (out_dir / folder).mkdir(parents=True, exist_ok=True)
 
         summary = Summary(shard, rows=len(mine))
-        outcomes = run_tasks(tasks, out_dir, cfg.features, workers=workers, progress=progress)
-        with contextlib.closing(outcomes):
-            for outcome in outcomes:
-                if outcome.status != SKIPPED:
-                    summary.count(outcome)
-                elif skip_bad:
-                    skipped[outcome.position] = outcome.reason
-                else:
-                    raise _unreadable(index, outcome, _skipped_path(out_dir, shard).name)
+        listing = _skipped_path(out_dir, shard).name
+        refuse = None if skip_bad else (lambda outcome: _unreadable(index, outcome, listing))
+        write_files(tasks, out_dir, cfg.features, summary, skipped, workers, progress, refuse)
         summary.skipped = len(skipped)
         summary.skipped_path = write_skipped(_skipped_path(out_dir, shard), table, skipped)
         _finish_shard(summary, index, data, paths, skipped, out_dir, key, out_index)
     summary.elapsed = time.perf_counter() - start
     return summary
+
+
+def write_files(
+    tasks: list[Task],
+    out_dir: Path,
+    features: FeaturesConfig,
+    summary: Summary,
+    skipped: dict[int, str],
+    workers: int,
+    progress: bool,
+    refuse: Callable[[Outcome], Exception] | None,
+) -> None:
+    """run_tasks, each file counted in `summary`; one that cannot be read is raised as
+    `refuse(outcome)`, or without `refuse` (--skip-bad) kept in `skipped` (position -> reason)."""
+    outcomes = run_tasks(tasks, out_dir, features, workers=workers, progress=progress)
+    with contextlib.closing(outcomes):
+        for outcome in outcomes:
+            if outcome.status != SKIPPED:
+                summary.count(outcome)
+            elif refuse is None:
+                skipped[outcome.position] = outcome.reason
+            else:
+                raise refuse(outcome)
 
 
 def _unreadable(index: Index, outcome: Outcome, listing: str) -> AudioReadError:

@@ -15,7 +15,6 @@ a killed run resumed, and labelled features can share DIR.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import time
@@ -28,9 +27,9 @@ from audioclf.data.readers import AudioReadError
 from audioclf.data.unlabelled import load_unlabelled
 from audioclf.fileio import atomic_write_bytes
 from audioclf.outputs import write_skipped
-from audioclf.precompute.files import SKIPPED, make_tasks, run_tasks
+from audioclf.precompute.files import Outcome, make_tasks
 from audioclf.precompute.names import quote_name
-from audioclf.precompute.run import Shard, Summary, feature_settings, prepare_out_dir
+from audioclf.precompute.run import Shard, Summary, feature_settings, prepare_out_dir, write_files
 
 FOLDER = "unlabelled"  # DIR/unlabelled/: never a class folder, which live under DIR/features/
 SHEET = "unlabelled.csv"
@@ -62,18 +61,8 @@ def prepare_unlabelled(
         summary = Summary(whole, rows=len(table))
         skipped: dict[int, str] = {}
         tasks = make_tasks(table, targets, range(len(table)), excluded=())
-        outcomes = run_tasks(tasks, out_dir, cfg.features, workers=workers, progress=progress)
-        with contextlib.closing(outcomes):
-            for outcome in outcomes:
-                if outcome.status != SKIPPED:
-                    summary.count(outcome)
-                elif skip_bad:
-                    skipped[outcome.position] = outcome.reason
-                else:
-                    raise AudioReadError(
-                        f"unlabelled clip {table['path'].iat[outcome.position]}: "
-                        f"{outcome.reason}. Fix or remove it, or pass --skip-bad to leave it out"
-                    )
+        refuse = None if skip_bad else _unreadable(table)
+        write_files(tasks, out_dir, cfg.features, summary, skipped, workers, progress, refuse)
         summary.skipped = len(skipped)
         summary.skipped_path = write_skipped(out_dir / SKIPPED_LIST, table, skipped)
         kept = [target for position, target in enumerate(targets) if position not in skipped]
@@ -82,6 +71,16 @@ def prepare_unlabelled(
         summary.index_rows = len(kept)
     summary.elapsed = time.perf_counter() - start
     return summary
+
+
+def _unreadable(table: pd.DataFrame):
+    def refuse(outcome: Outcome) -> AudioReadError:
+        return AudioReadError(
+            f"unlabelled clip {table['path'].iat[outcome.position]}: {outcome.reason}. Fix or "
+            "remove it, or pass --skip-bad to leave it out"
+        )
+
+    return refuse
 
 
 def unlabelled_command(sheet: Path) -> str:
