@@ -6,21 +6,24 @@ The resumable folders are written in pieces, so that a rerun after a crash, a ki
 finishes what the killed run left. A manifest records what every piece depends on (settings,
 model, format version); a folder whose manifest differs holds another run's work and must be
 refused, not completed. The rows a run left out are listed in a skipped.csv (row, id, path,
-reason). embed --index's PREFIX.parquet carries, in its schema metadata, the record of the model
+reason); the pieces are made in a pool of worker processes with a progress bar (in_workers).
+embed --index's PREFIX.parquet carries, in its schema metadata, the record of the model
 that made the embeddings (write_table / read_made_by), which search indexes then keep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
 import json
 import logging
+import multiprocessing
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -83,6 +86,38 @@ def write_skipped(path: Path, table: pd.DataFrame, reasons: Mapping[int, str]) -
         }
     )
     return atomic_write_bytes(path, listing.to_csv(index=False).encode())
+
+
+def in_workers(
+    function: Callable,
+    chunks: Sequence,
+    workers: int,
+    initializer: Callable,
+    initargs: tuple,
+    bar,
+    ordered: bool,
+) -> Iterator:
+    """`function(chunk)` of each chunk in `workers` processes (1: in this one, after
+    `initializer(*initargs)`), each result as its chunk finishes (in the chunks' order when
+    `ordered`); `bar` (tqdm) advances by each result's length and is closed at the end. Closing
+    the iterator early stops the workers."""
+    workers = max(1, min(workers, len(chunks)))
+    with contextlib.ExitStack() as stack:
+        stack.callback(bar.close)
+        if workers == 1:
+            initializer(*initargs)
+            results = map(function, chunks)
+        else:
+            # fork where there is one: workers start at once instead of importing torch anew
+            # (seconds each); the parent has run no torch op, and each worker goes to one
+            # thread before its first, as DataLoader workers do.
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+            pool = stack.enter_context(context.Pool(workers, initializer, initargs))
+            results = (pool.imap if ordered else pool.imap_unordered)(function, chunks)
+        for result in results:
+            bar.update(len(result))
+            yield result
 
 
 # --------------------------------------------------------------------- embed --index's table

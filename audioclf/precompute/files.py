@@ -7,8 +7,6 @@ size it promises) is left as it is.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from tqdm import tqdm
 
 from audioclf.config import FeaturesConfig
 from audioclf.data.readers import AudioReadError, load_audio, read_npy_header
+from audioclf.outputs import in_workers
 from audioclf.spectrogram import log_mel, one_torch_thread
 
 CHUNK_FILES = 32  # files per task handed to a worker
@@ -137,7 +136,6 @@ def run_tasks(
     """prepare_file over `tasks` in `workers` processes (1 = here), yielding outcomes as chunks
     finish; closing the iterator early stops the workers."""
     chunks = [tasks[i : i + CHUNK_FILES] for i in range(0, len(tasks), CHUNK_FILES)]
-    workers = max(1, min(workers, len(chunks)))
     bar = tqdm(
         total=len(tasks),
         desc="log-mel",
@@ -145,20 +143,9 @@ def run_tasks(
         disable=None if progress else True,
         dynamic_ncols=True,
     )
-    with contextlib.ExitStack() as stack:
-        stack.callback(bar.close)
-        if workers == 1:
-            stack.enter_context(one_torch_thread())
-            _init_worker(out_dir, features)  # sets this process's thread count only inside
-            results = map(_prepare_chunk, chunks)
-        else:
-            # fork where there is one: workers start at once instead of importing torch anew
-            # (seconds each); the parent has run no torch op, and each worker goes to one
-            # thread before its first, as DataLoader workers do.
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-            pool = stack.enter_context(context.Pool(workers, _init_worker, (out_dir, features)))
-            results = pool.imap_unordered(_prepare_chunk, chunks)
-        for outcomes in results:
-            bar.update(len(outcomes))
+    with one_torch_thread():  # in this process, for a single worker (_init_worker sets it)
+        initargs = (out_dir, features)
+        for outcomes in in_workers(
+            _prepare_chunk, chunks, workers, _init_worker, initargs, bar, False
+        ):
             yield from outcomes

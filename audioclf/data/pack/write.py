@@ -30,7 +30,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -68,7 +67,7 @@ from audioclf.data.pack.format import (
 )
 from audioclf.data.readers import AUDIO_SUFFIXES, AudioReadError, load_audio
 from audioclf.fileio import DiskWriteError, atomic_write_bytes, file_stamp, write_failure_message
-from audioclf.outputs import FolderLock, write_skipped
+from audioclf.outputs import FolderLock, in_workers, write_skipped
 from audioclf.spectrogram import log_mel
 
 PROGRESS = ".pack-progress.json"
@@ -430,20 +429,8 @@ def _samples(
         disable=None if progress else True,
         dynamic_ncols=True,
     )
-    with contextlib.ExitStack() as stack:
-        stack.callback(bar.close)
-        workers = max(1, min(workers, len(chunks)))
-        if workers == 1:
-            _init_worker(reader)
-            results = map(_read_chunk, chunks)
-        else:
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-            pool = stack.enter_context(context.Pool(workers, _init_worker, (reader,)))
-            results = pool.imap(_read_chunk, chunks)  # in order: the pack is sequential
-        for chunk in results:
-            bar.update(len(chunk))
-            yield chunk
+    # in order: the pack is sequential
+    yield from in_workers(_read_chunk, chunks, workers, _init_worker, (reader,), bar, True)
 
 
 # ---------------------------------------------------------------------------------------------
