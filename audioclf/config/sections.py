@@ -149,7 +149,7 @@ class UnlabelledConfig:
     share: float = 0.25  # with data.unlabelled: share of each batch's rows that are views of unlabelled clips (two crops of each clip); the labelled part keeps the rest, rounded down to whole classes of sampler.m
     views_weight: float = 1.0  # weight of the NT-Xent term over those views (two crops of a clip a positive pair, the other views negatives) beside the triplet term
     temperature: float = 0.1  # NT-Xent temperature
-    cluster_every: int = 2  # epochs between pseudo-label rounds (embed the unlabelled clips, cluster, add the confident clusters to the sampler as classes), the first at the start of training; 0 = no pseudo-labels
+    cluster_every: int = 0  # epochs between pseudo-label rounds (embed the unlabelled clips, cluster, add the confident clusters to the sampler as classes), the first at the start of training; 0 = none: measured on both domains, three seeds, they added nothing to the views (benchmarks/RESULTS.md); 2 turns them on
     cluster_threshold: float = 0.0  # a fixed cosine distance to cut at instead of cluster_cut (0 = off; runs before cluster_cut cut at 0.3, and their configs keep it)
     cluster_cut: float = 0.5  # agglomerative clustering (cosine, average linkage) stops merging clips at this fraction of the labelled classes' gap: the median cosine distance from a class's centroid to its nearest other class, measured each round with the current model on a fixed sample of training clips (up to 256 classes x sampler.m)
     min_cohesion: float = 0.7  # a cluster is confident when it has at least sampler.m clips and their mean cosine to its centroid is at least this

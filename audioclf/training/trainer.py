@@ -433,14 +433,18 @@ class Trainer:
             labelled, clips = self.cfg.unlabelled.batch_rows(
                 self.cfg.sampler.batch_size, self.cfg.sampler.m
             )
+            every = self.cfg.unlabelled.cluster_every
             log.info(
                 "data.unlabelled=%s: %d usable unlabelled clips; a batch holds %d labelled rows "
-                "and 2 views of %d clips (unlabelled.share=%g)",
+                "and 2 views of %d clips (unlabelled.share=%g); %s",
                 self.unlabelled.source,
                 len(self.unlabelled),
                 labelled,
                 clips,
                 self.cfg.unlabelled.share,
+                f"pseudo-labels every {every} epochs"
+                if every
+                else "no pseudo-labels (unlabelled.cluster_every=0)",
             )
 
     def _prepare_run_dir(self) -> None:
