@@ -360,7 +360,14 @@ def prepare(
 
         summary = Summary(shard, rows=len(mine))
         listing = _skipped_path(out_dir, shard).name
-        refuse = None if skip_bad else (lambda outcome: _unreadable(index, outcome, listing))
+
+        refuse = (
+            None
+            if skip_bad
+            else (
+                lambda o: AudioReadError(index.unreadable(o.position, o.reason, listing, "index"))
+            )
+        )
         write_files(tasks, out_dir, cfg.features, summary, skipped, workers, progress, refuse)
         summary.skipped = len(skipped)
         summary.skipped_path = write_skipped(_skipped_path(out_dir, shard), table, skipped)
@@ -390,16 +397,6 @@ def write_files(
                 skipped[outcome.position] = outcome.reason
             else:
                 raise refuse(outcome)
-
-
-def _unreadable(index: Index, outcome: Outcome, listing: str) -> AudioReadError:
-    table = index.table
-    row = int(table["row"].iat[outcome.position])
-    return AudioReadError(
-        f"row {row} of {index.source} (id {table['id'].iat[outcome.position]!r}): "
-        f"{outcome.reason}. Fix or remove the row, or pass --skip-bad to list it "
-        f"in {listing} and leave it out of the index"
-    )
 
 
 def _finish_shard(

@@ -94,6 +94,15 @@ class Index:
         """int64 class code of every row, by `classes`."""
         return self.codes.class_codes
 
+    def unreadable(self, position: int, reason: str, listing: str, left_out_of: str) -> str:
+        """What prepare says of the row at `position` whose file cannot be read: the row, its id,
+        `reason`, and the fix (--skip-bad lists it in `listing`, out of `left_out_of`)."""
+        row, id_ = int(self.table["row"].iat[position]), self.table["id"].iat[position]
+        return (
+            f"row {row} of {self.source} (id {id_!r}): {reason}. Fix or remove the row, or pass "
+            f"--skip-bad to list it in {listing} and leave it out of the {left_out_of}"
+        )
+
     def subset(self, mask) -> Index:
         """The rows where `mask` is True (its class list is recomputed from those rows)."""
         mask = np.asarray(mask, dtype=bool)

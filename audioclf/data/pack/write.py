@@ -163,7 +163,9 @@ def pack_features(
                         state.skipped[position] = not_readable[position]
                     elif sample is None:
                         if not skip_bad:
-                            raise _unreadable(index, position, reason)
+                            raise AudioReadError(
+                                index.unreadable(position, reason, SKIPPED, "pack")
+                            )
                         state.skipped[position] = reason
                     else:
                         writer.append(position, sample, stamp)
@@ -327,15 +329,6 @@ def _check_sources_unchanged(index: Index, out_dir: Path, records: np.ndarray) -
             f"pack would keep the old frames; delete {out_dir} (or choose another --out) and run "
             "prepare --pack again"
         )
-
-
-def _unreadable(index: Index, position: int, reason: str) -> AudioReadError:
-    table = index.table
-    return AudioReadError(
-        f"row {int(table['row'].iat[position])} of {index.source} (id "
-        f"{table['id'].iat[position]!r}): {reason}. Fix or remove the row, or pass --skip-bad to "
-        f"list it in {SKIPPED} and leave it out of the pack"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
