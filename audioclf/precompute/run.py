@@ -21,6 +21,7 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -360,13 +361,8 @@ def prepare(
 
         summary = Summary(shard, rows=len(mine))
         listing = _skipped_path(out_dir, shard).name
-
         refuse = (
-            None
-            if skip_bad
-            else (
-                lambda o: AudioReadError(index.unreadable(o.position, o.reason, listing, "index"))
-            )
+            None if skip_bad else partial(index.unreadable, listing=listing, left_out_of="index")
         )
         write_files(tasks, out_dir, cfg.features, summary, skipped, workers, progress, refuse)
         summary.skipped = len(skipped)
@@ -384,10 +380,11 @@ def write_files(
     skipped: dict[int, str],
     workers: int,
     progress: bool,
-    refuse: Callable[[Outcome], Exception] | None,
+    refuse: Callable[[int, str], str] | None,
 ) -> None:
-    """run_tasks, each file counted in `summary`; one that cannot be read is raised as
-    `refuse(outcome)`, or without `refuse` (--skip-bad) kept in `skipped` (position -> reason)."""
+    """run_tasks, each file counted in `summary`; one that cannot be read stops the run with
+    AudioReadError(refuse(position, reason)), or without `refuse` (--skip-bad) is kept in
+    `skipped` (position -> reason)."""
     outcomes = run_tasks(tasks, out_dir, features, workers=workers, progress=progress)
     with contextlib.closing(outcomes):
         for outcome in outcomes:
@@ -396,7 +393,7 @@ def write_files(
             elif refuse is None:
                 skipped[outcome.position] = outcome.reason
             else:
-                raise refuse(outcome)
+                raise AudioReadError(refuse(outcome.position, outcome.reason))
 
 
 def _finish_shard(

@@ -18,16 +18,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
 
 from audioclf.config import Config
-from audioclf.data.readers import AudioReadError
 from audioclf.data.unlabelled import load_unlabelled
 from audioclf.fileio import atomic_write_bytes
 from audioclf.outputs import write_skipped
-from audioclf.precompute.files import Outcome, make_tasks
+from audioclf.precompute.files import make_tasks
 from audioclf.precompute.names import quote_name
 from audioclf.precompute.run import Shard, Summary, feature_settings, prepare_out_dir, write_files
 
@@ -61,7 +61,7 @@ def prepare_unlabelled(
         summary = Summary(whole, rows=len(table))
         skipped: dict[int, str] = {}
         tasks = make_tasks(table, targets, range(len(table)), excluded=())
-        refuse = None if skip_bad else _unreadable(table)
+        refuse = None if skip_bad else partial(_unreadable, clips.paths)
         write_files(tasks, out_dir, cfg.features, summary, skipped, workers, progress, refuse)
         summary.skipped = len(skipped)
         summary.skipped_path = write_skipped(out_dir / SKIPPED_LIST, table, skipped)
@@ -73,14 +73,11 @@ def prepare_unlabelled(
     return summary
 
 
-def _unreadable(table: pd.DataFrame):
-    def refuse(outcome: Outcome) -> AudioReadError:
-        return AudioReadError(
-            f"unlabelled clip {table['path'].iat[outcome.position]}: {outcome.reason}. Fix or "
-            "remove it, or pass --skip-bad to leave it out"
-        )
-
-    return refuse
+def _unreadable(paths: tuple[str, ...], position: int, reason: str) -> str:
+    return (
+        f"unlabelled clip {paths[position]}: {reason}. Fix or remove it, or pass --skip-bad to "
+        "leave it out"
+    )
 
 
 def unlabelled_command(sheet: Path) -> str:
