@@ -18,8 +18,8 @@ crop_seconds=3 -> 301 frames, sampler.batch_size=128, m=4, one rank, the default
               train AudioDataset as the trainer builds it, and split_datasets (as the Trainer builds them) whole;
   ceiling     read_npy_crop in a loop in this process on the very (path, crop seed) pairs the
               loader reads: the fastest one process can go (warm and cold);
-  loader      MPerClassSampler + TrainLoader (SeededBatches) + collate_padded with 0 (in
-              process) and each of --workers DataLoader workers: crops/s, time to the first
+  loader      MPerClassSampler + TrainLoader (SeededBatches, units read by FileBatchReader or
+              PackedBatchReader) with 0 (in process) and each of --workers DataLoader workers: crops/s, time to the first
               batch, workers' CPU use; warm (every file read once first, then checked resident
               with mincore) and cold (each file dropped from the page cache with posix_fadvise
               DONTNEED, checked with mincore; on a VM the hypervisor may still cache: "cold-ish");
@@ -64,13 +64,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from audioclf.config import load_config  # noqa: E402
-from audioclf.data.dataset import collate_padded, split_datasets  # noqa: E402
+from audioclf.data.dataset import split_datasets  # noqa: E402
 from audioclf.data.index import load_index  # noqa: E402
 from audioclf.data.loader import SeededBatches, TrainLoader, loader_kwargs  # noqa: E402
 from audioclf.data.pack.read import PackedFeatures  # noqa: E402
 from audioclf.data.pack.write import pack_features  # noqa: E402
 from audioclf.data.readers import read_npy_crop, window_starts  # noqa: E402
 from audioclf.data.sampler import MPerClassSampler  # noqa: E402
+from audioclf.data.units import FileBatchReader  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from feature_read import drop_from_page_cache  # noqa: E402
@@ -387,22 +388,20 @@ def pread_ceiling(keys, pack: PackedFeatures, frames: int) -> tuple[float, float
     return len(jobs) / elapsed, (time.process_time() - start_cpu) / elapsed
 
 
-def batch_costs(dataset, keys, batch_size: int, batches: int = 8) -> tuple[float, float, float]:
+def batch_costs(dataset, keys, batch_size: int, batches: int = 8) -> tuple[float, float]:
     """CPU ms per batch, in this process, of what a worker does with one batch: the dataset's
-    items, collate_padded, and moving the batch into shared memory (the worker's result queue
-    does that to every tensor not already there)."""
-    items_s = collate_s = share_s = 0.0
+    items, and the whole unit of one batch (those items, copied into the unit's buffer)."""
+    reader = FileBatchReader(dataset)
+    items_s = unit_s = 0.0
     for b in range(batches):
+        batch_keys = keys[b * batch_size : (b + 1) * batch_size]
         start = time.process_time()
-        items = [dataset[key] for key in keys[b * batch_size : (b + 1) * batch_size]]
+        _items = [dataset[key] for key in batch_keys]
         items_s += time.process_time() - start
         start = time.process_time()
-        x = collate_padded(items)[0]
-        collate_s += time.process_time() - start
-        start = time.process_time()
-        x.share_memory_()
-        share_s += time.process_time() - start
-    return tuple(1e3 * t / batches for t in (items_s, collate_s, share_s))
+        _unit = reader[[batch_keys]]
+        unit_s += time.process_time() - start
+    return 1e3 * items_s / batches, 1e3 * unit_s / batches
 
 
 class LoaderRun:
@@ -789,10 +788,10 @@ def main() -> int:
             f"  {label:38s} {rate:8.0f} {rate / reference:6.2f} {cpu:6.2f} "
             f"{rate / max(cpu, 1e-9):11.0f} {first_text:>9s} {crop_text:>10s}"
         )
-    items_ms, collate_ms, share_ms = batch_costs(train_set, keys, cfg.sampler.batch_size)
+    items_ms, unit_ms = batch_costs(train_set, keys, cfg.sampler.batch_size)
     print(
         f"  per-file, one batch in one process, CPU ms: {cfg.sampler.batch_size} dataset items "
-        f"{items_ms:.1f}, collate_padded {collate_ms:.1f}, moving it to shared memory {share_ms:.1f}"
+        f"{items_ms:.1f}; the unit of that batch (the items, copied into its buffer) {unit_ms:.1f}"
     )
     print(
         "  x ceil: against one process reading the same crops (read_npy_crop for per-file, a bare "

@@ -30,9 +30,9 @@ class DataConfig:
     num_workers: int = 2  # DataLoader worker processes per rank
     pin_memory: bool = True  # pin host memory (only takes effect on CUDA)
     persistent_workers: bool = True  # keep workers alive between epochs
-    prefetch_factor: int = 2  # batches prefetched per worker (units of pack_read_batches from a feature pack)
+    prefetch_factor: int = 2  # units (of pack_read_batches training batches) prefetched per worker
     unlabelled: str = ""  # unlabelled audio of the source you deploy to, learnt from beside the labelled sheet: a folder (searched recursively) or a sheet with a path column (and optional split: empty or train rows used); the unlabelled.* keys say how; "" = none (docs/training.md, "Audio from where you deploy")
-    pack_read_batches: int = 1  # training batches a worker reads from a feature pack in one go, its reads sorted by file and offset: more for slow storage (docs/data.md, "Large datasets")
+    pack_read_batches: int = 1  # training batches a worker reads in one go (one unit, in one shared buffer); from a feature pack its reads are sorted by file and offset: more for slow storage (docs/data.md, "Large datasets")
 
     def __post_init__(self) -> None:
         _check(self.header_row is None or self.header_row >= 1, "data.header_row",

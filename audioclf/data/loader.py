@@ -6,8 +6,9 @@ very same crops as an uninterrupted one. With a crop schedule (train.final_epoch
 carry the epoch's crop length: the batch sampler runs in the main process, while a persistent
 worker's dataset is the copy it was given at its start and never hears of a new epoch.
 `TrainLoader` is stateful: it counts the batches it has handed out, so a checkpoint resumes at
-the very next batch (torchtitan's stateful loader). Over a feature pack it reads whole batches
-in its workers (audioclf.data.pack.batches), from the same keys.
+the very next batch (torchtitan's stateful loader). Its workers read units of whole batches
+(audioclf.data.units): from the files, or from a feature pack (audioclf.data.pack.batches), from
+the same keys.
 """
 
 from __future__ import annotations
@@ -23,14 +24,9 @@ from torch.utils.data import DataLoader, Dataset
 from audioclf.config import Config
 from audioclf.data.dataset import AudioDataset, collate_padded
 from audioclf.data.index import Index
-from audioclf.data.pack.batches import (
-    BufferLeases,
-    PackedBatchReader,
-    Units,
-    batches_of,
-    unit_as_is,
-)
+from audioclf.data.pack.batches import PackedBatchReader
 from audioclf.data.sampler import MixedBatchSampler, MPerClassSampler
+from audioclf.data.units import BufferLeases, FileBatchReader, Units, batches_of, unit_as_is
 
 log = logging.getLogger("audioclf")
 
@@ -140,21 +136,19 @@ class TrainLoader:
         # resumed run would see different SpecAugment masks and dropout than a straight one.
         generator = torch.Generator().manual_seed(seed)
         batches = SeededBatches(sampler, seed, crop_samples)
-        # A packed training set is read a unit of batches at a time (audioclf.data.pack.batches).
+        # Workers read units of `read_batches` batches into buffers they reuse (data.units).
         self.packed = getattr(dataset, "pack", None) is not None
         self.leases = None
-        if self.packed:
-            kwargs = dict(kwargs, collate_fn=unit_as_is)
-            workers = kwargs.get("num_workers", 0)
-            if workers:  # a worker's units in flight, the one being used and the one before
-                self.leases = BufferLeases(workers, kwargs.get("prefetch_factor", 2) + 3)
-            dataset = PackedBatchReader(dataset, self.leases)
-            batches = Units(batches, read_batches)
-            self.loader = DataLoader(
-                dataset, sampler=batches, batch_size=None, generator=generator, **kwargs
-            )
-        else:
-            self.loader = DataLoader(dataset, batch_sampler=batches, generator=generator, **kwargs)
+        if workers := kwargs.get("num_workers", 0):  # a worker's units in flight, in use, before
+            self.leases = BufferLeases(workers, kwargs.get("prefetch_factor", 2) + 3)
+        reader = (PackedBatchReader if self.packed else FileBatchReader)(dataset, self.leases)
+        self.loader = DataLoader(
+            reader,
+            sampler=Units(batches, read_batches),
+            batch_size=None,
+            generator=generator,
+            **dict(kwargs, collate_fn=unit_as_is),
+        )
 
     @classmethod
     def for_run(
@@ -220,10 +214,10 @@ class TrainLoader:
         return min(left, max(0, self.limit_batches - self.position)) if self.limit_batches else left
 
     def __iter__(self) -> Iterator:
-        for item in self.loader:
+        for unit in self.loader:
             if self.leases is not None:
-                self.leases.hold(item)
-            for batch in batches_of(item) if self.packed else (item,):
+                self.leases.hold(unit)
+            for batch in batches_of(unit):
                 if self.limit_batches and self.position >= self.limit_batches:
                     return
                 self.position += 1

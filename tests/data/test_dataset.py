@@ -283,7 +283,7 @@ def test_the_final_epochs_crop_reaches_persistent_workers(tmp_path, tiny_demo, w
     final = FinalEpochs.of(cfg)
     assert [final.crop_samples(e) for e in range(4)] == [rate // 2] * 2 + [rate * 3 // 4] * 2
     unchanged = train_loader(tiny_config(tiny_demo, tmp_path, "cnn", "train.final_epochs=1"))
-    assert unchanged.loader.batch_sampler.crop_samples is None  # keys as before: (position, seed)
+    assert unchanged.loader.sampler.batches.crop_samples is None  # keys as before: (position, seed)
 
 
 def test_the_augmenter_crops_to_the_key_s_crop_length(audio_files):

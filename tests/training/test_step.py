@@ -118,14 +118,31 @@ class _Sampler:
 def _loader(**kwargs):
     from audioclf.data.loader import TrainLoader
 
-    class Positions(torch.utils.data.Dataset):  # an item is its position (keys: position, seed)
+    class Positions(torch.utils.data.Dataset):  # an item holds its position (keys: position, seed)
         def __len__(self):
             return 12
 
         def __getitem__(self, key):
-            return key[0]
+            return torch.full((1,), float(key[0])), 0, key[0]
 
-    return TrainLoader(Positions(), _Sampler(), seed=0, collate_fn=list, **kwargs)
+    loader = TrainLoader(Positions(), _Sampler(), seed=0, **kwargs)
+    return _Positions(loader)
+
+
+class _Positions:
+    """A train loader whose batches are read as their lists of positions."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        return (batch.positions.tolist() for batch in self.loader)
 
 
 def test_the_train_loader_counts_what_it_hands_out_and_resumes_there():
