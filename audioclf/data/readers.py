@@ -213,11 +213,16 @@ def crop_start(total: int, length: int, rng: np.random.Generator | None) -> int:
 
 
 def seeded_or_centred(total: int, length: int, crop_seed: int | None) -> int:
-    """First frame of a `length` window of `total` frames: `window_starts` for a crop seed,
-    else centred."""
+    """First frame of a `length` window of `total` frames: `window_starts` for a crop seed
+    (the same arithmetic on Python ints: one crop costs 2 µs instead of numpy's 40), else
+    centred."""
     if crop_seed is None:
         return (total - length) // 2
-    return int(window_starts(crop_seed, total, length)[0])
+    z = (int(crop_seed) + int(_GOLDEN)) & _BITS64
+    z = ((z ^ (z >> 30)) * int(_MIX1)) & _BITS64
+    z = ((z ^ (z >> 27)) * int(_MIX2)) & _BITS64
+    z ^= z >> 31
+    return (((z >> 32) * ((total - length + 1) & _BITS64)) & _BITS64) >> 32
 
 
 def window_starts(seeds, totals, lengths) -> np.ndarray:
@@ -238,6 +243,7 @@ _GOLDEN, _MIX1, _MIX2 = (
     np.uint64(0xBF58476D1CE4E5B9),
     np.uint64(0x94D049BB133111EB),
 )
+_BITS64 = (1 << 64) - 1
 
 
 def _check_pad_mode(pad_mode: str) -> None:
@@ -353,6 +359,13 @@ def _read_npy_window(
     return window, total
 
 
+# The header dict as np.save writes it (any other spelling goes through numpy's own parser).
+_NPY_HEADER = re.compile(
+    r"\{'descr': '([<>|=]?[a-z]\d+)', 'fortran_order': (True|False), "
+    r"'shape': \(((?:\d+, ?)*\d*)\), \} *\n"
+)
+
+
 def read_npy_header(fd: int) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """(shape, fortran_order, dtype, byte offset of the data) of an open .npy file."""
     head = os.pread(fd, 4096, 0)
@@ -363,6 +376,11 @@ def read_npy_header(fd: int) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     data_offset = 8 + size_bytes + int.from_bytes(head[8 : 8 + size_bytes], "little")
     if data_offset > len(head):
         head = os.pread(fd, data_offset, 0)
+    header = _NPY_HEADER.fullmatch(head[8 + size_bytes : data_offset].decode("latin1"))
+    if header:  # the header numpy writes: parsed here, not by compiling it (50 µs a file)
+        descr, fortran, dims = header.groups()
+        shape = tuple(int(d) for d in dims.split(",") if d.strip())
+        return shape, fortran == "True", np.dtype(descr), data_offset
     stream = io.BytesIO(head)
     np.lib.format.read_magic(stream)
     if version == (1, 0):
@@ -402,20 +420,21 @@ def _read_window(
     item = dtype.itemsize
     if frames_outer:
         block = _read_at(fd, data_offset + start * n_bins * item, length * n_bins, dtype)
-        return block.reshape(length, n_bins).astype(np.float32)
+        return block.reshape(length, n_bins).astype(np.float32, copy=False)
     rows = [
         _read_at(fd, data_offset + (b * total + start) * item, length, dtype) for b in range(n_bins)
     ]
-    return np.stack(rows, axis=1).astype(np.float32)
+    return np.stack(rows, axis=1).astype(np.float32, copy=False)
 
 
 def _read_at(fd: int, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
-    """`count` items of `dtype` at byte `offset` of the file (one positioned read)."""
-    nbytes = count * dtype.itemsize
-    data = os.pread(fd, nbytes, offset)
-    while len(data) < nbytes:  # short reads are allowed by POSIX; finish the request
-        more = os.pread(fd, nbytes - len(data), offset + len(data))
+    """`count` items of `dtype` at byte `offset` of the file (one positioned read), in a new
+    writable array."""
+    out = np.empty(count, dtype=dtype)
+    view, done = memoryview(out).cast("B"), 0
+    while done < len(view):  # short reads are allowed by POSIX; finish the request
+        more = os.preadv(fd, [view[done:]], offset + done)
         if not more:
-            raise EOFError(f"unexpected end of file at byte {offset + len(data)}")
-        data += more
-    return np.frombuffer(data, dtype=dtype)
+            raise EOFError(f"unexpected end of file at byte {offset + done}")
+        done += more
+    return out

@@ -1,6 +1,7 @@
 """Reading audio and precomputed features (audioclf.data.readers)."""
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from audioclf.data.readers import (
     crop_or_pad,
     load_audio,
     read_npy_crop,
+    seeded_or_centred,
     window_starts,
 )
 from tests.helpers import write_unknown_length_audio
@@ -126,6 +128,14 @@ def test_window_starts_are_uniform_in_range_and_the_same_one_by_one_or_vectorise
     counts = np.bincount(window_starts(seeds, 309, 300), minlength=10)  # 10 starts
     assert counts.min() > 0.95 * len(seeds) / 10 and counts.max() < 1.05 * len(seeds) / 10
     assert window_starts(2**63 - 1, 10, 10).tolist() == [0]  # the largest seed, one start
+    # one crop at a time (read_npy_crop, a pack's read_window): the same starts on Python ints
+    picked = list(range(0, len(seeds), 997)) + [len(seeds) - 1]
+    scalar = [seeded_or_centred(int(totals[i]), 300, int(seeds[i])) for i in picked]
+    assert scalar == starts[picked].tolist()
+    extremes = [(2**63 - 1, 10**9, 1), (-5, 2**31, 7), (0, 301, 300), (12345, 2**40, 2**39)]
+    for seed, total, length in extremes:
+        assert seeded_or_centred(total, length, seed) == window_starts(seed, total, length)[0]
+    assert seeded_or_centred(1000, 100, None) == 450  # no seed: centred
 
 
 def _write(path, array):
@@ -145,6 +155,38 @@ def test_npy_window_both_layouts(tmp_path):
         np.testing.assert_array_equal(crop, frames[start : start + 100])
         assert crop.dtype == np.float32 and crop.flags["C_CONTIGUOUS"] and crop.flags["WRITEABLE"]
         np.testing.assert_array_equal(read_npy_crop(path, None, None, layout, 8), frames)
+
+
+def test_npy_headers_numpy_writes_and_others_it_reads(tmp_path, monkeypatch):
+    # np.save's own header is parsed without numpy's parser; any other spelling (here a header
+    # written by another tool, keys in another order) still goes through numpy's
+    frames = np.arange(30 * 4, dtype="<f4").reshape(30, 4)
+    saved = _write(tmp_path / "saved.npy", frames)
+    with open(saved, "rb") as handle:
+        raw = handle.read()
+    dict_text = "{'shape': (30, 4), 'fortran_order': False, 'descr': '<f4'}"
+    header = dict_text.ljust(117) + "\n"  # magic 6 + version 2 + length 2 + 118 = 128
+    other = tmp_path / "other.npy"
+    other.write_bytes(raw[:8] + len(header).to_bytes(2, "little") + header.encode() + raw[128:])
+    parsed_by_numpy = []
+    numpy_parser = np.lib.format.read_array_header_1_0
+    monkeypatch.setattr(
+        np.lib.format,
+        "read_array_header_1_0",
+        lambda stream: parsed_by_numpy.append(1) or numpy_parser(stream),
+    )
+    for path, by_numpy in ((saved, []), (other, [1])):
+        parsed_by_numpy.clear()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert readers.read_npy_header(fd) == ((30, 4), False, np.dtype("<f4"), 128)
+        finally:
+            os.close(fd)
+        assert parsed_by_numpy == by_numpy
+        np.testing.assert_array_equal(
+            read_npy_crop(path, 10, 3, "frames_bins", 4),
+            frames[seeded_or_centred(30, 10, 3) :][:10],
+        )
 
 
 @pytest.mark.parametrize("layout", ["frames_bins", "bins_frames"])
