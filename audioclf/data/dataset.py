@@ -137,12 +137,8 @@ class AudioDataset(torch.utils.data.Dataset):
     def with_unlabelled(self, paths: Sequence[str]) -> AudioDataset:
         """This training set followed by unlabelled clips twice (label -1): positions
         [N, N + U) read a clip as a pseudo-class member, [N + U, N + 2U) as a view
-        (data.sampler.MixedBatchSampler's layout). Not for feature packs."""
-        if self.pack is not None:
-            raise ValueError(
-                "data.unlabelled is not read from a feature pack yet: train from the audio or "
-                ".npy files (a sheet without pack columns)"
-            )
+        (data.sampler.MixedBatchSampler's layout). Beside a feature pack the clips are .npy
+        files (prepare --unlabelled), read one by one."""
         both = [*paths, *paths]
         spans = None
         if self.spans is not None:
@@ -158,7 +154,13 @@ class AudioDataset(torch.utils.data.Dataset):
             bad_files=self.bad_files,
             augment=self.augment,
             spans=spans,
+            pack=self.pack,
         )
+
+    def packed(self, position: int) -> bool:
+        """Whether the sample at `position` is read from the pack (a position past the pack's
+        rows is an unlabelled clip's file)."""
+        return self.pack is not None and position < len(self.pack.frames)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -189,7 +191,7 @@ class AudioDataset(torch.utils.data.Dataset):
         needs_rng = self.train and (self.cfg.kind == "audio" or self.augment is not None)
         rng = np.random.default_rng(seed) if needs_rng else None
         path = self.paths[position]
-        if self.pack is not None:  # a checked pack: nothing to skip, an error is the pack's
+        if self.packed(position):  # a checked pack: nothing to skip, an error is the pack's
             x = self._read_packed(position, seed, rng, crop_samples, self._where(position))
             return x, int(self.labels[position]), position
         try:

@@ -23,7 +23,7 @@ from audioclf.data.index import Index, load_index
 from audioclf.data.loader import TrainLoader, loader_kwargs
 from audioclf.data.pack.format import PackError
 from audioclf.data.pack.write import pack_features
-from audioclf.data.sampler import MPerClassSampler
+from audioclf.data.sampler import MixedBatchSampler, MPerClassSampler
 from audioclf.outputs import FolderBusy
 from audioclf.prepare import main as prepare_main
 from tests.helpers import ROOT, LockHolder, child_env, run_in_group, tiny_config
@@ -110,6 +110,38 @@ def test_packed_loader_gives_the_per_file_batches(tmp_path, augment, workers):
     for (x_file, ids_file), (x_pack, ids_pack) in zip(per_file, packed):
         assert (ids_file == ids_pack).all()  # the same row in every slot
         assert x_pack.dtype == torch.float32 and x_pack.shape == x_file.shape
+        assert torch.equal(x_pack, x_file)  # fp16-exact features: equal to the bit
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unlabelled_clips_beside_a_pack_give_the_per_file_batches(tmp_path, workers):
+    # data.unlabelled beside a pack: the clips (.npy files) sit past the pack's rows and are read
+    # one by one into the unit, as the per-file loader reads them
+    sheet = npy_sheet(tmp_path)
+    summary = pack(sheet, tmp_path / "pack")
+    clips = [str(p) for p in sorted((tmp_path / "f").glob("c5_*.npy"))]  # 9 clips
+    extra = ("augment.enabled=true", "augment.eq_prob=0.7", "augment.gain_prob=0.7")
+    batches = {}
+    for name, index_path in (("per-file", sheet), ("packed", summary.index_path)):
+        cfg = npy_config(index_path, *extra)
+        loaded = load_index(cfg.data)
+        index = Index(loaded.table.sort_values("id").reset_index(drop=True), loaded.source)
+        augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
+        dataset = AudioDataset.from_index(index, cfg, train=True, augment=augment)
+        dataset = dataset.with_unlabelled(clips)
+        labelled = MPerClassSampler(
+            index.codes.class_codes, index.codes.item_codes, batch_size=6, m=2, seed=3
+        )
+        sampler = MixedBatchSampler(labelled, len(clips), clips_per_batch=2)
+        options = loader_kwargs(workers, False, False, 2, torch.device("cpu"))
+        loader = TrainLoader(dataset, sampler, seed=5, read_batches=2, **options)
+        loader.set_epoch(1)
+        batches[name] = [(b.model_input(torch.device("cpu")), b.positions) for b in loader]
+        assert loader.packed == (name == "packed")
+    assert len(batches["packed"]) == len(batches["per-file"]) > 2
+    n_rows = 6 * 3 * 3
+    for (x_file, at_file), (x_pack, at_pack) in zip(*batches.values(), strict=True):
+        assert torch.equal(at_file, at_pack) and (at_pack >= n_rows).sum() == 4  # 2 clips x 2
         assert torch.equal(x_pack, x_file)  # fp16-exact features: equal to the bit
 
 

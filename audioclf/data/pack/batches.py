@@ -1,8 +1,8 @@
 """Training batches from a feature pack, a whole batch at a time (no per-sample Dataset call).
 
 The sampler's batches go to a DataLoader worker as units of `data.pack_read_batches` batches
-(audioclf.data.units, the loader shape both paths share). A worker works out every crop of the unit at once from the keys (position, crop seed[, crop
-samples]): the start `window_starts` gives for the seed, as every reader of precomputed features
+(audioclf.data.units, the loader shape both paths share). A worker works out every crop of the
+unit at once from the keys (position, crop seed[, crop samples]): the start `window_starts` gives for the seed, as every reader of precomputed features
 does. It reads each crop with one positioned read, sorted by (data file, offset) over the whole
 unit (the read planner: a class-major pack and the ranks' disjoint class shares make those reads
 close together; each is announced with POSIX_FADV_WILLNEED first, so the kernel fetches the
@@ -25,6 +25,10 @@ file per unit either: the small tensors ride in x's.
 
 The finite check is one pass per unit over the fp16 exponent bits (a non-finite value has all
 five set); a unit that fails names the sheet row and frames.
+
+Unlabelled clips (data.unlabelled beside a pack: AudioDataset.with_unlabelled) sit past the
+pack's rows; their crops are read from their prepared .npy files (`prepare --unlabelled`) one
+by one, into the same buffer in the pack's dtype.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from audioclf.data.dataset import AudioDataset, unpack_key
 from audioclf.data.pack.format import PackError
-from audioclf.data.readers import pad_window, window_starts
+from audioclf.data.readers import pad_window, read_npy_crop, window_starts
 from audioclf.data.units import BufferLeases, Unit, UnitReader
 
 
@@ -54,6 +58,9 @@ class PackedBatchReader(UnitReader):
         self.augment = dataset.augment
         self.features, self.clips = dataset.cfg, dataset.clips
         self.default_crop = dataset.clips.crop_samples(dataset.cfg)
+        # positions past the pack's rows: unlabelled clips' .npy files (with_unlabelled)
+        self.n_packed = len(dataset.pack.frames)
+        self.files = [dataset.paths[p] for p in range(self.n_packed, len(dataset))]
         self._scratch = np.empty(0, dtype=np.uint16)  # the finite check's, reused
 
     def __len__(self) -> int:
@@ -77,11 +84,21 @@ class PackedBatchReader(UnitReader):
             (*batch_shape, n_frames, bins), dtype, bins if offsets is not None else None
         )
         flat = x.numpy().reshape(len(keys), -1)
-        totals = self.pack.frames[positions]
+        in_pack = positions < self.n_packed
+        totals = self.pack.frames[np.where(in_pack, positions, 0)]
         lengths = np.minimum(totals, n_frames)
         starts = window_starts(seeds, totals, lengths)
         view = memoryview(flat.reshape(-1).view(np.uint8))
-        self.pack.read_crops(view, flat.shape[1] * flat.itemsize, positions, starts, lengths)
+        slot_bytes = flat.shape[1] * flat.itemsize
+        if in_pack.all():
+            self.pack.read_crops(view, slot_bytes, positions, starts, lengths)
+        else:
+            slots = np.flatnonzero(in_pack)
+            self.pack.read_crops(
+                view, slot_bytes, positions[slots], starts[slots], lengths[slots], slots
+            )
+            lengths[~in_pack] = n_frames  # read whole, as AudioDataset reads them
+            self._read_files(flat, positions, seeds, n_frames, np.flatnonzero(~in_pack))
         self._fill_short(flat, lengths, n_frames)
         self._check_finite(flat, positions, starts, lengths)
         rows = small.numpy()
@@ -91,6 +108,17 @@ class PackedBatchReader(UnitReader):
         if offsets is not None:
             bin_offsets.numpy()[:] = offsets.reshape(bin_offsets.shape)
         return x, small, bin_offsets, np.asarray(lease, dtype=np.int64)
+
+    def _read_files(self, flat: np.ndarray, positions, seeds, n_frames: int, slots) -> None:
+        """The crops of unlabelled clips (prepared .npy files), as the per-file reader cuts
+        them, in the pack's dtype."""
+        clips, bins = self.clips, self.pack.n_bins
+        for slot in slots.tolist():
+            path = self.files[int(positions[slot]) - self.n_packed]
+            crop = read_npy_crop(
+                path, n_frames, int(seeds[slot]), clips.npy_layout, bins, clips.pad_mode
+            )
+            flat[slot] = crop.reshape(-1)
 
     def _offsets(self, seeds: np.ndarray) -> np.ndarray | None:
         """The augmentation's per-bin offsets of each crop (None when no crop has any), drawn
@@ -128,7 +156,13 @@ class PackedBatchReader(UnitReader):
             if not bad.any():
                 return
         slot = int(np.flatnonzero(bad)[0])
-        where = f"index row {self.rows[positions[slot]]}" if self.rows is not None else "a row"
+        position = int(positions[slot])
+        if position >= self.n_packed:  # float32 features beyond float16's range
+            raise PackError(
+                f"unlabelled clip {self.files[position - self.n_packed]}: values beyond the "
+                f"pack's {self.pack.dtype} range; prepare it again, or pack with float32"
+            )
+        where = f"index row {self.rows[position]}" if self.rows is not None else "a row"
         raise PackError(
             f"{where}: feature pack {self.pack.folder} has non-finite values (NaN or inf) in "
             f"frames {starts[slot]}..{starts[slot] + lengths[slot] - 1}; pack again"

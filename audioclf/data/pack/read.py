@@ -122,9 +122,12 @@ class PackedFeatures:
         offset = int(self.offsets[position]) + start * self.frame_bytes
         self._read_fully(self.descriptors()[file_id], buffer, offset, file_id)
 
-    def read_crops(self, buffer: memoryview, slot_bytes: int, positions, starts, lengths) -> None:
+    def read_crops(
+        self, buffer: memoryview, slot_bytes: int, positions, starts, lengths, slots=None
+    ) -> None:
         """The read planner: crop i (frames [starts[i], starts[i] + lengths[i]) of the sample at
-        table position positions[i]) into bytes [i × slot_bytes, ...) of `buffer`. The crops are
+        table position positions[i]) into bytes [s × slot_bytes, ...) of `buffer`, s = slots[i]
+        (default i). The crops are
         announced to the kernel (POSIX_FADV_WILLNEED) in (file, offset) order, so it fetches the
         uncached ones in parallel (cold: ~3x the crops/s and ~2.5x the crops per CPU-second of
         reading one after the other; ~0.5 µs a crop when cached: benchmarks/data_scale.py), then
@@ -136,7 +139,7 @@ class PackedFeatures:
         nbytes = (lengths[order] * self.frame_bytes).tolist()
         plan = list(
             zip(
-                order.tolist(),
+                (order if slots is None else np.asarray(slots)[order]).tolist(),
                 file_ids[order].tolist(),
                 offsets[order].tolist(),
                 nbytes,
