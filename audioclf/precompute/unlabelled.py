@@ -83,6 +83,6 @@ def _unreadable(paths: tuple[str, ...], position: int, reason: str) -> str:
 def unlabelled_command(sheet: Path) -> str:
     """How to train on what prepare_unlabelled wrote (its `train on it:` line)."""
     return (
-        f"data.unlabelled={sheet} features.kind=npy, beside a data.index prepared with the "
-        "same settings (python -m audioclf.prepare --index SHEET --out DIR)"
+        f"data.unlabelled={sheet} features.kind=npy, beside a data.index prepared or packed "
+        "with the same settings (python -m audioclf.prepare --index SHEET --out DIR [--pack])"
     )
