@@ -239,6 +239,14 @@ def test_prepared_unlabelled_features_train_like_the_audio(tmp_path, tiny_demo, 
     assert summary["unlabelled"] == {"source": str(sheet), "clips": 48}
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "48 usable unlabelled clips" in log and "pseudo-labels, epoch 2:" in log
+    # the labelled rows from a feature pack, the clips still their prepared files
+    pack = tmp_path / "pack"
+    argv = ["--index", str(tiny_demo), "--out", str(pack), "--pack", "--workers", "1", "--quiet"]
+    assert prepare_main([*argv, "features.n_mels=32"]) == 0
+    packed = _config(pack / "index.parquet", tmp_path / "packed", sheet, "features.kind=npy")
+    assert _fit(packed)["unlabelled"] == {"source": str(sheet), "clips": 48}
+    log = (tmp_path / "packed" / "t" / "train.log").read_text()
+    assert "48 usable unlabelled clips" in log and "pseudo-labels, epoch 2:" in log
 
 
 def _rank_batches(rank, world, cfg: Config) -> dict:
