@@ -47,6 +47,14 @@ class UnlabelledClips:
 def load_unlabelled(source: str, features: FeaturesConfig) -> UnlabelledClips:
     """The clips of `source` (a folder or a sheet, see the module), checked: raises
     UnlabelledAudioError naming missing or unreadable files, or an empty source."""
+    paths = list_unlabelled(source, features)
+    check_unlabelled(source, paths, features)
+    return UnlabelledClips(source=str(source), paths=tuple(paths))
+
+
+def list_unlabelled(source: str, features: FeaturesConfig) -> list[str]:
+    """The clips of `source`, not yet checked (`check_unlabelled`); UnlabelledAudioError for a
+    source that is neither a folder nor a sheet, or holds none."""
     path = Path(source).expanduser()
     if path.is_dir():
         paths = _search(path, features)
@@ -62,8 +70,7 @@ def load_unlabelled(source: str, features: FeaturesConfig) -> UnlabelledClips:
     if not paths:
         wanted = "audio" if features.kind == "audio" else ".npy (features.kind=npy)"
         raise UnlabelledAudioError(f"data.unlabelled={source} holds no {wanted} files")
-    _check_files(source, paths, features)
-    return UnlabelledClips(source=str(source), paths=tuple(paths))
+    return paths
 
 
 def _search(folder: Path, features: FeaturesConfig) -> list[str]:
@@ -98,7 +105,9 @@ def _from_sheet(sheet: Path) -> list[str]:
     return [str(p if p.is_absolute() else sheet.parent / p) for p in map(Path, paths)]
 
 
-def _check_files(source: str, paths: list[str], features: FeaturesConfig) -> None:
+def check_unlabelled(source: str, paths: list[str], features: FeaturesConfig) -> None:
+    """UnlabelledAudioError naming the files of `paths` that are missing or, for audio, whose
+    header cannot be read."""
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
         raise UnlabelledAudioError(

@@ -4,7 +4,8 @@
     # then train with data.unlabelled=DIR/unlabelled.csv features.kind=npy
 
 The clips are those training would take from the source (audioclf.data.unlabelled: a folder
-searched recursively, or a sheet with `path` and an optional `split`), checked the same way.
+searched recursively, or a sheet with `path` and an optional `split`), checked the same way
+(a rerun checks only the clips it has still to write).
 Each gets DIR/unlabelled/<name>-<hash>.npy, the log-mel prepare writes for a labelled row; the
 hash is of the clip's resolved path, so clips added to the source later are written by a rerun
 and nothing else is. DIR/unlabelled.csv lists the files (`path`, relative to DIR) in the
@@ -24,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from audioclf.config import Config
-from audioclf.data.unlabelled import load_unlabelled
+from audioclf.data.unlabelled import check_unlabelled, list_unlabelled
 from audioclf.fileio import atomic_write_bytes
 from audioclf.outputs import write_skipped
 from audioclf.precompute.files import make_tasks
@@ -50,10 +51,13 @@ def prepare_unlabelled(
     DIR/unlabelled.csv (see the module); returns prepare's counts. ValueError on bad input."""
     start = time.perf_counter()
     features = dataclasses.replace(cfg.features, kind="audio")
-    clips = load_unlabelled(source, features)
-    table = pd.DataFrame({"path": list(clips.paths)})
+    paths = list_unlabelled(source, features)
+    targets = [feature_name(p) for p in paths]
+    # a rerun reads the headers of the clips still to write, not of those written before
+    new = [p for p, target in zip(paths, targets, strict=True) if not (out_dir / target).is_file()]
+    check_unlabelled(source, new, features)
+    table = pd.DataFrame({"path": paths})
     table["row"], table["id"] = range(len(table)), table["path"]  # for skipped-unlabelled.csv
-    targets = [feature_name(p) for p in clips.paths]
     sheet = out_dir / SHEET
     whole = Shard(0, 1)
     with prepare_out_dir(out_dir, feature_settings(cfg.features), sheet, Path(source), whole):
@@ -61,7 +65,7 @@ def prepare_unlabelled(
         summary = Summary(whole, rows=len(table))
         skipped: dict[int, str] = {}
         tasks = make_tasks(table, targets, range(len(table)), excluded=())
-        refuse = None if skip_bad else partial(_unreadable, clips.paths)
+        refuse = None if skip_bad else partial(_unreadable, paths)
         write_files(tasks, out_dir, cfg.features, summary, skipped, workers, progress, refuse)
         summary.skipped = len(skipped)
         summary.skipped_path = write_skipped(out_dir / SKIPPED_LIST, table, skipped)
@@ -73,7 +77,7 @@ def prepare_unlabelled(
     return summary
 
 
-def _unreadable(paths: tuple[str, ...], position: int, reason: str) -> str:
+def _unreadable(paths: list[str], position: int, reason: str) -> str:
     return (
         f"unlabelled clip {paths[position]}: {reason}. Fix or remove it, or pass --skip-bad to "
         "leave it out"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from audioclf.config import DataConfig, load_config
+from audioclf.data import unlabelled as unlabelled_module
 from audioclf.data.demo import generate_demo
 from audioclf.data.index import load_index, read_table
 from audioclf.data.readers import load_audio
@@ -444,7 +445,7 @@ def test_shard_records_of_another_sheet_do_not_make_an_index(demo, tmp_path, cap
 
 
 def test_unlabelled_clips_get_the_labelled_features_and_a_sheet_training_reads(
-    demo, tmp_path, capsys
+    demo, tmp_path, capsys, monkeypatch
 ):
     from audioclf.config import FeaturesConfig
     from audioclf.data.unlabelled import load_unlabelled
@@ -471,9 +472,12 @@ def test_unlabelled_clips_get_the_labelled_features_and_a_sheet_training_reads(
     assert (out / "index.xlsx").is_file() and len(npy_files(out)) == ROWS + 6  # both in one DIR
 
     extra = source / "later.wav"
-    shutil.copy(clips[0], extra)  # a clip added to the source: only it is written
+    shutil.copy(clips[0], extra)  # a clip added to the source: only it is read and written
+    headers = []
+    monkeypatch.setattr(unlabelled_module.sf, "info", lambda path: headers.append(path))
     code, stdout, _ = prepare(capsys, "--unlabelled", source, "--out", out, "--workers", 1)
     assert code == 0 and "7 rows: 1 files written, 6 already present, 0 skipped" in stdout
+    assert headers == [str(extra)]  # the six clips written before are not checked again
     assert len(pd.read_csv(out / "unlabelled.csv")) == 7
 
 
