@@ -1,8 +1,9 @@
 """The objective of a run with unlabelled audio (data.unlabelled): the labelled terms, the
-triplet term also over pseudo-classes, and NT-Xent over two views of each unlabelled clip.
+triplet term also over pseudo-classes, NT-Xent over two views of each unlabelled clip, and
+(unlabelled.align_weight) an MMD term between the batch's labelled and unlabelled rows.
 
     objective = UnlabelledObjective(build_loss(cfg), ViewsLoss(0.1), views_weight=1.0,
-                                    n_labelled=L, n_clips=U, n_classes=C)
+                                    n_labelled=L, n_clips=U, n_classes=C, align_weight=0.0)
     objective.set_pseudo_labels(labels)        # per clip: its pseudo-class, or -1
     loss = objective.objective(model_output, labels, positions)
 
@@ -42,8 +43,26 @@ class ViewsLoss(nn.Module):
             return self.ntxent(embeddings.float(), clips) + connected
 
 
+def mmd(source: Tensor, target: Tensor, scales: tuple[float, ...] = (0.5, 1.0, 2.0)) -> Tensor:
+    """Squared maximum mean discrepancy between two sets of rows (the biased estimate), under a
+    sum of Gaussian kernels exp(-d² / (scale · mean d²)), the mean over every pair of rows of
+    both sets (held fixed for the gradient), as DAN's multi-kernel MMD (Long et al., 2015).
+    Zero, still connected to every row, when either set has fewer than two rows."""
+    connected = (source.sum() + target.sum()) * 0.0
+    if len(source) < 2 or len(target) < 2:
+        return connected
+    with torch.autocast(device_type=source.device.type, enabled=False):
+        rows = torch.cat([source, target]).float()
+        squared = torch.cdist(rows, rows).pow(2)
+        bandwidth = squared.detach().mean().clamp_min(1e-12)
+        kernel = sum(torch.exp(-squared / (scale * bandwidth)) for scale in scales)
+        n = len(source)
+        return kernel[:n, :n].mean() + kernel[n:, n:].mean() - 2 * kernel[:n, n:].mean() + connected
+
+
 class UnlabelledObjective(nn.Module):
-    """Labelled terms + pseudo-classes in the triplet term + views_weight × NT-Xent of views."""
+    """Labelled terms + pseudo-classes in the triplet term + views_weight × NT-Xent of views
+    + align_weight × MMD(labelled rows, unlabelled rows)."""
 
     memory = None  # no cross-batch memory (Config refuses loss.memory_size with data.unlabelled)
 
@@ -56,11 +75,13 @@ class UnlabelledObjective(nn.Module):
         n_labelled: int,
         n_clips: int,
         n_classes: int,
+        align_weight: float = 0.0,
     ):
         super().__init__()
         if labelled.memory is not None:
             raise ValueError("the cross-batch memory (loss.memory_size) is not for data.unlabelled")
         self.labelled, self.views, self.views_weight = labelled, views, views_weight
+        self.align_weight = align_weight
         self.n_labelled, self.n_clips, self.n_classes = n_labelled, n_clips, n_classes
         self.pseudo_classes = torch.full((n_clips,), -1, dtype=torch.int64)
 
@@ -100,4 +121,7 @@ class UnlabelledObjective(nn.Module):
             weighted = self.labelled.weights[name] * value
             total = weighted if total is None else total + weighted
         view = positions >= first_view
-        return total + self.views_weight * self.views(embeddings[view], positions[view])
+        total = total + self.views_weight * self.views(embeddings[view], positions[view])
+        if self.align_weight:
+            total = total + self.align_weight * mmd(embeddings[real], embeddings[~real])
+        return total

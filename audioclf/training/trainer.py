@@ -299,6 +299,7 @@ class Trainer:
                 n_labelled=len(self.train),
                 n_clips=len(self.unlabelled),
                 n_classes=len(self.train.classes),
+                align_weight=cfg.unlabelled.align_weight,
             )
         self.optimizer = build_optimizer(param_groups(net, cfg.optim), cfg.optim, env.device)
         self.schedule = LRSchedule(
@@ -433,10 +434,10 @@ class Trainer:
             labelled, clips = self.cfg.unlabelled.batch_rows(
                 self.cfg.sampler.batch_size, self.cfg.sampler.m
             )
-            every = self.cfg.unlabelled.cluster_every
+            every, align = self.cfg.unlabelled.cluster_every, self.cfg.unlabelled.align_weight
             log.info(
                 "data.unlabelled=%s: %d usable unlabelled clips; a batch holds %d labelled rows "
-                "and 2 views of %d clips (unlabelled.share=%g); %s",
+                "and 2 views of %d clips (unlabelled.share=%g); %s%s",
                 self.unlabelled.source,
                 len(self.unlabelled),
                 labelled,
@@ -445,6 +446,7 @@ class Trainer:
                 f"pseudo-labels every {every} epochs"
                 if every
                 else "no pseudo-labels (unlabelled.cluster_every=0)",
+                f"; MMD alignment, weight {align:g}" if align else "",
             )
 
     def _prepare_run_dir(self) -> None:
