@@ -48,16 +48,15 @@ def mmd(source: Tensor, target: Tensor, scales: tuple[float, ...] = (0.5, 1.0, 2
     sum of Gaussian kernels exp(-d² / (scale · mean d²)), the mean over every pair of rows of
     both sets (held fixed for the gradient), as DAN's multi-kernel MMD (Long et al., 2015).
     Zero, still connected to every row, when either set has fewer than two rows."""
-    connected = (source.sum() + target.sum()) * 0.0
     if len(source) < 2 or len(target) < 2:
-        return connected
+        return (source.sum() + target.sum()) * 0.0
     with torch.autocast(device_type=source.device.type, enabled=False):
         rows = torch.cat([source, target]).float()
         squared = torch.cdist(rows, rows).pow(2)
         bandwidth = squared.detach().mean().clamp_min(1e-12)
         kernel = sum(torch.exp(-squared / (scale * bandwidth)) for scale in scales)
         n = len(source)
-        return kernel[:n, :n].mean() + kernel[n:, n:].mean() - 2 * kernel[:n, n:].mean() + connected
+        return kernel[:n, :n].mean() + kernel[n:, n:].mean() - 2 * kernel[:n, n:].mean()
 
 
 class UnlabelledObjective(nn.Module):
