@@ -6,14 +6,15 @@
     python -m audioclf.prepare --from kaldi data/train --out train.csv  # import (docs/data.md)
     python -m audioclf.prepare --index IN --out DIR --pack             # one feature pack
     python -m audioclf.prepare --index FEATS.xlsx --out DIR --pack features.kind=npy
-    python -m audioclf.prepare --unlabelled new_source/ --out DIR  # data.unlabelled's clips
+    python -m audioclf.prepare --unlabelled new_source/ --out DIR [--pack]  # data.unlabelled
 
 --pack writes a feature pack instead of one .npy per row (audioclf.data.pack; docs/data.md,
 "Large datasets"): a few large data files of float16 frames (--pack-dtype float32 keeps fp32),
-class-major, with DIR/index.parquet to train on (data.index=DIR/index.parquet
-features.kind=npy): each training crop is then one positioned read. From audio it runs the
-front end as below; with features.kind=npy it packs the sheet's existing .npy files as they are
-(clips.npy_layout gives their axis order). Resumable after a kill; no --shard.
+class-major, with DIR/index.parquet to train on (data.index=DIR/index.parquet features.kind=npy):
+each training crop is then one positioned read. From audio it runs the front end as below; with
+features.kind=npy it packs the sheet's existing .npy files as they are (clips.npy_layout gives
+their axis order). Resumable after a kill; no --shard. With --unlabelled: the clips as a pack,
+for data.unlabelled=DIR/index.parquet beside a packed index of the same features and dtype.
 
 --from kaldi|nemo|lhotse|wespeaker SOURCE writes the index sheet --out (.csv .xlsx .parquet) of
 another toolkit's dataset, segments as start/end seconds (audioclf.data.formats), and stops.
@@ -79,7 +80,7 @@ from audioclf.data.pack.format import DTYPES
 from audioclf.data.pack.write import pack_features
 from audioclf.errors import UsageError, run_cli
 from audioclf.precompute import Shard, prepare, train_command
-from audioclf.precompute.unlabelled import prepare_unlabelled, unlabelled_command
+from audioclf.precompute.unlabelled import pack_unlabelled, prepare_unlabelled, unlabelled_command
 
 PROG = "python -m audioclf.prepare"
 
@@ -88,17 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--index", type=Path, help="the audio files' index (.xlsx .csv .parquet)")
     parser.add_argument(
-        "--index",
-        type=Path,
-        help="index sheet of the audio files (.xlsx .csv .parquet)",
-    )
-    unlabelled_or_pack = parser.add_mutually_exclusive_group()
-    unlabelled_or_pack.add_argument(
         "--unlabelled",
         metavar="SOURCE",
-        help="unlabelled audio (a folder, or a sheet with a path column) to write as "
-        "DIR/unlabelled/*.npy and DIR/unlabelled.csv, for data.unlabelled with features.kind=npy",
+        help="unlabelled audio (a folder, or a sheet with a path column) for data.unlabelled "
+        "(features.kind=npy): DIR/unlabelled/*.npy and DIR/unlabelled.csv, or a pack (--pack)",
     )
     parser.add_argument(
         "--out",
@@ -141,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="folder that relative paths in the sheet resolve against "
         "(default: data.root of the config, else the sheet's folder)",
     )
-    unlabelled_or_pack.add_argument(
+    parser.add_argument(
         "--pack",
         action="store_true",
         help="write a feature pack (a few large files, one read per crop) instead of one .npy "
@@ -176,16 +172,19 @@ def run(args: argparse.Namespace) -> int:
         what = "--pack writes one pack" if args.pack else "--unlabelled writes its files"
         raise UsageError(f"{what} in one run: drop --shard")
     common = dict(workers=args.workers, skip_bad=args.skip_bad, progress=not args.quiet)
+    if args.pack:
+        common["dtype"] = args.pack_dtype
     if args.unlabelled is not None:
-        summary = prepare_unlabelled(args.unlabelled, args.out, cfg, **common)
+        write = pack_unlabelled if args.pack else prepare_unlabelled
+        summary = write(args.unlabelled, args.out, cfg, **common)
     elif args.pack:
-        summary = pack_features(args.index, args.out, cfg, dtype=args.pack_dtype, **common)
+        summary = pack_features(args.index, args.out, cfg, **common)
     else:
         summary = prepare(args.index, args.out, cfg, shard=shard, **common)
     # the last shard to finish writes the index: before that there is nothing to train on
     command = train_command(summary.index_path, cfg, args.config) if summary.index_path else ""
     if args.unlabelled is not None:
-        command = unlabelled_command(summary.index_path)
+        command = unlabelled_command(summary.index_path, packed=args.pack)
     print("\n".join(summary.lines(command)))
     return 0
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from audioclf.config import ClipsConfig, Config, FeaturesConfig
 from audioclf.data.augment import Augmenter
 from audioclf.data.index import Index, split_index
+from audioclf.data.pack.format import PackError
 from audioclf.data.pack.read import PackedFeatures
 from audioclf.data.readers import (
     AudioReadError,
@@ -134,16 +135,28 @@ class AudioDataset(torch.utils.data.Dataset):
             pack=PackedFeatures.of(table, cfg.features),
         )
 
-    def with_unlabelled(self, paths: Sequence[str]) -> AudioDataset:
+    def with_unlabelled(
+        self, paths: Sequence[str], pack: PackedFeatures | None = None
+    ) -> AudioDataset:
         """This training set followed by unlabelled clips twice (label -1): positions
         [N, N + U) read a clip as a pseudo-class member, [N + U, N + 2U) as a view
         (data.sampler.MixedBatchSampler's layout). Beside a feature pack the clips are .npy
-        files (prepare --unlabelled), read one by one."""
+        files (prepare --unlabelled), read one by one, or, given their own `pack` (prepare
+        --unlabelled --pack), read from it as the pack's rows are."""
         both = [*paths, *paths]
         spans = None
         if self.spans is not None:
             spans = np.concatenate([self.spans, np.full((len(both), 2), np.nan)])
         rows = None if self.rows is None else np.concatenate([self.rows, np.full(len(both), -1)])
+        joined = self.pack
+        if pack is not None:
+            if self.pack is None:
+                raise PackError(
+                    f"data.unlabelled is a feature pack ({pack.folder}) and data.index is not: "
+                    "pack data.index too (python -m audioclf.prepare --index SHEET --pack), or "
+                    "prepare the unlabelled clips without --pack"
+                )
+            joined = self.pack.followed_by(pack, times=2)
         return AudioDataset(
             [*self.paths, *both],
             np.concatenate([self.labels, np.full(len(both), -1, dtype=np.int64)]),
@@ -154,12 +167,12 @@ class AudioDataset(torch.utils.data.Dataset):
             bad_files=self.bad_files,
             augment=self.augment,
             spans=spans,
-            pack=self.pack,
+            pack=joined,
         )
 
     def packed(self, position: int) -> bool:
         """Whether the sample at `position` is read from the pack (a position past the pack's
-        rows is an unlabelled clip's file)."""
+        rows is an unlabelled clip's .npy file)."""
         return self.pack is not None and position < len(self.pack.frames)
 
     def __len__(self) -> int:

@@ -2,6 +2,8 @@
 
     summary = prepare_unlabelled("new_source/", Path("DIR"), cfg, workers=8, skip_bad=False)
     # then train with data.unlabelled=DIR/unlabelled.csv features.kind=npy
+    summary = pack_unlabelled("new_source/", Path("PACK"), cfg, workers=8, skip_bad=False)
+    # then train with data.unlabelled=PACK/index.parquet features.kind=npy beside a packed index
 
 The clips are those training would take from the source (audioclf.data.unlabelled: a folder
 searched recursively, or a sheet with `path` and an optional `split`), checked the same way
@@ -12,6 +14,12 @@ and nothing else is. DIR/unlabelled.csv lists the files (`path`, relative to DIR
 source's order and is written last. The folder's rules are prepare's: prepare.json holds the
 feature settings (a run with others is refused), one run at a time, files written atomically,
 a killed run resumed, and labelled features can share DIR.
+
+`pack_unlabelled` (prepare --unlabelled --pack) writes the clips as a feature pack of their
+own (audioclf.data.pack: a folder of its own, in the source's order, resumable as prepare
+--pack is), whose PACK/index.parquet lists them: `clip` (the source file) and the pack's
+columns. Beside a packed data.index every crop of an unlabelled clip is then one positioned
+read too; the two packs must hold the same features and dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ from pathlib import Path
 import pandas as pd
 
 from audioclf.config import Config
-from audioclf.data.unlabelled import check_unlabelled, list_unlabelled
+from audioclf.data.index import Index
+from audioclf.data.pack.write import PackOptions, PackSource, PackSummary, pack_source
+from audioclf.data.unlabelled import CLIP_COLUMN, check_unlabelled, list_unlabelled
 from audioclf.fileio import atomic_write_bytes
 from audioclf.outputs import write_skipped
 from audioclf.precompute.files import make_tasks
@@ -77,6 +87,27 @@ def prepare_unlabelled(
     return summary
 
 
+def pack_unlabelled(source: str, out_dir: Path, cfg: Config, **options) -> PackSummary:
+    """The clips of `source` as a feature pack in `out_dir` (see the module; `options`: those
+    of PackOptions); prepare --pack's summary. ValueError on bad input."""
+    paths = list_unlabelled(source, cfg.features)
+    check_unlabelled(source, paths, cfg.features)
+    order = [f"{position:012d}" for position in range(len(paths))]  # the pack keeps this order
+    table = pd.DataFrame(
+        {"path": paths, "row": range(1, len(paths) + 1), "cls": "", "item": order, "id": paths}
+    )
+    listing = "\n".join(paths).encode("utf-8")
+    pack = PackSource(
+        Index(table, Path(source)),
+        listing,
+        ["unlabelled"],
+        lambda: pd.DataFrame({CLIP_COLUMN: paths, "path": ""}),
+        "path",
+        partial(_unreadable, paths),
+    )
+    return pack_source(pack, out_dir, cfg, PackOptions(**options))
+
+
 def _unreadable(paths: list[str], position: int, reason: str) -> str:
     return (
         f"unlabelled clip {paths[position]}: {reason}. Fix or remove it, or pass --skip-bad to "
@@ -84,8 +115,15 @@ def _unreadable(paths: list[str], position: int, reason: str) -> str:
     )
 
 
-def unlabelled_command(sheet: Path) -> str:
-    """How to train on what prepare_unlabelled wrote (its `train on it:` line)."""
+def unlabelled_command(sheet: Path, packed: bool = False) -> str:
+    """How to train on what prepare_unlabelled or pack_unlabelled wrote (its `train on it:`
+    line)."""
+    if packed:
+        return (
+            f"data.unlabelled={sheet} features.kind=npy, beside a data.index packed with the "
+            "same settings and --pack-dtype (python -m audioclf.prepare --index SHEET --out DIR "
+            "--pack)"
+        )
     return (
         f"data.unlabelled={sheet} features.kind=npy, beside a data.index prepared or packed "
         "with the same settings (python -m audioclf.prepare --index SHEET --out DIR [--pack])"

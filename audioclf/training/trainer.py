@@ -277,7 +277,8 @@ class Trainer:
             self.unlabelled = distributed.primary_only(
                 load_unlabelled, self.cfg.data.unlabelled, self.cfg.features
             )
-            self.train_set = self.train_set.with_unlabelled(self.unlabelled.paths)
+            clips = self.unlabelled
+            self.train_set = self.train_set.with_unlabelled(clips.paths, clips.pack)
 
     def _build_training(self, net: torch.nn.Module) -> None:
         """The wrapped model, the loss, optimizer, schedule, the step that uses them, the EMA."""
@@ -391,6 +392,7 @@ class Trainer:
             cfg.features,
             cfg.clips,
             train=False,
+            pack=self.unlabelled.pack,
         )
 
         rows = reference_rows(self.train.labels(), cfg.sampler.m, cfg.train.seed)

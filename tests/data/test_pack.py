@@ -24,7 +24,9 @@ from audioclf.data.loader import TrainLoader, loader_kwargs
 from audioclf.data.pack.format import PackError
 from audioclf.data.pack.write import pack_features
 from audioclf.data.sampler import MixedBatchSampler, MPerClassSampler
+from audioclf.data.unlabelled import load_unlabelled
 from audioclf.outputs import FolderBusy
+from audioclf.precompute.unlabelled import pack_unlabelled
 from audioclf.prepare import main as prepare_main
 from tests.helpers import ROOT, LockHolder, child_env, run_in_group, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
@@ -115,20 +117,33 @@ def test_packed_loader_gives_the_per_file_batches(tmp_path, augment, workers):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_unlabelled_clips_beside_a_pack_give_the_per_file_batches(tmp_path, workers):
-    # data.unlabelled beside a pack: the clips (.npy files) sit past the pack's rows and are read
-    # one by one into the unit, as the per-file loader reads them
+    # data.unlabelled beside a pack: the clips sit past the pack's rows, read one by one from
+    # their .npy files into the unit as the per-file loader reads them, or packed themselves
+    # (prepare --unlabelled --pack) read as the pack's rows are
     sheet = npy_sheet(tmp_path)
     summary = pack(sheet, tmp_path / "pack")
     clips = [str(p) for p in sorted((tmp_path / "f").glob("c5_*.npy"))]  # 9 clips
+    listing = tmp_path / "clips.csv"
+    pd.DataFrame({"path": clips}).to_csv(listing, index=False)
+    clips_pack = pack_unlabelled(
+        str(listing), tmp_path / "clips", npy_config(sheet), workers=1, skip_bad=False
+    )
+    packed_clips = load_unlabelled(str(clips_pack.index_path), npy_config(sheet).features)
+    assert packed_clips.paths == tuple(clips) and len(packed_clips.pack.frames) == 9
     extra = ("augment.enabled=true", "augment.eq_prob=0.7", "augment.gain_prob=0.7")
     batches = {}
-    for name, index_path in (("per-file", sheet), ("packed", summary.index_path)):
+    for name, index_path, clips_from in (
+        ("per-file", sheet, None),
+        ("packed", summary.index_path, None),
+        ("both packed", summary.index_path, packed_clips.pack),
+    ):
         cfg = npy_config(index_path, *extra)
         loaded = load_index(cfg.data)
         index = Index(loaded.table.sort_values("id").reset_index(drop=True), loaded.source)
         augment = Augmenter(cfg.augment, cfg.features, cfg.clips.crop_samples(cfg.features))
         dataset = AudioDataset.from_index(index, cfg, train=True, augment=augment)
-        dataset = dataset.with_unlabelled(clips)
+        dataset = dataset.with_unlabelled(clips, clips_from)
+        assert dataset.packed(len(dataset) - 1) == (name == "both packed")
         labelled = MPerClassSampler(
             index.codes.class_codes, index.codes.item_codes, batch_size=6, m=2, seed=3
         )
@@ -137,12 +152,41 @@ def test_unlabelled_clips_beside_a_pack_give_the_per_file_batches(tmp_path, work
         loader = TrainLoader(dataset, sampler, seed=5, read_batches=2, **options)
         loader.set_epoch(1)
         batches[name] = [(b.model_input(torch.device("cpu")), b.positions) for b in loader]
-        assert loader.packed == (name == "packed")
-    assert len(batches["packed"]) == len(batches["per-file"]) > 2
+        assert loader.packed == (name != "per-file")
+    assert len(batches["both packed"]) == len(batches["per-file"]) > 2
     n_rows = 6 * 3 * 3
-    for (x_file, at_file), (x_pack, at_pack) in zip(*batches.values(), strict=True):
-        assert torch.equal(at_file, at_pack) and (at_pack >= n_rows).sum() == 4  # 2 clips x 2
-        assert torch.equal(x_pack, x_file)  # fp16-exact features: equal to the bit
+    for (x_file, at_file), *packed in zip(*batches.values(), strict=True):
+        for x_pack, at_pack in packed:
+            assert torch.equal(at_file, at_pack) and (at_pack >= n_rows).sum() == 4  # 2 clips x 2
+            assert torch.equal(x_pack, x_file)  # fp16-exact features: equal to the bit
+
+
+def test_an_unlabelled_pack_goes_beside_a_packed_index_of_its_dtype(tmp_path):
+    sheet = npy_sheet(tmp_path, classes=2)
+    clips = tmp_path / "clips.csv"
+    pd.DataFrame({"path": sorted(map(str, (tmp_path / "f").glob("c1_*.npy")))}).to_csv(clips)
+    packs = {}
+    for dtype in ("float16", "float32"):
+        done = pack_unlabelled(
+            str(clips), tmp_path / dtype, npy_config(sheet), workers=1, skip_bad=False, dtype=dtype
+        )
+        packs[dtype] = load_unlabelled(str(done.index_path), npy_config(sheet).features).pack
+    cfg = npy_config(sheet)
+    per_file = AudioDataset.from_index(load_index(cfg.data), cfg, train=True)
+    with pytest.raises(
+        PackError, match=r"data.unlabelled is a feature pack .* and data.index is not"
+    ):
+        per_file.with_unlabelled(["a.npy"] * 9, packs["float16"])
+    cfg = npy_config(pack(sheet, tmp_path / "pack").index_path)
+    packed = AudioDataset.from_index(load_index(cfg.data), cfg, train=True)
+    with pytest.raises(
+        PackError, match=r"16 bins of float32, the pack .* 16 of float16; pack both"
+    ):
+        packed.with_unlabelled(["a.npy"] * 9, packs["float32"])
+    joined = packed.with_unlabelled(["a.npy"] * 9, packs["float16"])
+    assert len(joined) == len(packed) + 18 and joined.pack.files[-1].startswith(
+        str(tmp_path / "float16")
+    )
 
 
 @pytest.mark.parametrize("augment", [False, True])

@@ -489,9 +489,8 @@ def test_unlabelled_bad_input_is_one_line(demo, tmp_path, capsys):
     assert code == 2 and err.strip().endswith(
         "--unlabelled writes its files in one run: drop --shard"
     )
-    with pytest.raises(SystemExit) as stop:
-        prepare(capsys, "--unlabelled", source, "--out", out, "--pack")
-    assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    code, _, err = prepare(capsys, "--unlabelled", source, "--out", out, "--pack", "--shard", "0/2")
+    assert code == 2 and err.strip().endswith("--pack writes one pack in one run: drop --shard")
     code, _, err = prepare(capsys, "--unlabelled", tmp_path / "nowhere", "--out", out)
     assert code == 2 and f"data.unlabelled={tmp_path / 'nowhere'} does not exist" in err
     assert not out.exists()  # nothing written before the source was known good
@@ -499,3 +498,41 @@ def test_unlabelled_bad_input_is_one_line(demo, tmp_path, capsys):
     code, _, err = prepare(capsys, "--unlabelled", source, "--out", out, "features.n_mels=40")
     assert code == 2 and "holds features made with other settings" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_unlabelled_clips_packed_hold_their_prepared_features_in_the_source_order(
+    demo, tmp_path, capsys
+):
+    from audioclf.config import FeaturesConfig
+    from audioclf.data.unlabelled import UnlabelledAudioError, load_unlabelled
+
+    source = tmp_path / "new"
+    shutil.copytree(demo.parent / "wav" / "c00", source / "c00")
+    clips = sorted(map(str, source.rglob("*.wav")))
+    assert (
+        prepare(capsys, "--unlabelled", source, "--out", tmp_path / "npy", "--workers", 1)[0] == 0
+    )
+    argv = ["--unlabelled", source, "--out", tmp_path / "pack", "--pack", "--pack-dtype", "float32"]
+    code, stdout, err = prepare(capsys, *argv, "--workers", 2)
+    index = tmp_path / "pack" / "index.parquet"
+    assert code == 0, err
+    assert "6 rows: 6 packed" in stdout and f"index: {index}" in stdout
+    assert (
+        f"train on it: data.unlabelled={index} features.kind=npy, beside a data.index packed"
+        in stdout
+    )
+    assert list(pd.read_parquet(index).columns) == ["clip", "path", "pack_offset", "pack_frames"]
+    packed = load_unlabelled(str(index), FeaturesConfig(kind="npy"))
+    npy = load_unlabelled(str(tmp_path / "npy" / "unlabelled.csv"), FeaturesConfig(kind="npy"))
+    assert packed.paths == tuple(clips) and packed.source == str(index)  # the source's order
+    for position, feature in enumerate(npy.paths):
+        window = packed.pack.read_window(position, None, None, "none", "test")
+        np.testing.assert_array_equal(window, np.load(feature))  # float32: the .npy, exactly
+    code, stdout, _ = prepare(capsys, *argv, "--workers", 1)  # a rerun: nothing to do
+    assert code == 0 and "already holds this pack (nothing to do)" in stdout
+    with pytest.raises(UnlabelledAudioError, match=r"is a feature pack: set features.kind=npy"):
+        load_unlabelled(str(index), FeaturesConfig(kind="audio"))
+    labelled = tmp_path / "labelled"
+    assert prepare(capsys, "--index", demo, "--out", labelled, "--pack", "--workers", 1)[0] == 0
+    with pytest.raises(UnlabelledAudioError, match="is a labelled feature pack's index"):
+        load_unlabelled(str(labelled / "index.parquet"), FeaturesConfig(kind="npy"))

@@ -3,6 +3,7 @@ exact resume with pseudo-labels, and two gloo ranks (mixed batches, the labels' 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -269,7 +270,8 @@ def test_a_run_with_unlabelled_audio_resumes_mid_epoch_exactly(tmp_path, tiny_de
 
 @pytest.mark.slow
 def test_prepared_unlabelled_features_train_like_the_audio(tmp_path, tiny_demo, new_source):
-    """prepare --index and --unlabelled into one folder, then train on both as .npy."""
+    """prepare --index and --unlabelled into one folder, then train on both as .npy; then on
+    packs of both."""
     from audioclf.prepare import main as prepare_main
 
     out = tmp_path / "feats"
@@ -282,14 +284,27 @@ def test_prepared_unlabelled_features_train_like_the_audio(tmp_path, tiny_demo, 
     assert summary["unlabelled"] == {"source": str(sheet), "clips": 48}
     log = (tmp_path / "runs" / "t" / "train.log").read_text()
     assert "48 usable unlabelled clips" in log and "pseudo-labels, epoch 2:" in log
-    # the labelled rows from a feature pack, the clips still their prepared files
-    pack = tmp_path / "pack"
-    argv = ["--index", str(tiny_demo), "--out", str(pack), "--pack", "--workers", "1", "--quiet"]
-    assert prepare_main([*argv, "features.n_mels=32"]) == 0
-    packed = _config(pack / "index.parquet", tmp_path / "packed", sheet, "features.kind=npy")
-    assert _fit(packed)["unlabelled"] == {"source": str(sheet), "clips": 48}
-    log = (tmp_path / "packed" / "t" / "train.log").read_text()
-    assert "48 usable unlabelled clips" in log and "pseudo-labels, epoch 2:" in log
+    # the labelled rows from a feature pack, the clips still their prepared files, then packed
+    # too (prepare --unlabelled --pack): float32 packs hold the .npy values, so the same run
+    packs = {}
+    for name, source in (
+        ("pack", ["--index", out / "index.xlsx"]),
+        ("clips", ["--unlabelled", sheet]),
+    ):
+        argv = [*map(str, source), "--out", str(tmp_path / name), "--pack", "--workers", "1"]
+        assert prepare_main([*argv, "--quiet", "--pack-dtype", "float32", "features.kind=npy",
+                             "features.n_mels=32"]) == 0  # fmt: skip
+        packs[name] = tmp_path / name / "index.parquet"
+    runs = {}
+    for name, clips in (("packed", sheet), ("both packed", packs["clips"])):
+        if name == "both packed":  # read from the pack: the clips' .npy files are gone
+            shutil.rmtree(out / "unlabelled")
+        cfg = _config(packs["pack"], tmp_path / name, clips, "features.kind=npy")
+        runs[name] = _fit(cfg)
+        assert runs[name]["unlabelled"] == {"source": str(clips), "clips": 48}
+        log = (tmp_path / name / "t" / "train.log").read_text()
+        assert "48 usable unlabelled clips" in log and "pseudo-labels, epoch 2:" in log
+    assert runs["both packed"]["parameters_sha256"] == runs["packed"]["parameters_sha256"]
 
 
 def _rank_batches(rank, world, cfg: Config) -> dict:

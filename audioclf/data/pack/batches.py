@@ -27,8 +27,10 @@ The finite check is one pass per unit over the fp16 exponent bits (a non-finite 
 five set); a unit that fails names the sheet row and frames.
 
 Unlabelled clips (data.unlabelled beside a pack: AudioDataset.with_unlabelled) sit past the
-pack's rows; their crops are read from their prepared .npy files (`prepare --unlabelled`) one
-by one, into the same buffer in the pack's dtype.
+pack's rows. Packed themselves (`prepare --unlabelled --pack`) they are rows of the same
+table (PackedFeatures.followed_by) and read like the rest; else their crops are read from
+their prepared .npy files (`prepare --unlabelled`) one by one, into the same buffer in the
+pack's dtype.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class PackedBatchReader(UnitReader):
         self.default_crop = dataset.clips.crop_samples(dataset.cfg)
         # positions past the pack's rows: unlabelled clips' .npy files (with_unlabelled)
         self.n_packed = len(dataset.pack.frames)
-        self.files = [dataset.paths[p] for p in range(self.n_packed, len(dataset))]
+        self.paths = dataset.paths
         self._scratch = np.empty(0, dtype=np.uint16)  # the finite check's, reused
 
     def __len__(self) -> int:
@@ -114,7 +116,7 @@ class PackedBatchReader(UnitReader):
         them, in the pack's dtype."""
         clips, bins = self.clips, self.pack.n_bins
         for slot in slots.tolist():
-            path = self.files[int(positions[slot]) - self.n_packed]
+            path = self.paths[int(positions[slot])]
             crop = read_npy_crop(
                 path, n_frames, int(seeds[slot]), clips.npy_layout, bins, clips.pad_mode
             )
@@ -159,11 +161,15 @@ class PackedBatchReader(UnitReader):
         position = int(positions[slot])
         if position >= self.n_packed:  # float32 features beyond float16's range
             raise PackError(
-                f"unlabelled clip {self.files[position - self.n_packed]}: values beyond the "
+                f"unlabelled clip {self.paths[position]}: values beyond the "
                 f"pack's {self.pack.dtype} range; prepare it again, or pack with float32"
             )
-        where = f"index row {self.rows[position]}" if self.rows is not None else "a row"
+        row = None if self.rows is None else int(self.rows[position])
+        where = f"item {position}" if row is None else f"index row {row}"
+        if row is not None and row < 0:  # an unlabelled pack's clip
+            where = f"unlabelled clip {self.paths[position]}"
+        file = self.pack.files[int(self.pack.file_ids[position])]
         raise PackError(
-            f"{where}: feature pack {self.pack.folder} has non-finite values (NaN or inf) in "
+            f"{where}: feature pack file {file} has non-finite values (NaN or inf) in "
             f"frames {starts[slot]}..{starts[slot] + lengths[slot] - 1}; pack again"
         )

@@ -5,6 +5,7 @@ The format: audioclf.data.pack.format; the batches of a training run: audioclf.d
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -74,6 +75,26 @@ class PackedFeatures:
         pack = cls(folder, manifest, file_ids, offsets, frames)
         pack.check(manifest, table["row"].to_numpy())
         return pack
+
+    def followed_by(self, other: PackedFeatures, times: int = 1) -> PackedFeatures:
+        """This pack's positions, then `other`'s `times` over: one table over both packs' files
+        (data.unlabelled's pack past a packed index's rows). PackError when they hold other
+        dtypes or bins."""
+        if (other.dtype, other.n_bins) != (self.dtype, self.n_bins):
+            raise PackError(
+                f"feature pack {other.folder} holds {other.n_bins} bins of {other.dtype}, the "
+                f"pack {self.folder} beside it {self.n_bins} of {self.dtype}; pack both with the "
+                "same features and --pack-dtype"
+            )
+        joined = copy.copy(self)
+        joined.files = self.files + other.files
+        joined.file_ids = np.concatenate(
+            [self.file_ids, *[other.file_ids + len(self.files)] * times]
+        ).astype(np.int32)
+        joined.offsets = np.concatenate([self.offsets, *[other.offsets] * times])
+        joined.frames = np.concatenate([self.frames, *[other.frames] * times])
+        joined._fds, joined._pid = [], -1
+        return joined
 
     def check(self, manifest: dict, rows: np.ndarray) -> None:
         """Data files of the manifest's sizes; every table row (sheet `rows`) one of the packed

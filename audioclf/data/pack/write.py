@@ -34,6 +34,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -137,18 +138,70 @@ def pack_features(
 ) -> PackSummary:
     """Pack the rows of `index_path` into `out_dir` (see the module docstring); `on_chunk(rows
     done)` is called after each durable chunk. Raises ValueError on bad input."""
-    start = time.perf_counter()
-    if dtype not in DTYPES:
-        raise ValueError(f"--pack-dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
     data = dataclasses.replace(
         cfg.data, index=str(index_path), check_files=cfg.data.check_files and not skip_bad
     )
     index = load_index(data)
-    not_readable = _check_sources(index, cfg.features.kind, skip_bad)
+
+    def columns() -> pd.DataFrame:  # the sheet's own columns, per table position
+        raw = read_table(index.source, data)
+        out = raw.iloc[index.table["row"].to_numpy() - FIRST_DATA_ROW].reset_index(drop=True)
+        return out.drop(columns=[c for c in out.columns if c.strip().lower() in SPAN_COLUMNS])
+
+    table_settings = [
+        [data.sheet, data.class_column, data.item_column, data.id_column, data.path_column],
+        [data.path_template, data.split_column, data.root],
+    ]
+    source = PackSource(
+        index,
+        index.source.read_bytes(),
+        table_settings,
+        columns,
+        data.path_column,
+        partial(index.unreadable, listing=SKIPPED, left_out_of="pack"),
+    )
+    options = PackOptions(workers, skip_bad, dtype, file_bytes, progress, on_chunk)
+    return pack_source(source, out_dir, cfg, options)
+
+
+@dataclass(frozen=True)
+class PackSource:
+    """What a pack is written from: `index` (its table's path, row, cls, item, id[, start, end]
+    columns; its source names it in messages), the bytes and settings that name the pack
+    (its key), the pack index's columns per table position (read when the pack is done) and
+    the one of them that names the data file, and the message for a row that cannot be read
+    (position, reason -> the line)."""
+
+    index: Index
+    content: bytes
+    settings: list
+    columns: Callable[[], pd.DataFrame]
+    path_column: str
+    refuse: Callable[[int, str], str]
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    workers: int
+    skip_bad: bool
+    dtype: str = "float16"
+    file_bytes: int = DEFAULT_FILE_BYTES
+    progress: bool = True
+    on_chunk: Callable[[int], None] | None = None
+
+
+def pack_source(source: PackSource, out_dir: Path, cfg: Config, options: PackOptions):
+    """Pack the rows of `source.index` into `out_dir` (class-major; see the module docstring)."""
+    start = time.perf_counter()
+    dtype = options.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"--pack-dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if options.workers < 1:
+        raise ValueError(f"workers must be >= 1, got {options.workers}")
+    index = source.index
+    not_readable = _check_sources(index, cfg.features.kind, options.skip_bad)
     order = class_major(index.table)
-    key = _pack_key(index.source, cfg, dtype)
+    key = _pack_key(source, cfg, dtype)
     summary = PackSummary(rows=len(order))
     with _pack_lock(out_dir):
         state = _start(out_dir, key, index)
@@ -156,25 +209,24 @@ def pack_features(
             summary.already_complete = True
             return _finished(summary, out_dir, start)
         summary.resumed_at = state.rows_done
-        with _DataWriter(out_dir, state, file_bytes) as writer:
-            for chunk in _samples(index, order, state, cfg, dtype, workers, progress):
+        samples = _samples(index, order, state, cfg, dtype, options.workers, options.progress)
+        with _DataWriter(out_dir, state, options.file_bytes) as writer:
+            for chunk in samples:
                 for position, sample, reason, stamp in chunk:
                     if position in not_readable:
                         state.skipped[position] = not_readable[position]
                     elif sample is None:
-                        if not skip_bad:
-                            raise AudioReadError(
-                                index.unreadable(position, reason, SKIPPED, "pack")
-                            )
+                        if not options.skip_bad:
+                            raise AudioReadError(source.refuse(position, reason))
                         state.skipped[position] = reason
                     else:
                         writer.append(position, sample, stamp)
                 state.rows_done += len(chunk)
                 writer.commit()
-                if on_chunk is not None:
-                    on_chunk(state.rows_done)
+                if options.on_chunk is not None:
+                    options.on_chunk(state.rows_done)
         summary.skipped_path = write_skipped(out_dir / SKIPPED, index.table, state.skipped)
-        _write_pack(index, data, cfg, dtype, out_dir, state)
+        _write_pack(source, cfg, dtype, out_dir, state)
     return _finished(summary, out_dir, start)
 
 
@@ -208,19 +260,17 @@ def _check_sources(index: Index, kind: str, skip_bad: bool) -> dict[int, str]:
     return {int(p): f"not one of the {wanted}" for p in np.flatnonzero(~good)}
 
 
-def _pack_key(source: Path, cfg: Config, dtype: str) -> str:
-    """Names one pack: the sheet's content, the table's settings, the features, the dtype."""
-    data = cfg.data
+def _pack_key(source: PackSource, cfg: Config, dtype: str) -> str:
+    """Names one pack: the source's content and settings, the features, the dtype."""
     shaping = [
         VERSION,
         dtype,
         cfg.features.kind,
         cfg.clips.npy_layout,
         feature_settings(cfg.features),
-        [data.sheet, data.class_column, data.item_column, data.id_column, data.path_column],
-        [data.path_template, data.split_column, data.root],
+        *source.settings,
     ]
-    digest = hashlib.blake2b(source.read_bytes(), digest_size=16)
+    digest = hashlib.blake2b(source.content, digest_size=16)
     digest.update(json.dumps(shaping, sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -524,7 +574,7 @@ def _cut_back(out_dir: Path, state: _Progress) -> None:
         (out_dir / stale).unlink(missing_ok=True)
 
 
-def _write_pack(index: Index, data, cfg: Config, dtype: str, out_dir: Path, state: _Progress):
+def _write_pack(source: PackSource, cfg: Config, dtype: str, out_dir: Path, state: _Progress):
     """rows.npy, pack.json and, last, index.parquet; then the progress files go."""
     records = np.fromfile(out_dir / RECORDS, dtype="<i8").reshape(-1, ROW_FIELDS)
     rows = _npy_bytes(records)
@@ -539,17 +589,13 @@ def _write_pack(index: Index, data, cfg: Config, dtype: str, out_dir: Path, stat
         "rows": len(records),
         "frames": int(records[:, 2].sum()),
         "files": [{"name": data_file_name(i), "bytes": size} for i, size in enumerate(state.files)],
-        "source": {"sheet": str(index.source), "kind": cfg.features.kind, "key": state.key},
+        "source": {"sheet": str(source.index.source), "kind": cfg.features.kind, "key": state.key},
         "rows_checksum": checksum(rows),
     }
     manifest["checksum"] = manifest_checksum(manifest)
     atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-    raw = read_table(index.source, data)
-    table = index.table
-    positions = records[:, 3]
-    out = raw.iloc[table["row"].to_numpy()[positions] - FIRST_DATA_ROW].reset_index(drop=True)
-    out = out.drop(columns=[c for c in out.columns if c.strip().lower() in SPAN_COLUMNS])
-    out[data.path_column] = [data_file_name(int(f)) for f in records[:, 0]]
+    out = source.columns().iloc[records[:, 3]].reset_index(drop=True)
+    out[source.path_column] = [data_file_name(int(f)) for f in records[:, 0]]
     out[PACK_COLUMNS[0]] = records[:, 1]
     out[PACK_COLUMNS[1]] = records[:, 2]
     buffer = io.BytesIO()
