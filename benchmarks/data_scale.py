@@ -295,13 +295,29 @@ def memory_mb(pid: int) -> dict[str, float]:
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes so far."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    """CPU seconds of these processes so far: their threads' run time in nanoseconds
+    (/proc/PID/task/TID/schedstat), else user + system time in clock ticks (10 ms: a short run
+    of a few tenths of a CPU-second would be read to +-10 %)."""
+    if not os.path.exists(f"/proc/{os.getpid()}/schedstat"):  # no scheduler statistics
+        tick, total = os.sysconf("SC_CLK_TCK"), 0
+        for pid in pids:
+            fields = stat_fields(pid)
+            if fields is not None:
+                total += int(fields[11]) + int(fields[12])
+        return total / tick
+    ns = 0
     for pid in pids:
-        fields = stat_fields(pid)
-        if fields is not None:
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # gone
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as handle:
+                    ns += int(handle.read().split()[0])
+            except OSError:  # a thread that ended
+                pass
+    return ns / 1e9
 
 
 def load_text() -> str:
@@ -558,8 +574,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--measure",
         type=int,
-        default=150,
-        help="timed batches per throughput run (after each worker's first batch)",
+        help="timed batches per throughput run (after each worker's first batch; default 150, "
+        "--quick 30, --smoke 4)",
     )
     parser.add_argument(
         "--read-batches",
@@ -589,12 +605,13 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.rows, args.files, args.workers = 20_000, 100, "1,2"
-        args.batches, args.measure = 200, 30
+        args.batches, args.measure = 200, args.measure or 30
     if args.smoke:
         args.rows, args.files, args.workers = 2_000, 16, "1"
-        args.batches, args.measure, args.memory_workers = 20, 4, 1
+        args.batches, args.measure, args.memory_workers = 20, args.measure or 4, 1
         global MIN_FRAMES, MAX_FRAMES
         MIN_FRAMES, MAX_FRAMES = 2_000, 3_000
+    args.measure = args.measure or 150
     args.worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
     if not args.worker_counts or min(args.worker_counts) < 1:
         raise SystemExit(f"--workers {args.workers!r}: give worker counts >= 1, e.g. 1,2,4")
@@ -860,9 +877,9 @@ def targets(args, results, growth, to_first, pack_bytes, npy_bytes, crop_bytes) 
     packed = per_cpu(results["packed", w, "warm"])
     checks.append(
         (
-            packed >= 0.3 * ceiling,
+            packed >= 0.5 * ceiling,  # issue 44 (issue 32 asked 0.3)
             f"packed loader / bare os.preadv loop, crops per CPU-second, warm: {packed:,.0f} / "
-            f"{ceiling:,.0f} = {packed / ceiling:.2f}; target >= 0.3",
+            f"{ceiling:,.0f} = {packed / ceiling:.2f}; target >= 0.5",
         )
     )
     per_crop = results["packed", w, "warm"][2]

@@ -3,6 +3,7 @@ resume, and the batch-at-a-time loader giving the per-file loader's batches."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from audioclf.data.augment import Augmenter
 from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index
 from audioclf.data.loader import TrainLoader, loader_kwargs
+from audioclf.data.pack.batches import PackedBatchReader
 from audioclf.data.pack.format import PackError
 from audioclf.data.pack.write import pack_features
 from audioclf.data.sampler import MixedBatchSampler, MPerClassSampler
@@ -346,6 +348,64 @@ def test_non_finite_bytes_in_a_pack_name_the_row(tmp_path):
     data.write_bytes(bytes(raw))  # the same size: only the values changed
     with pytest.raises(PackError, match=r"index row 2: feature pack .* non-finite"):
         loader_batches(summary.index_path)
+
+
+def test_crops_of_a_pack_as_packed_are_not_checked_again(tmp_path, monkeypatch, caplog):
+    # the packer refused non-finite frames; data files of the size and mtime it recorded hold
+    # them, so a training reader skips the per-unit finite check; another mtime (an edit, a
+    # copy without times) brings it back, with one line saying so
+    summary = pack(npy_sheet(tmp_path, classes=4), tmp_path / "pack")
+    checked = []
+    original = PackedBatchReader._check_finite
+    monkeypatch.setattr(
+        PackedBatchReader,
+        "_check_finite",
+        lambda self, *args: checked.append(1) or original(self, *args),
+    )
+    _, as_packed = loader_batches(summary.index_path)
+    assert len(as_packed) > 3 and not checked
+    data = tmp_path / "pack" / "data-00000.bin"
+    stat = data.stat()
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # the bytes unchanged
+    with caplog.at_level("INFO", logger="audioclf"):
+        _, copied = loader_batches(summary.index_path)
+    assert len(checked) == -(-len(copied) // 3)  # one check a unit of 3 batches
+    assert "1 of 1 data file(s) have another mtime than when packed" in caplog.text
+    for (x_packed, ids_packed), (x_copied, ids_copied) in zip(as_packed, copied, strict=True):
+        assert torch.equal(x_packed, x_copied) and (ids_packed == ids_copied).all()
+
+
+def test_cached_and_uncached_crops_read_the_same(tmp_path, monkeypatch):
+    # a crop the page cache holds is read at once (RWF_NOWAIT); the others are announced, then
+    # read; a file system that refuses RWF_NOWAIT gets every crop announced
+    summary = pack(npy_sheet(tmp_path, classes=4), tmp_path / "pack")
+    data = tmp_path / "pack" / "data-00000.bin"
+    real, calls = os.preadv, []
+
+    def preadv(fd, buffers, offset, flags=0):
+        calls.append(flags)
+        return real(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    _, warm = loader_batches(summary.index_path)
+    assert calls and all(flags == os.RWF_NOWAIT for flags in calls)  # cached: one read a crop
+    calls.clear()
+    descriptor = os.open(data, os.O_RDONLY)
+    os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+    os.close(descriptor)
+    _, cold = loader_batches(summary.index_path)
+    assert 0 in calls  # some crops were not cached: read after their announcement
+
+    def refusing(fd, buffers, offset, flags=0):
+        if flags:
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refusing)
+    _, refused = loader_batches(summary.index_path)
+    for batches in (cold, refused):
+        for (x_warm, ids_warm), (x, ids) in zip(warm, batches, strict=True):
+            assert torch.equal(x_warm, x) and (ids_warm == ids).all()
 
 
 # ------------------------------------------------------------------------------ writing

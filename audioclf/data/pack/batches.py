@@ -23,8 +23,11 @@ unit, and every copy of a step to the device leaves from pinned memory (numpy ar
 thread leaves alone, would make each of those copies a pageable one). No extra shared-memory
 file per unit either: the small tensors ride in x's.
 
-The finite check is one pass per unit over the fp16 exponent bits (a non-finite value has all
-five set); a unit that fails names the sheet row and frames.
+The packer refuses non-finite frames, and a pack whose data files have the size and mtime it
+recorded (`PackedFeatures.as_packed`) holds those frames: its crops are not checked again.
+Otherwise (a data file edited, or copied without its times) and for .npy clips, a unit gets a
+finite check, one pass over the fp16 exponent bits (a non-finite value has all five set); a
+unit that fails names the sheet row and frames.
 
 Unlabelled clips (data.unlabelled beside a pack: AudioDataset.with_unlabelled) sit past the
 pack's rows. Packed themselves (`prepare --unlabelled --pack`) they are rows of the same
@@ -102,7 +105,8 @@ class PackedBatchReader(UnitReader):
             lengths[~in_pack] = n_frames  # read whole, as AudioDataset reads them
             self._read_files(flat, positions, seeds, n_frames, np.flatnonzero(~in_pack))
         self._fill_short(flat, lengths, n_frames)
-        self._check_finite(flat, positions, starts, lengths)
+        if not (self.pack.as_packed and in_pack.all()):  # as packed: checked when written
+            self._check_finite(flat, positions, starts, lengths)
         rows = small.numpy()
         rows[:, 0] = n_frames
         rows[:, 1] = self.labels[positions].reshape(batch_shape)

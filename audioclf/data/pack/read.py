@@ -6,6 +6,7 @@ The format: audioclf.data.pack.format; the batches of a training run: audioclf.d
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from audioclf.data.pack.format import (
     read_rows,
 )
 from audioclf.data.readers import pad_window, seeded_or_centred
+
+log = logging.getLogger("audioclf")
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14+: a read the page cache answers, or EAGAIN
 
 
 class PackedFeatures:
@@ -45,6 +49,8 @@ class PackedFeatures:
         self.frame_bytes = self.n_bins * self.dtype.itemsize
         self._fds: list[int] = []
         self._pid = -1
+        self._nowait = _NOWAIT != 0  # until a file system refuses it
+        self.as_packed = False  # every data file's size and mtime those the packer recorded
 
     # ------------------------------------------------------------------------------ opening
 
@@ -94,14 +100,20 @@ class PackedFeatures:
         joined.offsets = np.concatenate([self.offsets, *[other.offsets] * times])
         joined.frames = np.concatenate([self.frames, *[other.frames] * times])
         joined._fds, joined._pid = [], -1
+        joined.as_packed = self.as_packed and other.as_packed
         return joined
 
     def check(self, manifest: dict, rows: np.ndarray) -> None:
         """Data files of the manifest's sizes; every table row (sheet `rows`) one of the packed
-        samples."""
+        samples. Sets `as_packed`: every data file also has the mtime the packer recorded, so
+        its frames are those the packer checked finite (else a training reader checks each
+        crop)."""
+        changed = 0
         for entry, path in zip(manifest["files"], self.files, strict=True):
             try:
-                size = os.stat(path).st_size
+                stat = os.stat(path)
+                size = stat.st_size
+                changed += stat.st_mtime_ns != entry.get("mtime_ns")
             except OSError as exc:
                 raise PackError(
                     f"feature pack {self.folder}: cannot read {path} ({exc.strerror or exc}); "
@@ -113,6 +125,16 @@ class PackedFeatures:
                     f"{entry['bytes']} (cut short or changed since); pack again with python -m "
                     "audioclf.prepare --pack into a new folder"
                 )
+        self.as_packed = changed == 0
+        if changed:
+            log.info(
+                "feature pack %s: %d of %d data file(s) have another mtime than when packed "
+                "(edited, or copied without their times: cp -p / rsync -t keep them): every "
+                "training crop is checked for non-finite values",
+                self.folder,
+                changed,
+                len(self.files),
+            )
         packed = read_rows(self.folder, manifest)
         key = packed[:, 0] * (1 << 48) + packed[:, 1]  # (file, offset) of each packed sample
         order = np.argsort(key)
@@ -148,34 +170,55 @@ class PackedFeatures:
     ) -> None:
         """The read planner: crop i (frames [starts[i], starts[i] + lengths[i]) of the sample at
         table position positions[i]) into bytes [s × slot_bytes, ...) of `buffer`, s = slots[i]
-        (default i). The crops are
-        announced to the kernel (POSIX_FADV_WILLNEED) in (file, offset) order, so it fetches the
-        uncached ones in parallel (cold: ~3x the crops/s and ~2.5x the crops per CPU-second of
-        reading one after the other; ~0.5 µs a crop when cached: benchmarks/data_scale.py), then
-        read in that order, one positioned read each."""
+        (default i), in (file, offset) order, one positioned read each. A crop the page cache
+        holds is read at once (RWF_NOWAIT: a cached crop costs its one read, nothing more);
+        the others are first announced to the kernel (POSIX_FADV_WILLNEED), so it fetches them
+        in parallel (cold: ~3x the crops/s and ~2.5x the crops per CPU-second of reading one
+        after the other: benchmarks/data_scale.py), then read."""
         file_ids = self.file_ids[positions]
         offsets = self.offsets[positions] + starts * self.frame_bytes
         order = np.lexsort((offsets, file_ids))
         fds = self.descriptors()
-        nbytes = (lengths[order] * self.frame_bytes).tolist()
-        plan = list(
+        at = (order if slots is None else np.asarray(slots)[order]) * slot_bytes
+        plan = list(  # (where in buffer, file, offset, bytes) of each read
             zip(
-                (order if slots is None else np.asarray(slots)[order]).tolist(),
+                at.tolist(),
                 file_ids[order].tolist(),
                 offsets[order].tolist(),
-                nbytes,
+                (lengths[order] * self.frame_bytes).tolist(),
                 strict=True,
             )
         )
-        if hasattr(os, "posix_fadvise"):
+        preadv, waiting = os.preadv, plan
+        if self._nowait:  # cached crops: one read each, not announced first
+            waiting = self._read_cached(buffer, plan, fds)
+        if waiting and hasattr(os, "posix_fadvise"):
             advise, will_need = os.posix_fadvise, os.POSIX_FADV_WILLNEED
-            for _, file_id, offset, count in plan:
+            for _, file_id, offset, count in waiting:
                 advise(fds[file_id], offset, count, will_need)
-        preadv = os.preadv
-        for slot, file_id, offset, count in plan:
-            target = buffer[slot * slot_bytes : slot * slot_bytes + count]
+        for at, file_id, offset, count in waiting:
+            target = buffer[at : at + count]
             if preadv(fds[file_id], [target], offset) < count:  # short: finish it, or say why not
                 self._read_fully(fds[file_id], target, offset, file_id)
+
+    def _read_cached(self, buffer: memoryview, plan: list, fds: list) -> list:
+        """Reads what the page cache holds of the reads of `plan` (RWF_NOWAIT: the kernel
+        answers from the cache, as far as it holds a read, or not at all); returns the rest, to
+        announce and read."""
+        preadv, nowait, waiting = os.preadv, _NOWAIT, []
+        for number, item in enumerate(plan):
+            at, file_id, offset, count = item
+            try:
+                done = preadv(fds[file_id], [buffer[at : at + count]], offset, nowait)
+            except BlockingIOError:  # not cached
+                waiting.append(item)
+                continue
+            except OSError:  # a file system without RWF_NOWAIT reads: announce every crop
+                self._nowait = False
+                return waiting + plan[number:]
+            if done < count:  # cached in part (or the end of the file: _read_fully says so)
+                waiting.append((at + done, file_id, offset + done, count - done))
+        return waiting
 
     def _read_fully(self, fd: int, buffer: memoryview, offset: int, file_id: int) -> None:
         done = 0

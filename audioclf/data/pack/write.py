@@ -588,7 +588,7 @@ def _write_pack(source: PackSource, cfg: Config, dtype: str, out_dir: Path, stat
         "features": feature_settings(cfg.features) if cfg.features.kind == "audio" else None,
         "rows": len(records),
         "frames": int(records[:, 2].sum()),
-        "files": [{"name": data_file_name(i), "bytes": size} for i, size in enumerate(state.files)],
+        "files": [_data_file(out_dir, i, size) for i, size in enumerate(state.files)],
         "source": {"sheet": str(source.index.source), "kind": cfg.features.kind, "key": state.key},
         "rows_checksum": checksum(rows),
     }
@@ -603,6 +603,13 @@ def _write_pack(source: PackSource, cfg: Config, dtype: str, out_dir: Path, stat
     atomic_write_bytes(out_dir / INDEX, buffer.getvalue(), sync=True)
     (out_dir / PROGRESS).unlink()
     (out_dir / RECORDS).unlink()
+
+
+def _data_file(out_dir: Path, number: int, size: int) -> dict:
+    """A data file's manifest entry: its name, size and mtime (a reader that finds both
+    unchanged need not check its frames again)."""
+    name = data_file_name(number)
+    return {"name": name, "bytes": size, "mtime_ns": os.stat(out_dir / name).st_mtime_ns}
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
