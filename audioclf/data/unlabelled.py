@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import soundfile as sf
 
 from audioclf.config import FeaturesConfig
@@ -56,8 +57,8 @@ def load_unlabelled(source: str, features: FeaturesConfig) -> UnlabelledClips:
     UnlabelledAudioError naming missing or unreadable files, or an empty source."""
     path = Path(source).expanduser()
     if path.is_file() and path.suffix.lower() == ".parquet":
-        table = _used_rows(pd.read_parquet(path), path)
-        if PACK_COLUMNS[0] in table.columns:
+        if PACK_COLUMNS[0] in pq.read_schema(path).names:  # the columns, not the rows
+            table = _used_rows(pd.read_parquet(path), path)
             return _packed_clips(source, path, table, features)
     paths = list_unlabelled(source, features)
     check_unlabelled(source, paths, features)
@@ -156,16 +157,19 @@ def _used_rows(table: pd.DataFrame, sheet: Path) -> pd.DataFrame:
     return table
 
 
-def check_unlabelled(source: str, paths: list[str], features: FeaturesConfig) -> None:
-    """UnlabelledAudioError naming the files of `paths` that are missing or, for audio, whose
-    header cannot be read."""
+def check_unlabelled(
+    source: str, paths: list[str], features: FeaturesConfig, *, headers: bool = True, fix: str = ""
+) -> None:
+    """UnlabelledAudioError naming the files of `paths` that are missing or, for audio and
+    `headers`, whose header cannot be read (a writer that reads each clip anyway passes False);
+    `fix`: another way out, said after "fix or remove them"."""
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
         raise UnlabelledAudioError(
             f"data.unlabelled={source}: {len(missing)} of {len(paths)} files do not exist: "
             f"{_shown(missing)}; fix the paths or remove those rows"
         )
-    if features.kind != "audio":
+    if features.kind != "audio" or not headers:
         return
     unreadable = []
     for path in paths:
@@ -176,7 +180,7 @@ def check_unlabelled(source: str, paths: list[str], features: FeaturesConfig) ->
     if unreadable:
         raise UnlabelledAudioError(
             f"data.unlabelled={source}: {len(unreadable)} of {len(paths)} files cannot be read "
-            f"as audio: {_shown(unreadable)}; fix or remove them"
+            f"as audio: {_shown(unreadable)}; fix or remove them{fix}"
         )
 
 

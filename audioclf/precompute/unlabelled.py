@@ -65,7 +65,8 @@ def prepare_unlabelled(
     targets = [feature_name(p) for p in paths]
     # a rerun reads the headers of the clips still to write, not of those written before
     new = [p for p, target in zip(paths, targets, strict=True) if not (out_dir / target).is_file()]
-    check_unlabelled(source, new, features)
+    # with --skip-bad the writer skips what it cannot read
+    check_unlabelled(source, new, features, headers=not skip_bad, fix=SKIP_FIX)
     table = pd.DataFrame({"path": paths})
     table["row"], table["id"] = range(len(table)), table["path"]  # for skipped-unlabelled.csv
     sheet = out_dir / SHEET
@@ -91,7 +92,9 @@ def pack_unlabelled(source: str, out_dir: Path, cfg: Config, **options) -> PackS
     """The clips of `source` as a feature pack in `out_dir` (see the module; `options`: those
     of PackOptions); prepare --pack's summary. ValueError on bad input."""
     paths = list_unlabelled(source, cfg.features)
-    check_unlabelled(source, paths, cfg.features)
+    # missing files named at once; each clip still to pack is read once, by the writer, which
+    # refuses an unreadable one (or skips it: --skip-bad)
+    check_unlabelled(source, paths, cfg.features, headers=False)
     order = [f"{position:012d}" for position in range(len(paths))]  # the pack keeps this order
     table = pd.DataFrame(
         {"path": paths, "row": range(1, len(paths) + 1), "cls": "", "item": order, "id": paths}
@@ -106,6 +109,9 @@ def pack_unlabelled(source: str, out_dir: Path, cfg: Config, **options) -> PackS
         partial(_unreadable, paths),
     )
     return pack_source(pack, out_dir, cfg, PackOptions(**options))
+
+
+SKIP_FIX = ", or pass --skip-bad to leave them out"
 
 
 def _unreadable(paths: list[str], position: int, reason: str) -> str:

@@ -421,8 +421,8 @@ def test_bad_sources_are_one_line_or_skipped(tmp_path):
     ):
         pack(sheet, tmp_path / "a")
     assert not (tmp_path / "a" / "index.parquet").exists()
-    summary = pack_features(
-        sheet, tmp_path / "b", npy_config(sheet), workers=1, progress=False, skip_bad=True
+    summary = pack_features(  # the refused folder resumes (the refusal came in its first chunk)
+        sheet, tmp_path / "a", npy_config(sheet), workers=1, progress=False, skip_bad=True
     )
     assert summary.skipped == 2 and summary.packed == len(frame) - 2
     listed = pd.read_csv(summary.skipped_path)

@@ -500,8 +500,28 @@ def test_unlabelled_bad_input_is_one_line(demo, tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["npy", "pack"])
+def test_an_unreadable_unlabelled_clip_is_named_or_skipped(demo, tmp_path, capsys, pack):
+    source = tmp_path / "new"
+    shutil.copytree(demo.parent / "wav" / "c00", source / "c00")
+    bad = source / "c00" / "broken.wav"
+    bad.write_bytes(b"RIFF not a wave file")
+    argv = ["--unlabelled", source, "--out", tmp_path / "out", "--workers", 1]
+    argv += ["--pack", "--pack-dtype", "float32"] if pack else []
+    code, _, err = prepare(capsys, *argv)
+    assert code == 2 and str(bad) in err and "--skip-bad" in err
+    assert len(err.strip().splitlines()) == 1
+    code, stdout, err = prepare(capsys, *argv, "--skip-bad")  # resumes what the refusal left
+    assert code == 0, err
+    assert "7 rows" in stdout and "1 skipped" in stdout
+    if pack:
+        assert len(pd.read_parquet(tmp_path / "out" / "index.parquet")) == 6
+    else:
+        assert len(pd.read_csv(tmp_path / "out" / "unlabelled.csv")) == 6
+
+
 def test_unlabelled_clips_packed_hold_their_prepared_features_in_the_source_order(
-    demo, tmp_path, capsys
+    demo, tmp_path, capsys, monkeypatch
 ):
     from audioclf.config import FeaturesConfig
     from audioclf.data.unlabelled import UnlabelledAudioError, load_unlabelled
@@ -528,8 +548,11 @@ def test_unlabelled_clips_packed_hold_their_prepared_features_in_the_source_orde
     for position, feature in enumerate(npy.paths):
         window = packed.pack.read_window(position, None, None, "none", "test")
         np.testing.assert_array_equal(window, np.load(feature))  # float32: the .npy, exactly
+    headers = []
+    monkeypatch.setattr(unlabelled_module.sf, "info", lambda path: headers.append(path))
     code, stdout, _ = prepare(capsys, *argv, "--workers", 1)  # a rerun: nothing to do
     assert code == 0 and "already holds this pack (nothing to do)" in stdout
+    assert headers == []  # the packed clips' headers are not read again
     with pytest.raises(UnlabelledAudioError, match=r"is a feature pack: set features.kind=npy"):
         load_unlabelled(str(index), FeaturesConfig(kind="audio"))
     labelled = tmp_path / "labelled"

@@ -508,6 +508,8 @@ class _DataWriter:
             self.handle.seek(state.files[-1])
             self.records = open(out_dir / RECORDS, "r+b")
             self.records.seek(state.records * RECORD_BYTES)
+        if not (out_dir / PROGRESS).is_file():  # a stop before the first chunk leaves a resumable
+            self.commit()  # folder, not files a rerun takes for another's
 
     def _data_path(self) -> Path:
         return self.out_dir / data_file_name(len(self.state.files) - 1)
