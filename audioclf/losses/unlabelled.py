@@ -21,55 +21,26 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pytorch_metric_learning import losses
 from torch import Tensor, nn
 
-from audioclf.losses import WeightedLosses, _gather_global
-from audioclf.losses.memory import CrossBatchMemory
+from audioclf.losses import WeightedLosses
 
 
 class ViewsLoss(nn.Module):
-    """NT-Xent (PML's NTXentLoss) over views: rows with one label are views of one clip.
+    """NT-Xent (PML's NTXentLoss) over views: rows with one label are views of one clip."""
 
-    With `neighbours` > 0, a queue of that many past views (CrossBatchMemory, gathered from
-    every rank, checkpointed) gives each view a further positive once it is full: its nearest
-    queued view of another clip (NNCLR, Dwibedi et al., 2021), detached. Two crops of one clip
-    share its source, speaker and recording; the neighbour is the model's guess at the same
-    content from another, the nuisance it should not see."""
-
-    def __init__(self, temperature: float, neighbours: int = 0):
+    def __init__(self, temperature: float):
         super().__init__()
         self.ntxent = losses.NTXentLoss(temperature=temperature)
-        self.memory = CrossBatchMemory(neighbours) if neighbours else None
 
     def forward(self, embeddings: Tensor, clips: Tensor) -> Tensor:
         # "+ 0 × sum": zero when no clip has two views here, yet connected to every embedding
         connected = embeddings.sum() * 0.0
+        if len(clips) < 2:
+            return connected
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
-            rows, labels = embeddings.float(), clips
-            if self.memory is not None:
-                rows, labels = self._with_neighbours(rows, clips)
-            if len(labels) < 2:
-                return connected
-            return self.ntxent(rows, labels) + connected
-
-    def _with_neighbours(self, rows: Tensor, clips: Tensor) -> tuple[Tensor, Tensor]:
-        """The rows followed by each one's nearest queued view of another clip (a full queue
-        only; a host sync), with their clips; then the (global) views join the queue."""
-        memory = self.memory
-        queued, queued_clips, _ = memory.references(rows[:0], clips[:0], clips[:0])
-        batch = _gather_global(rows.detach(), clips, clips, grad=False)  # every rank's views
-        if len(queued) and bool((queued_clips >= 0).all()):
-            with torch.no_grad():
-                similar = F.normalize(rows, dim=1) @ F.normalize(queued, dim=1).T
-                similar = similar.masked_fill(clips[:, None] == queued_clips[None, :], -torch.inf)
-                best, nearest = similar.max(dim=1)
-                found = torch.isfinite(best)
-            rows = torch.cat([rows, queued[nearest[found]]])
-            clips = torch.cat([clips, clips[found]])
-        memory.enqueue(*batch)
-        return rows, clips
+            return self.ntxent(embeddings.float(), clips) + connected
 
 
 def mmd(source: Tensor, target: Tensor, scales: tuple[float, ...] = (0.5, 1.0, 2.0)) -> Tensor:
@@ -92,6 +63,8 @@ class UnlabelledObjective(nn.Module):
     """Labelled terms + pseudo-classes in the triplet term + views_weight × NT-Xent of views
     + align_weight × MMD(labelled rows, unlabelled rows)."""
 
+    memory = None  # no cross-batch memory (Config refuses loss.memory_size with data.unlabelled)
+
     def __init__(
         self,
         labelled: WeightedLosses,
@@ -110,12 +83,6 @@ class UnlabelledObjective(nn.Module):
         self.align_weight = align_weight
         self.n_labelled, self.n_clips, self.n_classes = n_labelled, n_clips, n_classes
         self.pseudo_classes = torch.full((n_clips,), -1, dtype=torch.int64)
-
-    @property
-    def memory(self) -> CrossBatchMemory | None:
-        """The views' queue (unlabelled.neighbours), a checkpointed state; the labelled terms
-        have none (Config refuses loss.memory_size with data.unlabelled)."""
-        return self.views.memory
 
     def set_epoch(self, epoch: int) -> None:
         self.labelled.set_epoch(epoch)

@@ -295,7 +295,7 @@ class Trainer:
         if self.unlabelled:
             self.loss_fn = UnlabelledObjective(
                 self.loss_fn,
-                ViewsLoss(cfg.unlabelled.temperature, cfg.unlabelled.neighbours),
+                ViewsLoss(cfg.unlabelled.temperature),
                 views_weight=cfg.unlabelled.views_weight,
                 n_labelled=len(self.train),
                 n_clips=len(self.unlabelled),

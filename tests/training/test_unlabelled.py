@@ -12,7 +12,7 @@ import torch
 from sklearn.metrics import normalized_mutual_info_score
 
 from audioclf import checkpoint
-from audioclf.config import Config, UnlabelledConfig
+from audioclf.config import Config
 from audioclf.data.demo import generate_demo
 from audioclf.training.unlabelled import (
     REFERENCE_CLASSES,
@@ -162,39 +162,6 @@ def test_two_views_of_a_clip_pull_together():
     assert loss(same, clips) < loss(mixed, clips)
     empty = torch.zeros(0, 3, requires_grad=True)
     assert loss(empty, torch.zeros(0, dtype=torch.int64)).item() == 0.0
-
-
-def test_a_full_queue_adds_each_views_nearest_queued_view_of_another_clip():
-    from pytorch_metric_learning.losses import NTXentLoss
-
-    from audioclf.losses.unlabelled import ViewsLoss
-
-    ntxent = NTXentLoss(temperature=0.1)
-    loss = ViewsLoss(temperature=0.1, neighbours=4)
-    axes = torch.eye(4)
-    first = torch.stack([axes[0], axes[0], axes[1], axes[1]]) + 0.01
-    clips = torch.tensor([0, 0, 1, 1])
-    # the queue is empty: plain NT-Xent; the four views fill it
-    assert loss(first, clips).item() == pytest.approx(ntxent(first, clips).item())
-    second = torch.stack([axes[0] + axes[2], axes[2], axes[1] + axes[3], axes[3]])
-    clips = torch.tensor([2, 2, 3, 3])
-    # each view's nearest queued view: clip 2's rows are near clip 0's, clip 3's near clip 1's
-    # (their second views tie at 0: the first queued row of the maximum, clip 0's)
-    nearest = first[[0, 0, 2, 0]]
-    expected = ntxent(torch.cat([second, nearest]), torch.cat([clips, clips]))
-    assert loss(second, clips).item() == pytest.approx(expected.item())
-    # a view is never its own clip's neighbour: the queue now holds clips 2 and 3 only
-    again = second[[0, 1]]
-    clip_two = torch.tensor([2, 2])
-    expected = ntxent(torch.cat([again, second[[2, 2]]]), torch.cat([clip_two, clip_two]))
-    assert loss(again, clip_two).item() == pytest.approx(expected.item())
-    resumed = ViewsLoss(temperature=0.1, neighbours=4)
-    resumed.memory.load_state_dict(loss.memory.state_dict())
-    assert resumed(first, torch.tensor([0, 0, 1, 1])).item() == pytest.approx(
-        loss(first, torch.tensor([0, 0, 1, 1])).item()
-    )
-    with pytest.raises(ValueError, match="unlabelled.neighbours"):
-        UnlabelledConfig(neighbours=-1)
 
 
 def test_mmd_is_zero_between_one_set_and_itself_and_grows_with_a_shift():
@@ -403,9 +370,8 @@ def _rank_fit(rank, world, cfg: Config, stop_step: int) -> dict:
 def test_two_ranks_resume_mid_epoch_with_the_same_pseudo_labels(tmp_path, tiny_demo, new_source):
     def cfg(runs: str, *extra: str) -> Config:
         # the alignment term on too: its MMD goes through DDP and resumes with the rest
-        # and the views' queue of neighbours: gathered from both ranks, resumed from last.pt
-        align, queue = "unlabelled.align_weight=0.5", "unlabelled.neighbours=16"
-        return _config(tiny_demo, tmp_path / runs, new_source, "eval.every=0", align, queue, *extra)
+        align = "unlabelled.align_weight=0.5"
+        return _config(tiny_demo, tmp_path / runs, new_source, "eval.every=0", align, *extra)
 
     results = [tmp_path / name for name in ("straight", "stopped", "resumed")]
     for folder in results:
@@ -415,7 +381,6 @@ def test_two_ranks_resume_mid_epoch_with_the_same_pseudo_labels(tmp_path, tiny_d
     assert all(s["stopped"] for s in stopped)
     ckpt = checkpoint.load(tmp_path / "b" / "t" / "last.pt")
     assert ckpt["epoch"] == 1 and ckpt["position"] > 0 and ckpt["world_size"] == 2
-    assert (ckpt["loss_memory"]["classes"] >= 0).all()  # a full queue of views
     resumed = run_in_group(
         _rank_fit, results[2], cfg("b", "checkpoint.resume=auto"), 0, timeout=300
     )
