@@ -23,7 +23,7 @@ from audioclf.data.dataset import AudioDataset
 from audioclf.data.index import Index, load_index
 from audioclf.data.loader import TrainLoader, loader_kwargs
 from audioclf.data.pack.batches import PackedBatchReader
-from audioclf.data.pack.format import PackError
+from audioclf.data.pack.format import PackError, manifest_checksum
 from audioclf.data.pack.write import pack_features
 from audioclf.data.sampler import MixedBatchSampler, MPerClassSampler
 from audioclf.data.unlabelled import load_unlabelled
@@ -373,6 +373,20 @@ def test_crops_of_a_pack_as_packed_are_not_checked_again(tmp_path, monkeypatch, 
     assert "1 of 1 data file(s) have another mtime than when packed" in caplog.text
     for (x_packed, ids_packed), (x_copied, ids_copied) in zip(as_packed, copied, strict=True):
         assert torch.equal(x_packed, x_copied) and (ids_packed == ids_copied).all()
+    manifest_path = tmp_path / "pack" / "pack.json"  # a pack from before mtimes were recorded
+    manifest = json.loads(manifest_path.read_text())
+    for entry in manifest["files"]:
+        del entry["mtime_ns"]
+    manifest["checksum"] = manifest_checksum(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # its mtime back as packed
+    checked.clear()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="audioclf"):
+        _, older = loader_batches(summary.index_path)
+    assert len(checked) == -(-len(older) // 3)  # checked, and said for what it is
+    assert "records no data-file mtimes (packed by an earlier audioclf)" in caplog.text
+    assert "another mtime" not in caplog.text
 
 
 def test_cached_and_uncached_crops_read_the_same(tmp_path, monkeypatch):

@@ -108,6 +108,7 @@ class PackedFeatures:
         samples. Sets `as_packed`: every data file also has the mtime the packer recorded, so
         its frames are those the packer checked finite (else a training reader checks each
         crop)."""
+        recorded = all("mtime_ns" in entry for entry in manifest["files"])  # earlier packs: none
         changed = 0
         for entry, path in zip(manifest["files"], self.files, strict=True):
             try:
@@ -125,8 +126,14 @@ class PackedFeatures:
                     f"{entry['bytes']} (cut short or changed since); pack again with python -m "
                     "audioclf.prepare --pack into a new folder"
                 )
-        self.as_packed = changed == 0
-        if changed:
+        self.as_packed = recorded and changed == 0
+        if not recorded:
+            log.info(
+                "feature pack %s records no data-file mtimes (packed by an earlier audioclf): "
+                "every training crop is checked for non-finite values",
+                self.folder,
+            )
+        elif changed:
             log.info(
                 "feature pack %s: %d of %d data file(s) have another mtime than when packed "
                 "(edited, or copied without their times: cp -p / rsync -t keep them): every "
