@@ -343,8 +343,7 @@ def main() -> int:
             return read_npy_crop(path, 201, seed, "frames_bins", 64)
 
         def npy_read_augment(path: Path, seed: int) -> np.ndarray:
-            rng = np.random.default_rng(seed)
-            return mel_augment.log_mel(read_npy_crop(path, 201, seed, "frames_bins", 64), rng)
+            return mel_augment.log_mel(read_npy_crop(path, 201, seed, "frames_bins", 64), seed)
 
         npy_loops = {
             "log-mel read_npy_crop alone": npy_read,

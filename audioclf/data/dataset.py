@@ -199,13 +199,14 @@ class AudioDataset(torch.utils.data.Dataset):
         if not 0 <= position < len(self.paths):
             raise IndexError(f"position {position} is out of range for {len(self.paths)} items")
         seed = int(crop_seed) if self.train else None
-        # a generator only where something draws from it: waveform crops and augmentation
-        # (crops of precomputed features start at window_starts(seed) without one)
-        needs_rng = self.train and (self.cfg.kind == "audio" or self.augment is not None)
+        # a generator only where something draws from it: waveform crops and their
+        # augmentation (crops of precomputed features start at window_starts(seed), and their
+        # augmentation draws from the seed: Augmenter.log_mel_offsets)
+        needs_rng = self.train and self.cfg.kind == "audio"
         rng = np.random.default_rng(seed) if needs_rng else None
         path = self.paths[position]
         if self.packed(position):  # a checked pack: nothing to skip, an error is the pack's
-            x = self._read_packed(position, seed, rng, crop_samples, self._where(position))
+            x = self._read_packed(position, seed, crop_samples, self._where(position))
             return x, int(self.labels[position]), position
         try:
             x = self._read(path, seed, rng, self._crop_samples(crop_samples), self._span(position))
@@ -229,7 +230,7 @@ class AudioDataset(torch.utils.data.Dataset):
         return f"index row {row}" if row >= 0 else f"unlabelled clip {self.paths[position]}"
 
     def _read_packed(
-        self, position: int, seed: int | None, rng, crop_samples: int | None, where: str
+        self, position: int, seed: int | None, crop_samples: int | None, where: str
     ) -> Tensor:
         """A packed sample's crop (training, centre crops) or evaluation clip, float32."""
         cfg, clips = self.cfg, self.clips
@@ -239,7 +240,7 @@ class AudioDataset(torch.utils.data.Dataset):
             n_frames, pad_mode = clips.eval_max_frames(cfg), "none"
         feats = self.pack.read_window(position, n_frames, seed, pad_mode, where)
         if self.augment is not None:
-            feats = self.augment.log_mel(feats, rng)
+            feats = self.augment.log_mel(feats, seed)
         return torch.from_numpy(feats)
 
     @staticmethod
@@ -283,7 +284,7 @@ class AudioDataset(torch.utils.data.Dataset):
                 path, cfg.frames(crop_samples), seed, clips.npy_layout, cfg.n_mels, clips.pad_mode
             )
             if augment is not None:
-                feats = augment.log_mel(feats, rng)
+                feats = augment.log_mel(feats, seed)
         else:
             feats = read_npy_crop(
                 path, clips.eval_max_frames(cfg), None, clips.npy_layout, cfg.n_mels, "none"

@@ -19,6 +19,7 @@ from audioclf.config import AugmentConfig, Config, ConfigError, FeaturesConfig, 
 from audioclf.data.augment import Augmenter, room_impulse_response
 from audioclf.data.augment.channel import codec_ratio
 from audioclf.data.augment.pitch import time_stretch
+from audioclf.spectrogram import DB_TO_LOG_POWER
 from tests.helpers import ROOT
 
 SR = 16000
@@ -84,7 +85,7 @@ def test_off_by_default_returns_input_and_draws_nothing():
     assert augment.before_crop(wave, rng) is wave
     crop = wave[:8000]
     assert augment.after_crop(crop, rng) is crop
-    assert augment.log_mel(feats, rng) is feats
+    assert augment.log_mel(feats, 0) is feats and augment.log_mel_offsets([0, 1]) is None
     assert rng.bit_generator.state == state  # so crops stay those of a run without augmentation
 
 
@@ -96,14 +97,8 @@ def test_same_seed_same_output_other_seed_differs():
     assert not torch.equal(first, other)
     assert torch.equal(wave, before)  # the input is never modified in place
     feats = np.random.default_rng(1).standard_normal((30, FEATURES.n_mels)).astype(np.float32)
-    assert np.array_equal(
-        augment.log_mel(feats, np.random.default_rng(7)),
-        augment.log_mel(feats, np.random.default_rng(7)),
-    )
-    assert not np.array_equal(
-        augment.log_mel(feats, np.random.default_rng(7)),
-        augment.log_mel(feats, np.random.default_rng(8)),
-    )
+    assert np.array_equal(augment.log_mel(feats, 7), augment.log_mel(feats, 7))
+    assert not np.array_equal(augment.log_mel(feats, 7), augment.log_mel(feats, 8))
 
 
 @pytest.mark.slow
@@ -250,9 +245,15 @@ def test_eq_changes_the_spectrum_not_the_length_or_level():
     assert change_db.max() - change_db.min() > 3.0
 
 
-def test_log_mel_eq_matches_the_waveform_eq():
-    # The same seed draws the same curve in both domains (EQ is the only piece on).
+def test_log_mel_eq_matches_the_waveform_eq(monkeypatch):
+    # The curve a log-mel crop's seed draws, applied to a waveform (EQ is the only piece on),
+    # changes its mel bands as the log-mel offsets say.
     augment = only(eq_prob=1.0)
+    drawn, eq_coefficients = [], augment._eq_coefficients
+    monkeypatch.setattr(
+        augment, "_eq_coefficients", lambda u: drawn.append(eq_coefficients(u)) or drawn[-1]
+    )
+    monkeypatch.setattr(augment, "_random_eq", lambda rng: drawn[-1][0])
     mel = torchaudio.transforms.MelSpectrogram(
         SR,
         n_fft=FEATURES.n_fft,
@@ -265,26 +266,49 @@ def test_log_mel_eq_matches_the_waveform_eq():
     # Below ~200 Hz a mel band is as wide as the curve's features, and log(mean) != mean(log).
     compared = augment.mel_centres_hz >= 200.0
     for seed in range(5):
+        zeros = np.zeros((10, FEATURES.n_mels), np.float32)
+        predicted = augment.log_mel(zeros, seed)[0]
         eq_wave = augment.after_crop(wave, np.random.default_rng(seed))
         measured = (torch.log(mel(eq_wave)).mean(1) - torch.log(mel(wave)).mean(1)).numpy()
-        zeros = np.zeros((10, FEATURES.n_mels), np.float32)
-        predicted = augment.log_mel(zeros, np.random.default_rng(seed))[0]
         assert np.ptp(predicted) > 1.0
         # The waveform is level-matched afterwards, which shifts every band alike.
         error = (measured - measured.mean()) - (predicted - predicted.mean())
         assert np.abs(error[compared]).max() < 0.15, error  # natural-log units (0.15 ≈ 0.65 dB)
 
 
+def test_log_mel_offsets_of_a_batch_are_each_crops_own_and_drawn_as_configured():
+    # A batch reader draws a whole batch at once, the per-file reader one crop: the same bits.
+    augment = only(eq_prob=0.4, gain_prob=0.6)
+    seeds = np.random.default_rng(0).integers(0, 2**63 - 1, size=3000)
+    batch = augment.log_mel_offsets(seeds)
+    assert batch.shape == (3000, FEATURES.n_mels) and batch.dtype == np.float32
+    for i in range(0, 3000, 97):
+        alone = augment.log_mel_offsets([seeds[i]])  # None: neither EQ nor gain
+        assert np.array_equal(batch[i], np.zeros(FEATURES.n_mels) if alone is None else alone[0])
+    feats = np.ones((5, FEATURES.n_mels), np.float32)
+    assert np.array_equal(augment.log_mel(feats, int(seeds[5])), feats + batch[5])
+    # EQ bends the curve, gain shifts it: the shares drawn are the probabilities
+    eq = np.ptp(batch, axis=1) > 1e-4
+    gain_only = ~eq & (np.abs(batch[:, 0]) > 0)
+    assert abs(eq.mean() - 0.4) < 0.03 and abs(gain_only.mean() - 0.6 * 0.6) < 0.03
+    gain_db = batch[gain_only, 0] / DB_TO_LOG_POWER
+    assert gain_db.min() >= -6.0 and gain_db.max() <= 6.0 and np.ptp(gain_db) > 10.0
+    # a piece turned off draws as before for the others: gain-only crops keep their gain
+    no_eq = only(eq_prob=0.0, gain_prob=0.6).log_mel_offsets(seeds)
+    assert np.array_equal(no_eq[~eq], batch[~eq])
+    assert only(eq_prob=0.0, gain_prob=0.0).log_mel_offsets(seeds) is None
+
+
 def test_log_mel_keeps_shape_and_dtype_and_offsets_every_frame_alike():
     augment = only(eq_prob=1.0, gain_prob=1.0)
     feats = np.random.default_rng(0).standard_normal((50, FEATURES.n_mels)).astype(np.float32)
-    out = augment.log_mel(feats, np.random.default_rng(0))
+    out = augment.log_mel(feats, 0)
     assert out.shape == feats.shape and out.dtype == np.float32
     offset = out - feats
     assert np.abs(offset).max() > 0.05
     assert np.allclose(offset, offset[0], atol=1e-5)  # a per-bin offset, the same in every frame
     with pytest.raises(ValueError, match="features.n_mels"):
-        augment.log_mel(feats[:, :10], np.random.default_rng(0))
+        augment.log_mel(feats[:, :10], 0)
 
 
 def write_tone(path: Path, hz: float, samples: int) -> None:

@@ -575,12 +575,13 @@ def test_the_data_scale_benchmark_runs_at_its_smallest_size(tmp_path):
     for row in (
         "ceiling os.preadv loop, warm",
         "packed loader, 1 worker, warm",
+        "packed+augment loader, 1 worker, warm",
         "per-file loader, 1 worker, cold",
         "start-up from a cached index",
     ):
         assert row in out, out
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert len(verdicts) == 8, out
+    assert len(verdicts) == 9, out
 
 
 # ------------------------------------------------------------------------------ packs that cannot lie

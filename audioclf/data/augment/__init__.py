@@ -5,12 +5,13 @@ One `Augmenter` per dataset; a training item goes through it in two calls around
     augment = Augmenter(cfg.augment, cfg.features, crop_samples)  # in the main process; picklable
     wave = augment.before_crop(load_audio(path, sr), rng)   # speed, pitch, stretch
     wave = augment.after_crop(crop_or_pad(wave, n, rng), rng)   # reverb, EQ, noise, gain, band, codec
-    feats = augment.log_mel(read_npy_crop(...), rng)        # features.kind=npy: EQ, gain
+    feats = augment.log_mel(read_npy_crop(...), crop_seed)  # features.kind=npy: EQ, gain
 
 `before_crop(..., crop_samples=n)` asks for another crop length than the constructor's (longer
-crops in the last epochs). Every random choice is drawn from the `numpy.random.Generator` passed
-in (the dataset seeds one per item), never from global state, so one generator seed gives
-bit-identical output in any worker or process. A disabled Augmenter (`augment.enabled=false`,
+crops in the last epochs). Every random choice on a waveform is drawn from the
+`numpy.random.Generator` passed in (the dataset seeds one per item), and a log-mel crop's from
+its crop seed (`log_mel_offsets`, a whole batch of crops in one numpy pass), never from global
+state, so one seed gives bit-identical output in any worker or process. A disabled Augmenter (`augment.enabled=false`,
 the default) returns its input unchanged and draws nothing, so crops stay what they were
 without augmentation; so does a piece whose probability is 0 (pitch, stretch, band and codec
 are 0 by default), so turning one on leaves the others' draws as they were.
@@ -35,8 +36,8 @@ peak 1.0: scaled, not clipped, so no distortion is added.
 
 For precomputed log-mel features (natural log of mel power, as `audioclf.spectrogram.log_mel`
 writes them) `log_mel` applies the same EQ curve, evaluated at the mel bands' centre
-frequencies, and the gain, as per-bin offsets (dB · ln(10) / 10). The other pieces are skipped
-there; SpecAugment, spectral tilt and mel-axis warp stay in the front end.
+frequencies, and the gain, as per-bin offsets (dB · ln(10) / 10): the same distributions as on
+a waveform, from the crop seed's own draws. The other pieces are skipped there; SpecAugment, spectral tilt and mel-axis warp stay in the front end.
 
 Every piece is own code on numpy and torch / torchaudio: the libraries draw from global random
 state (an item could not be reproduced from its generator) and were slower where measured
@@ -80,7 +81,7 @@ from audioclf.data.augment.pitch import (
 )
 from audioclf.data.augment.responses import load_impulse_responses, wet_dry_kernel
 from audioclf.data.augment.room import room_impulse_response
-from audioclf.data.readers import load_audio
+from audioclf.data.readers import load_audio, seeded_uniforms
 from audioclf.spectrogram import DB_TO_LOG_POWER
 
 __all__ = [
@@ -296,14 +297,22 @@ class Augmenter:
 
     def _random_eq(self, rng: np.random.Generator) -> np.ndarray:
         """One random EQ curve as float32 coefficients of `eq_basis`: control-point gains, tilt."""
-        gains = rng.uniform(*self.cfg.eq_gain_db, size=self.cfg.eq_bands)
-        return np.append(gains, uniform(rng, self.cfg.eq_tilt_db_per_octave)).astype(np.float32)
+        return self._eq_coefficients(rng.random(self.cfg.eq_bands + 1))
+
+    def _eq_coefficients(self, u: np.ndarray) -> np.ndarray:
+        """float32 EQ coefficients [..., eq_bands + 1] (control-point gains, tilt) from uniforms
+        in [0, 1) of that shape: low + (high - low) · u, Generator.uniform's own arithmetic."""
+        bands, (low, high) = self.cfg.eq_bands, self.cfg.eq_gain_db
+        tilt_low, tilt_high = self.cfg.eq_tilt_db_per_octave
+        lows = np.array([low] * bands + [tilt_low])
+        return (lows + (np.array([high] * bands + [tilt_high]) - lows) * u).astype(np.float32)
 
     # -----------------------------------------------------------------------------------------
     # Precomputed log-mel features
 
-    def log_mel(self, feats: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """EQ and gain of log-mel features [frames, n_mels] as per-bin log offsets; same shape."""
+    def log_mel(self, feats: np.ndarray, seed: int) -> np.ndarray:
+        """EQ and gain of log-mel features [frames, n_mels] as per-bin log offsets, drawn from
+        the crop's seed (`log_mel_offsets`); same shape."""
         if not self.enabled:
             return feats
         if feats.ndim != 2 or feats.shape[1] != self.mel_centres_hz.shape[0]:
@@ -311,23 +320,36 @@ class Augmenter:
                 f"Augmenter.log_mel expects features [frames, {self.mel_centres_hz.shape[0]}] "
                 f"(features.n_mels), got shape {feats.shape}"
             )
-        offsets = self.log_mel_offsets(rng)
-        return feats if offsets is None else feats + offsets.astype(feats.dtype)
+        offsets = self.log_mel_offsets([seed])
+        return feats if offsets is None else feats + offsets[0].astype(feats.dtype)
 
-    def log_mel_offsets(self, rng: np.random.Generator) -> np.ndarray | None:
-        """The per-bin log offsets (float32 [n_mels]) `log_mel` adds for this rng, or None when
-        it adds none; a batch reader applies them later, on the device."""
+    def log_mel_offsets(self, seeds) -> np.ndarray | None:
+        """The per-bin log offsets (float32 [len(seeds), n_mels]) that `log_mel` adds to the
+        crops of these crop seeds, or None when none of them gets any (a crop without EQ or
+        gain has a row of zeros); a batch reader adds them later, on the device.
+
+        Each crop's EQ and gain are drawn from its seed (`seeded_uniforms`: chance of EQ, the
+        curve's coefficients, chance of gain, gain), in one numpy pass for a whole batch, with
+        the same arithmetic row by row for one seed or many: the per-file and the packed
+        readers give a crop the same offsets to the bit."""
         if not self.enabled:
             return None
-        offset_db = np.zeros(self.mel_centres_hz.shape[0])
-        changed = False
-        if chance(rng, self.cfg.eq_prob):
-            offset_db += curve_db(self._random_eq(rng), self.mel_eq_basis)
-            changed = True
-        if chance(rng, self.cfg.gain_prob):
-            offset_db += uniform(rng, self.cfg.gain_db)
-            changed = True
-        return (offset_db * DB_TO_LOG_POWER).astype(np.float32) if changed else None
+        cfg, bands = self.cfg, self.cfg.eq_bands
+        u = seeded_uniforms(seeds, bands + 4, _LOG_MEL_STREAM)
+        eq, gain = u[:, 0] < cfg.eq_prob, u[:, bands + 2] < cfg.gain_prob
+        if not (eq.any() or gain.any()):
+            return None
+        coefficients = self._eq_coefficients(u[:, 1 : bands + 2])
+        curve = np.zeros((len(u), self.mel_eq_basis.shape[1]), dtype=np.float32)
+        for k, row in enumerate(self.mel_eq_basis):  # elementwise: the same bits for any batch
+            curve += coefficients[:, k : k + 1] * row
+        low, high = cfg.gain_db
+        offset_db = np.where(eq[:, None], curve, np.float32(0)).astype(np.float64)
+        offset_db += np.where(gain, low + (high - low) * u[:, bands + 3], 0.0)[:, None]
+        return (offset_db * DB_TO_LOG_POWER).astype(np.float32)
+
+
+_LOG_MEL_STREAM = 0x6C6F_675F_6D65_6C  # seeded_uniforms' stream of log_mel_offsets ("log_mel")
 
 
 def check_band(cfg: AugmentConfig, sample_rate: int) -> None:

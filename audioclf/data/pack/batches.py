@@ -13,7 +13,7 @@ process gets the buffer without a copy and hands out its K batches in sampler or
 A batch is a data.dataset.Batch with bin_offsets: x in the pack's dtype (float16: half
 the bytes to move to a GPU), made float32 on the device by `Batch.model_input`, which also adds the
 feature-domain augmentation's per-bin offsets (`Augmenter.log_mel_offsets`, drawn in the worker
-from each crop's seed, as the per-file reader draws them) — so a crop is the per-file reader's
+from the crops' seeds in one pass, as the per-file reader draws each) — so a crop is the per-file reader's
 crop to fp16 rounding, and exactly it for features that fp16 holds exactly.
 
 Everything a unit carries to the device is a tensor carved from that one buffer: x, one int64
@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from audioclf.data.dataset import AudioDataset, unpack_key
+from audioclf.data.dataset import AudioDataset
 from audioclf.data.pack.format import PackError
 from audioclf.data.readers import pad_window, read_npy_crop, window_starts
 from audioclf.data.units import BufferLeases, Unit, UnitReader
@@ -75,14 +75,16 @@ class PackedBatchReader(UnitReader):
         return dict(super().__getstate__(), _scratch=np.empty(0, dtype=np.uint16))
 
     def __getitem__(self, unit: list[list[tuple]]) -> Unit:
-        keys = np.array([unpack_key(key)[:2] for batch in unit for key in batch], dtype=np.int64)
-        crop = unpack_key(unit[0][0])[2]
-        n_frames = self.features.frames(int(self.default_crop if crop is None else crop))
         if any(len(batch) != len(unit[0]) for batch in unit):
             raise ValueError("the batches of a unit must have one size")
+        # SeededBatches' keys, (position, crop seed[, crop samples]) each: one array
+        keys = np.array(unit, dtype=np.int64).reshape(-1, len(unit[0][0]))
+        crop = int(keys[0, 2]) if keys.shape[1] > 2 else self.default_crop
+        n_frames = self.features.frames(crop)
         batch_shape = (len(unit), len(unit[0]))
         positions, seeds = keys[:, 0], keys[:, 1]
-        offsets = self._offsets(seeds)
+        # the augmentation's per-bin offsets, drawn from the crops' seeds as the dataset draws
+        offsets = None if self.augment is None else self.augment.log_mel_offsets(seeds)
         dtype = torch.float16 if self.pack.dtype == np.float16 else torch.float32
         bins = self.pack.n_bins
         x, small, bin_offsets, lease = self._buffer(
@@ -125,17 +127,6 @@ class PackedBatchReader(UnitReader):
                 path, n_frames, int(seeds[slot]), clips.npy_layout, bins, clips.pad_mode
             )
             flat[slot] = crop.reshape(-1)
-
-    def _offsets(self, seeds: np.ndarray) -> np.ndarray | None:
-        """The augmentation's per-bin offsets of each crop (None when no crop has any), drawn
-        from each crop's seed as the dataset draws them."""
-        if self.augment is None:
-            return None
-        drawn = [self.augment.log_mel_offsets(np.random.default_rng(int(s))) for s in seeds]
-        if all(d is None for d in drawn):
-            return None
-        zeros = np.zeros(self.pack.n_bins, dtype=np.float32)
-        return np.stack([zeros if d is None else d for d in drawn])
 
     def _fill_short(self, flat: np.ndarray, lengths: np.ndarray, n_frames: int) -> None:
         """Samples shorter than the crop: tiled or zero-padded as clips.pad_mode says."""
