@@ -11,10 +11,11 @@ One `Augmenter` per dataset; a training item goes through it in two calls around
 crops in the last epochs). Every random choice on a waveform is drawn from the
 `numpy.random.Generator` passed in (the dataset seeds one per item), and a log-mel crop's from
 its crop seed (`log_mel_offsets`, a whole batch of crops in one numpy pass), never from global
-state, so one seed gives bit-identical output in any worker or process. A disabled Augmenter (`augment.enabled=false`,
-the default) returns its input unchanged and draws nothing, so crops stay what they were
-without augmentation; so does a piece whose probability is 0 (pitch, stretch, band and codec
-are 0 by default), so turning one on leaves the others' draws as they were.
+state, so one seed gives bit-identical output in any worker or process. A disabled Augmenter
+(`augment.enabled=false`, the default) returns its input unchanged and draws nothing, so crops
+stay what they were without augmentation; so does a piece whose probability is 0 (pitch,
+stretch, band and codec are 0 by default), so turning one on leaves the others' draws as they
+were.
 
 Pieces, in the order they run (each with its own probability; modules beside this one):
   speed, pitch, stretch  before the crop (`pitch.py`): the source's tempo and pitch.
@@ -37,7 +38,8 @@ peak 1.0: scaled, not clipped, so no distortion is added.
 For precomputed log-mel features (natural log of mel power, as `audioclf.spectrogram.log_mel`
 writes them) `log_mel` applies the same EQ curve, evaluated at the mel bands' centre
 frequencies, and the gain, as per-bin offsets (dB · ln(10) / 10): the same distributions as on
-a waveform, from the crop seed's own draws. The other pieces are skipped there; SpecAugment, spectral tilt and mel-axis warp stay in the front end.
+a waveform, from the crop seed's own draws. The other pieces are skipped there; SpecAugment,
+spectral tilt and mel-axis warp stay in the front end.
 
 Every piece is own code on numpy and torch / torchaudio: the libraries draw from global random
 state (an item could not be reproduced from its generator) and were slower where measured

@@ -10,11 +10,12 @@ unit's uncached crops in parallel), straight into one shared-memory buffer [K, B
 of the pack's dtype, reused once the main process has let go of it (`BufferLeases`). The main
 process gets the buffer without a copy and hands out its K batches in sampler order.
 
-A batch is a data.dataset.Batch with bin_offsets: x in the pack's dtype (float16: half
-the bytes to move to a GPU), made float32 on the device by `Batch.model_input`, which also adds the
+A batch is a data.dataset.Batch with bin_offsets: x in the pack's dtype (float16: half the
+bytes to move to a GPU), made float32 on the device by `Batch.model_input`, which also adds the
 feature-domain augmentation's per-bin offsets (`Augmenter.log_mel_offsets`, drawn in the worker
-from the crops' seeds in one pass, as the per-file reader draws each) — so a crop is the per-file reader's
-crop to fp16 rounding, and exactly it for features that fp16 holds exactly.
+from the unit's crop seeds in one pass, the bits the per-file reader draws for each crop) — so
+a crop is the per-file reader's crop to fp16 rounding, and exactly it for features that fp16
+holds exactly.
 
 Everything a unit carries to the device is a tensor carved from that one buffer: x, one int64
 block [K, 3, B] whose rows are each batch's lengths, labels and positions, and the offsets. The
