@@ -106,6 +106,9 @@ class Augmenter:
         self.crop_samples = crop_samples
         self.mel_centres_hz = mel_centre_frequencies(features)
         self.mel_eq_basis = eq_basis(self.mel_centres_hz, self.sample_rate, cfg.eq_bands)
+        # EQ coefficients' ranges: each control point's gain, then the tilt
+        ranges = np.array([cfg.eq_gain_db] * cfg.eq_bands + [cfg.eq_tilt_db_per_octave])
+        self._eq_low, self._eq_span = ranges[:, 0], ranges[:, 1] - ranges[:, 0]
         self.speed_ratios = [ratio_of(f, 100) for f in cfg.speed_factors]
         self.stft_size = stft_size(self.sample_rate)
         if cfg.enabled and cfg.band_prob > 0.0:
@@ -304,10 +307,7 @@ class Augmenter:
     def _eq_coefficients(self, u: np.ndarray) -> np.ndarray:
         """float32 EQ coefficients [..., eq_bands + 1] (control-point gains, tilt) from uniforms
         in [0, 1) of that shape: low + (high - low) · u, Generator.uniform's own arithmetic."""
-        bands, (low, high) = self.cfg.eq_bands, self.cfg.eq_gain_db
-        tilt_low, tilt_high = self.cfg.eq_tilt_db_per_octave
-        lows = np.array([low] * bands + [tilt_low])
-        return (lows + (np.array([high] * bands + [tilt_high]) - lows) * u).astype(np.float32)
+        return (self._eq_low + self._eq_span * u).astype(np.float32)
 
     # -----------------------------------------------------------------------------------------
     # Precomputed log-mel features
@@ -323,7 +323,7 @@ class Augmenter:
                 f"(features.n_mels), got shape {feats.shape}"
             )
         offsets = self.log_mel_offsets([seed])
-        return feats if offsets is None else feats + offsets[0].astype(feats.dtype)
+        return feats if offsets is None else feats + offsets[0].astype(feats.dtype, copy=False)
 
     def log_mel_offsets(self, seeds) -> np.ndarray | None:
         """The per-bin log offsets (float32 [len(seeds), n_mels]) that `log_mel` adds to the
@@ -341,14 +341,16 @@ class Augmenter:
         eq, gain = u[:, 0] < cfg.eq_prob, u[:, bands + 2] < cfg.gain_prob
         if not (eq.any() or gain.any()):
             return None
-        coefficients = self._eq_coefficients(u[:, 1 : bands + 2])
-        curve = np.zeros((len(u), self.mel_eq_basis.shape[1]), dtype=np.float32)
-        for k, row in enumerate(self.mel_eq_basis):  # elementwise: the same bits for any batch
-            curve += coefficients[:, k : k + 1] * row
-        low, high = cfg.gain_db
-        offset_db = np.where(eq[:, None], curve, np.float32(0)).astype(np.float64)
-        offset_db += np.where(gain, low + (high - low) * u[:, bands + 3], 0.0)[:, None]
-        return (offset_db * DB_TO_LOG_POWER).astype(np.float32)
+        offset_db = np.zeros((len(u), self.mel_eq_basis.shape[1]), dtype=np.float32)
+        if eq.any():  # float32 products summed in order, row by row: the same bits for any batch
+            coefficients = self._eq_coefficients(u[:, 1 : bands + 2])
+            curve = np.add.reduce(coefficients[:, :, None] * self.mel_eq_basis, axis=1)
+            offset_db += np.where(eq[:, None], curve, np.float32(0))
+        if gain.any():
+            low, high = cfg.gain_db
+            gain_db = np.where(gain, low + (high - low) * u[:, bands + 3], 0.0)
+            offset_db += gain_db.astype(np.float32)[:, None]
+        return offset_db * np.float32(DB_TO_LOG_POWER)
 
 
 _LOG_MEL_STREAM = 0x6C6F_675F_6D65_6C  # seeded_uniforms' stream of log_mel_offsets ("log_mel")
