@@ -4,7 +4,7 @@
     clips.paths, clips.source, len(clips), clips.pack
 
 `data.unlabelled` is a folder (searched recursively, sorted, for the files the model takes:
-audio, or .npy log-mel with features.kind=npy) or a sheet (.csv, .xlsx, .parquet) with a `path`
+audio, or .npy log-mel with features.kind=npy; their paths made absolute) or a sheet (.csv, .xlsx, .parquet) with a `path`
 column (relative paths resolved against the sheet's folder) and optionally a `split` column:
 rows whose split is empty or `train` are used, the others (e.g. a held-out half) are not.
 The index.parquet of an unlabelled pack (prepare --unlabelled --pack) is such a sheet: its
@@ -116,8 +116,12 @@ def list_unlabelled(source: str, features: FeaturesConfig) -> list[str]:
 
 
 def _search(folder: Path, features: FeaturesConfig) -> list[str]:
+    """The folder's clips, absolute (a pack's clip column and every message name them so,
+    whatever folder a later run starts in)."""
     wanted = AUDIO_SUFFIXES if features.kind == "audio" else frozenset({".npy"})
-    found = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in wanted)
+    found = sorted(
+        p for p in folder.absolute().rglob("*") if p.is_file() and p.suffix.lower() in wanted
+    )
     return [str(p) for p in found]
 
 

@@ -33,11 +33,13 @@ def _write_clips(folder: Path, count: int) -> list[Path]:
     return paths
 
 
-def test_a_folder_is_searched_recursively_in_sorted_order(tmp_path):
+def test_a_folder_is_searched_recursively_in_sorted_order(tmp_path, monkeypatch):
     paths = _write_clips(tmp_path / "new", 5)
     (tmp_path / "new" / "notes.txt").write_text("not audio")
     clips = load_unlabelled(str(tmp_path / "new"), AUDIO)
     assert clips.paths == tuple(sorted(map(str, paths))) and len(clips) == 5
+    monkeypatch.chdir(tmp_path)  # a relative folder: the clips are named absolute all the same
+    assert load_unlabelled("new", AUDIO).paths == clips.paths
 
 
 def test_a_sheet_gives_paths_and_its_split_keeps_train_rows(tmp_path):
