@@ -24,8 +24,9 @@ crop_seconds=3 -> 301 frames, sampler.batch_size=128, m=4, one rank, the default
               filled each of its unit buffers (prefetch + 3) once, so no buffer's first page
               faults are timed; the packed loader also with augment.enabled (log-mel EQ and gain
               as per-bin offsets, as configs/cnn.yaml trains), first worker count, warm; warm
-              (every file read once first, then checked resident with mincore) and cold (each file dropped from the page cache with posix_fadvise
-              DONTNEED, checked with mincore; on a VM the hypervisor may still cache: "cold-ish");
+              (every file read once first, then checked resident with mincore) and cold (each
+              file dropped from the page cache with posix_fadvise DONTNEED, checked with
+              mincore; on a VM the hypervisor may still cache: "cold-ish");
   memory      one run of --batches batches with --memory-workers workers, every worker's memory
               from /proc at the start (once each has delivered a batch) and every 10 batches:
               VmRSS (what top shows), and USS = Private_Clean + Private_Dirty of smaps_rollup.
@@ -454,19 +455,20 @@ class LoaderRun:
         self.next_batch()
         self.first_batch_s = time.perf_counter() - start
         self.received = 1
+        self.prefetch, self.read_batches = cfg.data.prefetch_factor, cfg.data.pack_read_batches
         # Until every worker has delivered a batch, throughput would include start-up.
-        while self.received < max(workers, 1) * max(1, cfg.data.pack_read_batches):
-            self.next_batch()
-            self.received += 1
+        self.take_until_units(max(workers, 1))
         self.pids = children(os.getpid()) if workers else []
         self.bytes_read = 0
-        self.prefetch, self.read_batches = cfg.data.prefetch_factor, cfg.data.pack_read_batches
 
     def fill_buffers(self) -> None:
         """Take batches until every worker has filled each of its unit buffers once
         (BufferLeases: prefetch + 3 per worker): a buffer's first fill faults its pages in, a
         start-up cost a 30-batch timing would otherwise hold several times."""
-        units = self.workers * (self.prefetch + 3)
+        self.take_until_units(self.workers * (self.prefetch + 3))
+
+    def take_until_units(self, units: int) -> None:
+        """Take batches until `units` units of the loader have been received in all."""
         while self.received < units * max(1, self.read_batches):
             self.next_batch()
             self.received += 1

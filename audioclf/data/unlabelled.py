@@ -4,9 +4,10 @@
     clips.paths, clips.source, len(clips), clips.pack
 
 `data.unlabelled` is a folder (searched recursively, sorted, for the files the model takes:
-audio, or .npy log-mel with features.kind=npy; their paths made absolute) or a sheet (.csv, .xlsx, .parquet) with a `path`
-column (relative paths resolved against the sheet's folder) and optionally a `split` column:
-rows whose split is empty or `train` are used, the others (e.g. a held-out half) are not.
+audio, or .npy log-mel with features.kind=npy; their paths made absolute) or a sheet (.csv,
+.xlsx, .parquet) with a `path` column (relative paths resolved against the sheet's folder) and
+optionally a `split` column: rows whose split is empty or `train` are used, the others (e.g. a
+held-out half) are not.
 The index.parquet of an unlabelled pack (prepare --unlabelled --pack) is such a sheet: its
 clips are read from the pack (`clips.pack`, checked as a packed index is; features.kind=npy),
 and `clips.paths` are the source files its `clip` column names.

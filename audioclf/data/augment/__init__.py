@@ -339,14 +339,15 @@ class Augmenter:
         cfg, bands = self.cfg, self.cfg.eq_bands
         u = seeded_uniforms(seeds, bands + 4, _LOG_MEL_STREAM)
         eq, gain = u[:, 0] < cfg.eq_prob, u[:, bands + 2] < cfg.gain_prob
-        if not (eq.any() or gain.any()):
+        any_eq, any_gain = bool(eq.any()), bool(gain.any())
+        if not (any_eq or any_gain):
             return None
         offset_db = np.zeros((len(u), self.mel_eq_basis.shape[1]), dtype=np.float32)
-        if eq.any():  # float32 products summed in order, row by row: the same bits for any batch
+        if any_eq:  # float32 products summed in order, row by row: the same bits for any batch
             coefficients = self._eq_coefficients(u[:, 1 : bands + 2])
             curve = np.add.reduce(coefficients[:, :, None] * self.mel_eq_basis, axis=1)
             offset_db += np.where(eq[:, None], curve, np.float32(0))
-        if gain.any():
+        if any_gain:
             low, high = cfg.gain_db
             gain_db = np.where(gain, low + (high - low) * u[:, bands + 3], 0.0)
             offset_db += gain_db.astype(np.float32)[:, None]
