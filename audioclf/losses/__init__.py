@@ -194,7 +194,7 @@ class TripletLoss(_MarginSchedule):
             embeddings = embeddings.float()
             rows = (labels, items.to(embeddings.device)) if remember else (labels,)
             if self.cross_rank:
-                embeddings, *rows = _gather_global(embeddings, *rows)
+                embeddings, *rows = gather_global(embeddings, *rows)
             if remember:
                 return self._with_memory(embeddings, *rows)
             labels = rows[0]  # the global batch's, with cross_rank
@@ -207,7 +207,7 @@ class TripletLoss(_MarginSchedule):
         loss, stats = self._triplet_loss(embeddings, labels, triplets, refs[:2])
         # The global batch joins the queue (gathered here unless it already is).
         batch = (embeddings.detach(), labels, items)
-        self.memory.enqueue(*(batch if self.cross_rank else _gather_global(*batch, grad=False)))
+        self.memory.enqueue(*(batch if self.cross_rank else gather_global(*batch, grad=False)))
         return loss, stats  # the memory's fill (len) is left out: a host sync every step
 
     def _triplet_loss(self, embeddings, labels, triplets, refs=()):
@@ -349,7 +349,7 @@ class WeightedLosses(nn.Module):
         return total, report
 
 
-def _gather_global(embeddings: Tensor, *labels: Tensor, grad: bool = True) -> list[Tensor]:
+def gather_global(embeddings: Tensor, *labels: Tensor, grad: bool = True) -> list[Tensor]:
     """The global batch (embeddings, then each label tensor) in rank order; with `grad` this
     rank's embedding rows keep their gradient.
 

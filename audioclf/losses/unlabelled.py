@@ -13,7 +13,8 @@ layout), so rows dropped from a batch (unreadable files) never shift the roles:
     - [L, L + U): a clip as a member of its pseudo-class: the triplet term only, with class
       C + its pseudo-label (the head has no weights for pseudo-classes);
     - [L + U, L + 2U): a view of clip (position - L - U): the NT-Xent term, whose positives are
-      the views of one clip and whose negatives are every other view in the batch.
+      the views of one clip and whose negatives are every other view of the step (every rank's:
+      `ViewsLoss`).
 Terms are summed with weights, as WeightedLosses (PML's MultipleLosses) does.
 """
 
@@ -24,23 +25,32 @@ import torch
 from pytorch_metric_learning import losses
 from torch import Tensor, nn
 
-from audioclf.losses import WeightedLosses
+from audioclf.losses import WeightedLosses, gather_global
 
 
 class ViewsLoss(nn.Module):
-    """NT-Xent (PML's NTXentLoss) over views: rows with one label are views of one clip."""
+    """NT-Xent (PML's NTXentLoss) over views: rows with one label are views of one clip.
+
+    In a process group the term is over the step's global batch, as loss.cross_rank's triplet
+    term: every rank gathers the views of all ranks (gather_global, its own rows keeping their
+    gradient) and computes the same loss, so a view's negatives are every other clip's views of
+    the step, not only its rank's (2 ranks of cpu_small: 14 instead of 6), and the gradients
+    that DDP averages are the single-process gradients over the concatenated views.
+    """
 
     def __init__(self, temperature: float):
         super().__init__()
         self.ntxent = losses.NTXentLoss(temperature=temperature)
 
     def forward(self, embeddings: Tensor, clips: Tensor) -> Tensor:
-        # "+ 0 × sum": zero when no clip has two views here, yet connected to every embedding
-        connected = embeddings.sum() * 0.0
-        if len(clips) < 2:
-            return connected
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
-            return self.ntxent(embeddings.float(), clips) + connected
+            embeddings, clips = gather_global(embeddings.float(), clips.to(embeddings.device))
+            # "+ 0 × sum": zero when no clip has two views, yet connected to every embedding
+            # (and to the gather, whose backward is a collective every rank must join)
+            connected = embeddings.sum() * 0.0
+            if len(clips) < 2:
+                return connected
+            return self.ntxent(embeddings, clips) + connected
 
 
 def mmd(source: Tensor, target: Tensor, scales: tuple[float, ...] = (0.5, 1.0, 2.0)) -> Tensor:

@@ -1,5 +1,6 @@
-"""In a real 2-process gloo group: the cross-rank triplet loss and its DDP gradients equal the
-single-process loss and gradients on the concatenated batch; a margin head's class weights
+"""In a real 2-process gloo group: the cross-rank triplet loss, and the NT-Xent term over
+unlabelled views, and their DDP gradients equal the single-process loss and gradients on the
+concatenated batch; a margin head's class weights
 (inside the DDP-wrapped model) get the all-reduced gradient and stay identical across ranks,
 also when one rank's batch has no rows."""
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from audioclf.config import LossConfig
 from audioclf.losses import TripletLoss, build_loss
+from audioclf.losses.unlabelled import ViewsLoss
 from tests.helpers import run_in_group
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -38,8 +40,22 @@ def loss_and_grads(model, x, labels, miner, cross_rank):
     return loss.item(), stats["triplets"], [p.grad.clone() for p in model.parameters()]
 
 
+def views_loss_and_grads(model, x, clips):
+    loss = ViewsLoss(temperature=0.1)(F.normalize(model(x), dim=1), clips)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+def fixed_views():
+    """Two views of each of six clips, a clip's views side by side (as MixedBatchSampler puts
+    them in one rank's batch)."""
+    x, _ = fixed_batch()
+    return x, torch.arange(6).repeat_interleave(2) + 100
+
+
 def _cross_rank_results(rank, world_size):
-    """{(split, miner): (loss, triplets, grads)} of each rank's half of the fixed batch."""
+    """{(split, miner): (loss, triplets, grads)} of each rank's half of the fixed batch, and
+    {(split, "views"): (loss, grads)} of its half of the fixed views."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
@@ -50,6 +66,9 @@ def _cross_rank_results(rank, world_size):
         for miner in MINERS:
             model = DistributedDataParallel(fresh_model())
             results[split, miner] = loss_and_grads(model, x[part], labels[part], miner, True)
+        views, clips = fixed_views()
+        model = DistributedDataParallel(fresh_model())
+        results[split, "views"] = views_loss_and_grads(model, views[part], clips[part])
     return results
 
 
@@ -71,6 +90,19 @@ def test_cross_rank_loss_and_grads_equal_single_process(rank_results, miner, spl
     for rank, results in enumerate(rank_results):
         rank_loss, rank_triplets, rank_grads = results[split, miner]
         assert rank_triplets == triplets, f"rank {rank} mined another set of triplets"
+        assert rank_loss == pytest.approx(loss, abs=1e-5)
+        for expected, got in zip(grads, rank_grads, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_views_loss_and_grads_are_those_of_every_ranks_views_in_one_process(rank_results, split):
+    x, clips = fixed_views()
+    loss, grads = views_loss_and_grads(fresh_model(), x, clips)
+    half_loss, half_grads = views_loss_and_grads(fresh_model(), x[:6], clips[:6])
+    assert abs(half_loss - loss) > 1e-3 and (half_grads[0] - grads[0]).abs().max() > 1e-3
+    for results in rank_results:
+        rank_loss, rank_grads = results[split, "views"]
         assert rank_loss == pytest.approx(loss, abs=1e-5)
         for expected, got in zip(grads, rank_grads, strict=True):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from audioclf import checkpoint
 from audioclf.config import load_config
-from audioclf.losses import _gather_global, build_loss
+from audioclf.losses import gather_global, build_loss
 from audioclf.losses.memory import CrossBatchMemory, mine_with_items
 from tests.helpers import fit, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
@@ -225,5 +225,5 @@ def test_a_step_with_the_memory_syncs_only_where_the_mining_needs_it(miner, mini
         memory.references(emb, classes, items)
         memory.enqueue(emb, classes, items)
         memory.enqueue(emb * float("nan"), classes, items)  # not queued, decided on the device
-        _gather_global(emb, classes, items)
+        gather_global(emb, classes, items)
     assert syncs == Counter()
