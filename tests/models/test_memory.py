@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from audioclf import checkpoint
 from audioclf.config import load_config
-from audioclf.losses import gather_global, build_loss
+from audioclf.losses import build_loss, gather_global
 from audioclf.losses.memory import CrossBatchMemory, mine_with_items
 from tests.helpers import fit, tiny_config
 from tests.train_hooks import digest_hooks, stop_at
