@@ -37,7 +37,7 @@ VERSION="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 rm -rf "$VENV" && "$PY" -m venv "$VENV" || die "could not make a venv in $VENV"
 mapfile -t BOX < <("$PY" benchmarks/gpu_preflight.py --list-box)
 echo "gpu_rehearsal: Python $VERSION venv $VENV with the image's ${#BOX[@]} packages: ${BOX[*]}"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.11" "${BOX[@]}" \
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "torch>=2.11" "${BOX[@]}" \
     || die "pip could not install the image's packages (above)"
 rm -rf "$VENV/wheels" "$VENV/site"
 PYTHON="$PY" benchmarks/gpu_wheels.sh "$VENV/wheels" --python "$VERSION" \
