@@ -147,7 +147,7 @@ class LossConfig:
 @dataclass
 class UnlabelledConfig:
     share: float = 0.25  # with data.unlabelled: share of each batch's rows that are views of unlabelled clips (two crops of each clip); the labelled part keeps the rest, rounded down to whole classes of sampler.m
-    views_weight: float = 1.0  # weight of the NT-Xent term over those views (two crops of a clip a positive pair, the other views negatives) beside the triplet term
+    views_weight: float = 1.0  # weight of the NT-Xent term over those views (two crops of a clip a positive pair, the other views of the step, every rank's, negatives) beside the triplet term
     temperature: float = 0.1  # NT-Xent temperature
     align_weight: float = 0.0  # experimental: weight of an alignment term, the MMD (Gaussian kernels) between each batch's labelled rows and its unlabelled rows; 0 = off: at 1.0 beside the views, measured on both domains over three seeds, it added nothing (speech's other engine 0.758 against 0.762, sounds' held-out banks 0.485 against 0.502) (RESULTS.md, "Alignment and the speech recipe")
     cluster_every: int = 0  # epochs between pseudo-label rounds (embed the unlabelled clips, cluster, add the confident clusters to the sampler as classes), the first at the start of training; 0 = none: measured on both domains, three seeds, they added nothing to the views (benchmarks/RESULTS.md); 2 turns them on
