@@ -1,8 +1,7 @@
 """In a real 2-process gloo group: the cross-rank triplet loss, and the NT-Xent term over
 unlabelled views, and their DDP gradients equal the single-process loss and gradients on the
-concatenated batch; a margin head's class weights
-(inside the DDP-wrapped model) get the all-reduced gradient and stay identical across ranks,
-also when one rank's batch has no rows."""
+concatenated batch; a margin head's class weights (inside the DDP-wrapped model) get the
+all-reduced gradient and stay identical across ranks, also when one rank's batch has no rows."""
 
 import pytest
 import torch
