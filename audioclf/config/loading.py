@@ -163,6 +163,34 @@ def move_keys(data: dict) -> tuple[dict, list[str]]:
     return out, notes
 
 
+# (section, key) -> (its "off" value, what it was). Keys taken out after they had landed: the
+# configs stored in checkpoints of those commits hold them (at "off" unless the run used them).
+# Read from a checkpoint, such a key is dropped with a note: a model's weights do not depend on
+# it. Asked for at another value by a config file or an override, it is refused.
+RETIRED_KEYS = {
+    ("unlabelled", "neighbours"): (0, "nearest-neighbour positives (NNCLR)"),
+    ("unlabelled", "align_weight"): (0.0, "the MMD alignment term"),
+}
+
+
+def drop_retired(data: dict, *, refuse_set: bool) -> list[str]:
+    """Retired keys taken out of the merged dict `data` (in place), a note per key; a key set to
+    another value than its "off" is a ConfigError when `refuse_set` (a run asking for it)."""
+    notes = []
+    for (section, key), (off, what) in RETIRED_KEYS.items():
+        part = data.get(section)
+        if not isinstance(part, dict) or key not in part:
+            continue
+        value = part.pop(key)
+        if refuse_set and value != off:
+            raise ConfigError(
+                f"{section}.{key}={value}: audioclf no longer has {what} (measured to add "
+                f"nothing, benchmarks/RESULTS.md); remove the key"
+            )
+        notes.append(f"{section}.{key}={value} dropped (audioclf no longer has {what})")
+    return notes
+
+
 def head_rule(data: dict, *, earlier_layout: bool) -> list[str]:
     """Before 0.2 a head existed only while loss.ce_weight > 0 (loss.head chose its kind,
     softmax by default). Applied to the merged dict, in place; returns a note when it decided."""
@@ -186,14 +214,15 @@ def head_rule(data: dict, *, earlier_layout: bool) -> list[str]:
     return []
 
 
-def migrate(*sources: dict) -> tuple[dict, list[str]]:
+def migrate(*sources: dict, refuse_retired: bool = False) -> tuple[dict, list[str]]:
     """The sources (later ones win) merged into one dict of the current layout, and a note per
-    key of an earlier release that was read (see move_keys, head_rule)."""
+    key of an earlier release that was read (see move_keys, head_rule, drop_retired)."""
     merged, notes = {}, []
     for source in sources:
         moved, source_notes = move_keys(source)
         merged, notes = merge(merged, moved), notes + source_notes
-    return merged, notes + head_rule(merged, earlier_layout=bool(notes))
+    notes += head_rule(merged, earlier_layout=bool(notes))
+    return merged, notes + drop_retired(merged, refuse_set=refuse_retired)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,7 +299,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
-    data, moved = migrate(data, parse_overrides(overrides or []))
+    try:
+        data, moved = migrate(data, parse_overrides(overrides or []), refuse_retired=True)
+    except ConfigError as exc:
+        raise ConfigError(f"{path or 'overrides'}: {exc}") from None
     if moved:
         warnings.warn(
             f"{path or 'overrides'}: config keys of an earlier release were read as "

@@ -149,7 +149,6 @@ class UnlabelledConfig:
     share: float = 0.25  # with data.unlabelled: share of each batch's rows that are views of unlabelled clips (two crops of each clip); the labelled part keeps the rest, rounded down to whole classes of sampler.m
     views_weight: float = 1.0  # weight of the NT-Xent term over those views (two crops of a clip a positive pair, the other views of the step, every rank's, negatives) beside the triplet term
     temperature: float = 0.1  # NT-Xent temperature
-    align_weight: float = 0.0  # experimental: weight of an alignment term, the MMD (Gaussian kernels) between each batch's labelled rows and its unlabelled rows; 0 = off: at 1.0 beside the views, measured on both domains over three seeds, it added nothing (speech's other engine 0.758 against 0.762, sounds' held-out banks 0.485 against 0.502) (RESULTS.md, "Alignment and the speech recipe")
     cluster_every: int = 0  # epochs between pseudo-label rounds (embed the unlabelled clips, cluster, add the confident clusters to the sampler as classes), the first at the start of training; 0 = none: measured on both domains, three seeds, they added nothing to the views (benchmarks/RESULTS.md); 2 turns them on
     cluster_threshold: float = 0.0  # a fixed cosine distance to cut at instead of cluster_cut (0 = off; runs before cluster_cut cut at 0.3, and their configs keep it)
     cluster_cut: float = 0.5  # agglomerative clustering (cosine, average linkage) stops merging clips at this fraction of the labelled classes' gap: the median cosine distance from a class's centroid to its nearest other class, measured each round with the current model on a fixed sample of training clips (up to 256 classes x sampler.m)
@@ -162,7 +161,6 @@ class UnlabelledConfig:
         _check(0.0 < self.share < 1.0, "unlabelled.share", self.share, "in (0, 1)")
         _check(self.views_weight >= 0, "unlabelled.views_weight", self.views_weight, ">= 0")
         _check(self.temperature > 0, "unlabelled.temperature", self.temperature, "> 0")
-        _check(self.align_weight >= 0, "unlabelled.align_weight", self.align_weight, ">= 0 (0 = off)")
         _check(self.cluster_every >= 0, "unlabelled.cluster_every", self.cluster_every,
                ">= 0 (0 = no pseudo-labels)")
         _check(0.0 <= self.cluster_threshold < 2.0, "unlabelled.cluster_threshold",

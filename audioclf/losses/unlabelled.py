@@ -1,9 +1,8 @@
 """The objective of a run with unlabelled audio (data.unlabelled): the labelled terms, the
-triplet term also over pseudo-classes, NT-Xent over two views of each unlabelled clip, and
-(unlabelled.align_weight) an MMD term between the batch's labelled and unlabelled rows.
+triplet term also over pseudo-classes, and NT-Xent over two views of each unlabelled clip.
 
     objective = UnlabelledObjective(build_loss(cfg), ViewsLoss(0.1), views_weight=1.0,
-                                    n_labelled=L, n_clips=U, n_classes=C, align_weight=0.0)
+                                    n_labelled=L, n_clips=U, n_classes=C)
     objective.set_pseudo_labels(labels)        # per clip: its pseudo-class, or -1
     loss = objective.objective(model_output, labels, positions)
 
@@ -53,25 +52,8 @@ class ViewsLoss(nn.Module):
             return self.ntxent(embeddings, clips) + connected
 
 
-def mmd(source: Tensor, target: Tensor, scales: tuple[float, ...] = (0.5, 1.0, 2.0)) -> Tensor:
-    """Squared maximum mean discrepancy between two sets of rows (the biased estimate), under a
-    sum of Gaussian kernels exp(-d² / (scale · mean d²)), the mean over every pair of rows of
-    both sets (held fixed for the gradient), as DAN's multi-kernel MMD (Long et al., 2015).
-    Zero, still connected to every row, when either set has fewer than two rows."""
-    if len(source) < 2 or len(target) < 2:
-        return (source.sum() + target.sum()) * 0.0
-    with torch.autocast(device_type=source.device.type, enabled=False):
-        rows = torch.cat([source, target]).float()
-        squared = torch.cdist(rows, rows).pow(2)
-        bandwidth = squared.detach().mean().clamp_min(1e-12)
-        kernel = sum(torch.exp(-squared / (scale * bandwidth)) for scale in scales)
-        n = len(source)
-        return kernel[:n, :n].mean() + kernel[n:, n:].mean() - 2 * kernel[:n, n:].mean()
-
-
 class UnlabelledObjective(nn.Module):
-    """Labelled terms + pseudo-classes in the triplet term + views_weight × NT-Xent of views
-    + align_weight × MMD(labelled rows, unlabelled rows)."""
+    """Labelled terms + pseudo-classes in the triplet term + views_weight × NT-Xent of views."""
 
     memory = None  # no cross-batch memory (Config refuses loss.memory_size with data.unlabelled)
 
@@ -84,13 +66,11 @@ class UnlabelledObjective(nn.Module):
         n_labelled: int,
         n_clips: int,
         n_classes: int,
-        align_weight: float = 0.0,
     ):
         super().__init__()
         if labelled.memory is not None:
             raise ValueError("the cross-batch memory (loss.memory_size) is not for data.unlabelled")
         self.labelled, self.views, self.views_weight = labelled, views, views_weight
-        self.align_weight = align_weight
         self.n_labelled, self.n_clips, self.n_classes = n_labelled, n_clips, n_classes
         self.pseudo_classes = torch.full((n_clips,), -1, dtype=torch.int64)
 
@@ -131,6 +111,4 @@ class UnlabelledObjective(nn.Module):
             total = weighted if total is None else total + weighted
         view = positions >= first_view
         total = total + self.views_weight * self.views(embeddings[view], positions[view])
-        if self.align_weight:
-            total = total + self.align_weight * mmd(embeddings[real], embeddings[~real])
         return total

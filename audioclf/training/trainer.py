@@ -300,7 +300,6 @@ class Trainer:
                 n_labelled=len(self.train),
                 n_clips=len(self.unlabelled),
                 n_classes=len(self.train.classes),
-                align_weight=cfg.unlabelled.align_weight,
             )
         self.optimizer = build_optimizer(param_groups(net, cfg.optim), cfg.optim, env.device)
         self.schedule = LRSchedule(
@@ -436,10 +435,10 @@ class Trainer:
             labelled, clips = self.cfg.unlabelled.batch_rows(
                 self.cfg.sampler.batch_size, self.cfg.sampler.m
             )
-            every, align = self.cfg.unlabelled.cluster_every, self.cfg.unlabelled.align_weight
+            every = self.cfg.unlabelled.cluster_every
             log.info(
                 "data.unlabelled=%s: %d usable unlabelled clips; a batch holds %d labelled rows "
-                "and 2 views of %d clips (unlabelled.share=%g); %s%s",
+                "and 2 views of %d clips (unlabelled.share=%g); %s",
                 self.unlabelled.source,
                 len(self.unlabelled),
                 labelled,
@@ -448,7 +447,6 @@ class Trainer:
                 f"pseudo-labels every {every} epochs"
                 if every
                 else "no pseudo-labels (unlabelled.cluster_every=0)",
-                f"; MMD alignment, weight {align:g}" if align else "",
             )
 
     def _prepare_run_dir(self) -> None:

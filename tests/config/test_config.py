@@ -107,6 +107,22 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize(("key", "used"), [("neighbours", 512), ("align_weight", 1.0)])
+def test_a_retired_key_is_dropped_from_checkpoints_and_refused_when_asked_for(tmp_path, key, used):
+    # checkpoints of the commits that had the key store it: at "off", or at the run's value
+    for value in (0, used):
+        stored = to_dict(Config())
+        stored["unlabelled"][key] = value
+        assert config_from_dict(stored) == Config()
+    path = write(tmp_path, {"unlabelled": {key: 0}})  # a saved config.yaml of those commits
+    with pytest.warns(UserWarning, match=rf"unlabelled\.{key}=0 dropped"):
+        assert load_config(path) == Config()
+    with pytest.raises(
+        ConfigError, match=rf"overrides: unlabelled\.{key}={used}: audioclf no longer"
+    ):
+        load_config(None, [f"unlabelled.{key}={used}"])
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")

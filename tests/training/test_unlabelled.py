@@ -164,49 +164,6 @@ def test_two_views_of_a_clip_pull_together():
     assert loss(empty, torch.zeros(0, dtype=torch.int64)).item() == 0.0
 
 
-def test_mmd_is_zero_between_one_set_and_itself_and_grows_with_a_shift():
-    from audioclf.losses.unlabelled import mmd
-
-    gen = torch.Generator().manual_seed(0)
-    source = torch.nn.functional.normalize(torch.randn(24, 16, generator=gen), dim=1)
-    same = torch.nn.functional.normalize(torch.randn(24, 16, generator=gen), dim=1)
-    shifted = torch.nn.functional.normalize(torch.randn(8, 16, generator=gen) + 2.0, dim=1)
-    assert mmd(source, source).item() == pytest.approx(0.0, abs=1e-6)
-    assert mmd(source, same) < 0.25 * mmd(source, shifted)  # the biased estimate: not 0
-    target = shifted.clone().requires_grad_(True)
-    mmd(source, target).backward()
-    stepped = (target - 0.5 * target.grad).detach()  # one gradient step moves it closer
-    assert mmd(source, stepped) < mmd(source, shifted)
-    one = torch.zeros(1, 16, requires_grad=True)
-    assert mmd(source, one).item() == 0.0  # too few rows: zero, yet connected
-    mmd(source, one).backward()
-    assert one.grad is not None
-
-
-def test_the_align_weight_adds_the_mmd_of_labelled_and_unlabelled_rows(tmp_path, tiny_demo):
-    from audioclf.losses import build_loss
-    from audioclf.losses.unlabelled import UnlabelledObjective, ViewsLoss, mmd
-
-    cfg = tiny_config(tiny_demo, tmp_path, "cnn", "model.head=none")
-    gen = torch.Generator().manual_seed(1)
-    embeddings = torch.nn.functional.normalize(torch.randn(12, 8, generator=gen), dim=1)
-    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1])
-    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 30, 31, 40, 41])  # 20 labelled, 10 clips
-
-    def objective(weight: float):
-        built = UnlabelledObjective(
-            build_loss(cfg), ViewsLoss(0.1), views_weight=1.0, n_labelled=20, n_clips=10,
-            n_classes=4, align_weight=weight,
-        )  # fmt: skip
-        return built.objective((embeddings, None), labels, positions)
-
-    added = objective(0.5) - objective(0.0)
-    assert added.item() == pytest.approx(0.5 * mmd(embeddings[:8], embeddings[8:]).item(), rel=1e-5)
-    assert added.item() > 0
-    with pytest.raises(ValueError, match="unlabelled.align_weight"):
-        tiny_config(tiny_demo, tmp_path, "cnn", "unlabelled.align_weight=-1")
-
-
 @pytest.fixture(scope="module")
 def new_source(tmp_path_factory) -> Path:
     """Unlabelled audio of another source: 6 classes x 2 items x 4 ids of generated audio."""
@@ -369,9 +326,7 @@ def _rank_fit(rank, world, cfg: Config, stop_step: int) -> dict:
 @pytest.mark.slow
 def test_two_ranks_resume_mid_epoch_with_the_same_pseudo_labels(tmp_path, tiny_demo, new_source):
     def cfg(runs: str, *extra: str) -> Config:
-        # the alignment term on too: its MMD goes through DDP and resumes with the rest
-        align = "unlabelled.align_weight=0.5"
-        return _config(tiny_demo, tmp_path / runs, new_source, "eval.every=0", align, *extra)
+        return _config(tiny_demo, tmp_path / runs, new_source, "eval.every=0", *extra)
 
     results = [tmp_path / name for name in ("straight", "stopped", "resumed")]
     for folder in results:
