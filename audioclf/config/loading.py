@@ -165,8 +165,9 @@ def move_keys(data: dict) -> tuple[dict, list[str]]:
 
 # (section, key) -> (its "off" value, what it was). Keys taken out after they had landed: the
 # configs stored in checkpoints of those commits hold them (at "off" unless the run used them).
-# Read from a checkpoint, such a key is dropped with a note: a model's weights do not depend on
-# it. Asked for at another value by a config file or an override, it is refused.
+# Read from a checkpoint (config_from_dict, which keeps no notes), such a key is dropped at any
+# value: a model's weights do not depend on it. A config file or an override at "off" has it
+# dropped with load_config's earlier-release warning; at another value it is refused.
 RETIRED_KEYS = {
     ("unlabelled", "neighbours"): (0, "nearest-neighbour positives (NNCLR)"),
     ("unlabelled", "align_weight"): (0.0, "the MMD alignment term"),
